@@ -1,0 +1,95 @@
+"""dss: a dialogue state store for LLM inference.
+
+    import dss
+    store = dss.open("dss-data")
+    r = store.resume("chat-1", tokens)
+
+``dss.open`` opens a store in this process; the module-level :func:`resume` answers on the
+default store (``DSS_HOME``, or what :func:`configure` set).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from dss.config import StoreConfig, load_config
+from dss.errors import (
+    AmbiguousSession,
+    ConfigError,
+    Conflict,
+    DssError,
+    InvalidInput,
+    InvalidLayout,
+    InvalidPage,
+    InvalidTokens,
+    NotFound,
+    ReadOnlyViolation,
+    SchemaOutdated,
+    SchemaTooNew,
+    SessionExists,
+    SqlError,
+    StoreClosed,
+    UnknownSession,
+    UnknownVersion,
+)
+from dss.resume import ResumeResult
+from dss.store import Store
+from dss.tokens import TokenInput
+from dss.types import Layout, Namespace, PageId, PageRef, Session, SessionId, SqlResult, Version, VersionId
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmbiguousSession", "ConfigError", "Conflict", "DssError", "InvalidInput", "InvalidLayout", "InvalidPage",
+    "InvalidTokens", "Layout", "Namespace", "NotFound", "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult",
+    "SchemaOutdated", "SchemaTooNew", "Session", "SessionExists", "SessionId", "SqlError", "SqlResult", "Store",
+    "StoreClosed", "StoreConfig", "UnknownSession", "UnknownVersion", "Version", "VersionId", "configure",
+    "default_store", "open", "resume",
+]
+
+_default_lock = threading.Lock()
+_default_config: dict[str, Any] = {}
+_default_store: Store | None = None
+
+
+def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> Store:  # noqa: A001
+    """Open (creating if needed) a store in this process.
+
+    ``path_or_url`` is the store folder, or a catalog URL (``postgresql+psycopg://...``)
+    with the folder taken from ``home=``/``DSS_HOME``. Other keyword arguments override
+    :class:`StoreConfig` fields (``host_bytes="2GiB"``, ``disk_bytes=...``, ...).
+    """
+    if path_or_url is not None and "://" in str(path_or_url):
+        options["catalog_url"] = str(path_or_url)
+        path_or_url = None
+    return Store(load_config(path_or_url, **options))
+
+
+def configure(home: str | os.PathLike[str] | None = None, **options: Any) -> None:
+    """Set the default store used by :func:`resume` (closing a default store already open)."""
+    global _default_store
+    with _default_lock:
+        if _default_store is not None:
+            _default_store.close()
+            _default_store = None
+        _default_config.clear()
+        _default_config.update(options)
+        if home is not None:
+            _default_config["home"] = home
+
+
+def default_store() -> Store:
+    """The default store, opened on first use from :func:`configure` or ``DSS_HOME``."""
+    global _default_store
+    with _default_lock:
+        if _default_store is None:
+            options = dict(_default_config)
+            _default_store = Store(load_config(options.pop("home", None), **options))
+        return _default_store
+
+
+def resume(session_id: str, tokens: TokenInput, *, tenant_id: str | None = None) -> ResumeResult:
+    """``default_store().resume(...)``: how much of ``tokens`` is already computed, and where."""
+    return default_store().resume(session_id, tokens, tenant_id=tenant_id)

@@ -1,0 +1,269 @@
+"""The catalog connection: engine, schema revision, transactions, change feed, read-only SQL.
+
+Every write goes through :meth:`Catalog.write`, which starts the transaction by bumping the
+one-row ``catalog_seq`` counter. That serialises writers (SQLite: ``BEGIN IMMEDIATE``;
+PostgreSQL: the row lock) so sequence numbers follow commit order, and each transaction
+tags what it changed in ``changes`` with its number. Another process catches up by reading
+the ``changes`` rows above the last number it saw (:meth:`Catalog.changes_since`).
+
+The queries on the tables live in :mod:`dss.records`; this module owns the connection.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any, NamedTuple
+
+from sqlalchemy import create_engine, event, func, insert, inspect, select, text, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from dss.errors import ReadOnlyViolation, SchemaOutdated, SchemaTooNew, SqlError
+from dss.schema import SCHEMA_REVISION, Base, CatalogSeq, Change
+from dss.types import SqlResult
+
+UTC = dt.timezone.utc
+_seq = CatalogSeq.__table__
+_changes = Change.__table__
+
+CHANGES_KEPT = 100_000
+"""How many change rows survive pruning; a process further behind reloads everything."""
+
+
+def now() -> dt.datetime:
+    """The current time, timezone-aware UTC."""
+    return dt.datetime.now(UTC)
+
+
+def aware(value: dt.datetime) -> dt.datetime:
+    """A catalog timestamp as timezone-aware UTC (SQLite hands back naive ones)."""
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+class Tx(NamedTuple):
+    """An open write transaction and its sequence number."""
+
+    conn: Connection
+    seq: int
+
+
+class Catalog:
+    """One catalog database, reached through SQLAlchemy. Thread-safe (a connection pool)."""
+
+    def __init__(self, url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        self.sql_timeout_s = sql_timeout_s
+        if self.is_sqlite:
+            self.engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+            _configure_sqlite(self.engine, fsync)
+        else:
+            self.engine = create_engine(url, pool_pre_ping=True)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- schema ----------------------------------------------------------------------------
+
+    def revision(self) -> str | None:
+        """The Alembic revision the catalog is at, or ``None`` for an empty database."""
+        with self.engine.connect() as conn:
+            if not inspect(conn).has_table("alembic_version"):
+                return None
+            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+    def ensure_schema(self) -> None:
+        """Create the schema in an empty database; refuse one at another revision."""
+        current = self.revision()
+        if current is None:
+            self.upgrade()
+        elif current != SCHEMA_REVISION:
+            known = {script.revision for script in _scripts().walk_revisions()}
+            if current in known:
+                raise SchemaOutdated(
+                    f"the catalog at {self.url} is at schema revision {current}, this dss needs "
+                    f"{SCHEMA_REVISION}: run `dss db upgrade` (back the catalog up first)")
+            raise SchemaTooNew(
+                f"the catalog at {self.url} is at schema revision {current}, unknown to this dss "
+                f"(it needs {SCHEMA_REVISION}): it was made by a newer dss; upgrade dss")
+
+    def upgrade(self) -> tuple[str | None, str]:
+        """Apply every pending migration; return ``(from_revision, to_revision)``."""
+        from alembic import command
+
+        before = self.revision()
+        with self.engine.begin() as conn:
+            config = _alembic_config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+        return before, SCHEMA_REVISION
+
+    # -- transactions ----------------------------------------------------------------------
+
+    @contextmanager
+    def write(self) -> Iterator[Tx]:
+        """A write transaction; commits when the block ends, rolls back if it raises."""
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(sqlite_begin="IMMEDIATE")
+            with conn.begin():
+                seq = conn.execute(
+                    update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
+                ).scalar_one()
+                yield Tx(conn, seq)
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read transaction with one consistent snapshot."""
+        with self.engine.connect() as conn:
+            if not self.is_sqlite:
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                yield conn
+
+    # -- change feed -----------------------------------------------------------------------
+
+    @staticmethod
+    def note(tx: Tx, kind: str, *, session_ref: int | None = None, user_ref: int | None = None,
+             page_ids: list[bytes] | None = None) -> None:
+        """Record in the change feed what this transaction did."""
+        if page_ids is not None:
+            rows = [{"seq": tx.seq, "kind": kind, "user_ref": user_ref, "page_id": p} for p in page_ids]
+            if rows:
+                tx.conn.execute(insert(_changes), rows)
+            return
+        tx.conn.execute(insert(_changes).values(seq=tx.seq, kind=kind, session_ref=session_ref, user_ref=user_ref))
+
+    def changes_since(self, seq: int) -> tuple[int, list[Any] | None]:
+        """``(latest_seq, rows)`` of every change after ``seq``; ``rows`` is ``None`` when
+        pruning removed some of them (the caller must then reload everything)."""
+        with self.read() as conn:
+            latest, floor = conn.execute(select(_seq.c.seq, _seq.c.floor).where(_seq.c.id == 1)).one()
+            if seq < floor:
+                return latest, None
+            rows = conn.execute(
+                select(_changes.c.seq, _changes.c.kind, _changes.c.session_ref, _changes.c.user_ref,
+                       _changes.c.page_id).where(_changes.c.seq > seq).order_by(_changes.c.id)
+            ).all()
+            return latest, rows
+
+    def latest_seq(self) -> int:
+        with self.read() as conn:
+            return conn.execute(select(_seq.c.seq).where(_seq.c.id == 1)).scalar_one()
+
+    @staticmethod
+    def prune_changes(tx: Tx) -> None:
+        """Keep the newest :data:`CHANGES_KEPT` change rows; record the new floor."""
+        count = tx.conn.execute(select(func.count()).select_from(_changes)).scalar_one()
+        if count <= CHANGES_KEPT:
+            return
+        cut = tx.conn.execute(
+            select(_changes.c.seq).order_by(_changes.c.id.desc()).offset(CHANGES_KEPT).limit(1)
+        ).scalar_one()
+        tx.conn.execute(_changes.delete().where(_changes.c.seq <= cut))
+        tx.conn.execute(update(_seq).where(_seq.c.id == 1).values(floor=cut))
+
+    # -- read-only SQL ---------------------------------------------------------------------
+
+    def sql(self, query: str, params: dict[str, Any] | None = None, max_rows: int = 10_000) -> SqlResult:
+        """Run one read-only statement; raises ``ReadOnlyViolation`` for anything that writes."""
+        if not isinstance(query, str) or not query.strip():
+            raise SqlError("sql() needs a non-empty SQL string")
+        if self.is_sqlite:
+            return self._sql_sqlite(query, params or {}, max_rows)
+        return self._sql_server(query, params or {}, max_rows)
+
+    def _sql_sqlite(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
+        path = self.engine.url.database
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            conn.execute("PRAGMA query_only = ON")
+            conn.set_authorizer(_sqlite_read_only)
+            deadline = time.monotonic() + self.sql_timeout_s
+            conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+            try:
+                cursor = conn.execute(query, params)
+                rows = cursor.fetchmany(max_rows)
+            except sqlite3.DatabaseError as exc:
+                message = str(exc)
+                if "not authorized" in message or "readonly" in message:
+                    raise ReadOnlyViolation(f"sql() runs read-only queries only: {message}") from None
+                if "interrupted" in message:
+                    raise SqlError(f"query ran longer than {self.sql_timeout_s}s") from None
+                raise SqlError(f"query failed: {message}") from None
+            except (sqlite3.Warning, sqlite3.ProgrammingError, ValueError) as exc:
+                raise SqlError(f"query failed: {exc}") from None
+            columns = [d[0] for d in cursor.description or ()]
+            return SqlResult(columns, [tuple(r) for r in rows])
+        finally:
+            conn.close()
+
+    def _sql_server(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
+        with self.engine.connect() as conn:
+            try:
+                conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+                conn.exec_driver_sql(f"SET statement_timeout = {int(self.sql_timeout_s * 1000)}")
+                result = conn.execute(text(query), params)
+                columns = list(result.keys()) if result.returns_rows else []
+                rows = [tuple(r) for r in result.fetchmany(max_rows)] if result.returns_rows else []
+            except DBAPIError as exc:
+                message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+                if getattr(exc.orig, "sqlstate", None) == "25006" or "read-only" in message:
+                    raise ReadOnlyViolation(f"sql() runs read-only queries only: {message}") from None
+                raise SqlError(f"query failed: {message}") from None
+            finally:
+                conn.rollback()
+                conn.invalidate()
+            return SqlResult(columns, rows)
+
+
+_SQLITE_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+
+
+def _sqlite_read_only(action: int, arg1: Any, arg2: Any, dbname: Any, source: Any) -> int:
+    if action in _SQLITE_ALLOWED:
+        return sqlite3.SQLITE_OK
+    if action == sqlite3.SQLITE_PRAGMA and arg1 in {"table_info", "table_xinfo", "index_list", "index_info"}:
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def _configure_sqlite(engine: Any, fsync: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # dss emits BEGIN itself, below
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute(f"PRAGMA synchronous = {'FULL' if fsync else 'OFF'}")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.execute("PRAGMA secure_delete = ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin", "DEFERRED")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _alembic_config() -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("dss_migrations")))
+    return config
+
+
+def _scripts() -> Any:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config())
+
+
+def metadata_tables() -> list[str]:
+    """Names of the tables the models define (for the schema test)."""
+    return sorted(Base.metadata.tables)
+

@@ -1,0 +1,103 @@
+"""Configuration: one validated object, read from arguments, ``DSS_*`` variables and a file.
+
+This is the only module that reads the environment. Precedence, highest first: keyword
+arguments, ``DSS_*`` environment variables, the TOML file named by ``DSS_CONFIG`` (else
+``dss.toml`` in the store folder, if present), the defaults below. Lower layers receive
+plain values from the resulting :class:`StoreConfig`; nothing mutates it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dss.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"2 GB"``, ``"1048576"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 1073741824, '512MiB' or '2GB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class StoreConfig(BaseModel):
+    """Everything a store needs to open. Immutable once built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    home: Path = Field(description="Store folder: catalog (SQLite default), page files, keys.")
+    catalog_url: str | None = Field(None, description="SQLAlchemy URL of the catalog; default SQLite in home.")
+    host_bytes: int = Field(1 << 30, description="Capacity of the host (RAM) tier of each process, bytes.")
+    disk_bytes: int = Field(16 << 30, description="Capacity of the disk tier, bytes.")
+    secret_file: Path | None = Field(None, description="File with the store's hashing secret; default home/secret.")
+    fsync: bool = Field(True, description="fsync page files and the catalog; turn off only for throwaway stores.")
+    segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
+    host_read_gbps: float = Field(8.0, description="Estimated host-tier load bandwidth, GB/s.")
+    disk_read_gbps: float = Field(1.0, description="Estimated disk-tier load bandwidth, GB/s.")
+    recompute_tokens_per_s: float = Field(4000.0, description="Estimated prefill speed, for load-or-recompute.")
+    sql_timeout_s: float = Field(10.0, description="Time limit of one read-only SQL query.")
+
+    @field_validator("host_bytes", "disk_bytes", "segment_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+    @property
+    def url(self) -> str:
+        """The catalog URL, defaulting to SQLite in the store folder."""
+        return self.catalog_url or f"sqlite:///{self.home / 'catalog.db'}"
+
+    @property
+    def secret_path(self) -> Path:
+        """Where the hashing secret lives."""
+        return self.secret_file or self.home / "secret"
+
+
+_ENV = {
+    "DSS_HOME": "home",
+    "DSS_CATALOG_URL": "catalog_url",
+    "DSS_HOST_BYTES": "host_bytes",
+    "DSS_DISK_BYTES": "disk_bytes",
+    "DSS_SECRET_FILE": "secret_file",
+    "DSS_FSYNC": "fsync",
+    "DSS_SEGMENT_BYTES": "segment_bytes",
+    "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",
+    "DSS_SQL_TIMEOUT_S": "sql_timeout_s",
+}
+
+DEFAULT_HOME = "dss-data"
+
+
+def load_config(home: str | os.PathLike[str] | None = None, **overrides: Any) -> StoreConfig:
+    """Build a :class:`StoreConfig`; raises ``ConfigError`` naming the bad value."""
+    env = {field: os.environ[name] for name, field in _ENV.items() if os.environ.get(name)}
+    chosen_home = home if home is not None else overrides.pop("home", None) or env.get("home") or DEFAULT_HOME
+    file_values: dict[str, Any] = {}
+    file_path = os.environ.get("DSS_CONFIG") or Path(chosen_home) / "dss.toml"
+    if os.environ.get("DSS_CONFIG") or Path(file_path).is_file():
+        try:
+            with open(file_path, "rb") as f:
+                file_values = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {file_path}: {exc}") from None
+    values = {**file_values, **env, **{k: v for k, v in overrides.items() if v is not None}}
+    values["home"] = Path(chosen_home)
+    try:
+        return StoreConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid dss configuration: {problems}") from None

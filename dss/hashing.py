@@ -1,0 +1,56 @@
+"""Keys, page ids and checksums.
+
+A page id is a keyed chain hash::
+
+    root     = BLAKE2b-128(key=namespace_key, "dss-page v1" || layout.digest)
+    id(k)    = BLAKE2b-128(key=namespace_key, id(k-1) || tokens of page k)     (id(-1) = root)
+
+so it depends on the namespace, the layout and every token up to and including page k.
+Identical prefixes of one namespace therefore share pages, and nothing is shared across
+namespaces or layouts. The namespace key is derived from the store's secret, so nobody
+without the secret can compute (or probe for) a page id. Payload checksums are XXH3-64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import xxhash
+
+from dss.types import PageId
+
+PAGE_ID_BYTES = 16
+_ROOT_TAG = b"dss-page v1"
+
+
+def namespace_key(secret: bytes, tenant_id: str, user_id: str) -> bytes:
+    """The 32-byte key of a namespace, derived from the store secret (HMAC-SHA256)."""
+    message = b"dss-namespace v1\0" + tenant_id.encode() + b"\0" + user_id.encode()
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def chain_root(key: bytes, layout_digest: bytes) -> PageId:
+    """The id before page 0 of every prompt in this namespace and layout."""
+    return PageId(hashlib.blake2b(_ROOT_TAG + layout_digest, key=key, digest_size=PAGE_ID_BYTES).digest())
+
+
+def chain_ids(key: bytes, prev: PageId, buf: bytes, first: int, count: int, page_tokens: int) -> list[PageId]:
+    """Ids of pages ``first .. first+count-1`` of the packed tokens ``buf``.
+
+    ``prev`` is the id of page ``first-1`` (or the chain root when ``first == 0``). The
+    caller guarantees ``buf`` holds at least ``(first+count) * page_tokens`` tokens.
+    """
+    step = page_tokens * 4
+    out: list[PageId] = []
+    blake = hashlib.blake2b
+    for k in range(first, first + count):
+        prev = PageId(blake(prev + buf[k * step : (k + 1) * step], key=key, digest_size=PAGE_ID_BYTES).digest())
+        out.append(prev)
+    return out
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    """XXH3-64 of a payload, as a signed 64-bit int (it fits a SQL BIGINT)."""
+    value = xxhash.xxh3_64_intdigest(payload)
+    return value - (1 << 64) if value >= 1 << 63 else value

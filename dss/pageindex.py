@@ -1,0 +1,142 @@
+"""What this process knows of every page: size, checksum, durable location, host presence.
+
+Pages are grouped by namespace. Each namespace has a generation number that moves on
+whenever one of its pages appears, moves between tiers or goes; trie nodes cache their
+pages' tier codes per generation (see :meth:`dss.trie.Trie.available`), so a resume pays
+per-page lookups only after something changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+
+from dss.records import PageRecord
+from dss.tiers.base import Located
+from dss.tiers.host import HostTier
+from dss.types import TIER_CODE, TIERS, PageId
+
+HOST = TIER_CODE["host"]
+DISK = TIER_CODE["disk"]
+
+
+_generations = itertools.count(1)
+
+
+class Namespace:
+    """The pages of one namespace (one user of one tenant) known to this process.
+
+    ``gen`` values are unique across every namespace object ever made, so a cache keyed
+    by a generation can never be mistaken for one of a reloaded namespace.
+    """
+
+    __slots__ = ("user_ref", "gen", "loaded")
+
+    def __init__(self, user_ref: int) -> None:
+        self.user_ref = user_ref
+        self.gen = next(_generations)
+        self.loaded = False
+
+    def bump(self) -> None:
+        """Something about one of the namespace's pages changed."""
+        self.gen = next(_generations)
+
+
+class PageEntry:
+    """One page: where its bytes are durable (``disk``) and what they must hash to."""
+
+    __slots__ = ("page_id", "ns", "page_index", "size", "checksum", "disk")
+
+    def __init__(self, page_id: PageId, ns: Namespace, page_index: int, size: int, checksum: int,
+                 disk: Located | None) -> None:
+        self.page_id = page_id
+        self.ns = ns
+        self.page_index = page_index
+        self.size = size
+        self.checksum = checksum
+        self.disk = disk
+
+
+class PageIndex:
+    """Every page entry of this process, keyed by page id (ids never collide across namespaces)."""
+
+    def __init__(self, host: HostTier) -> None:
+        self.host = host
+        self.entries: dict[PageId, PageEntry] = {}
+        self.namespaces: dict[int, Namespace] = {}
+        self.code_of = self._make_code_of()
+
+    def _make_code_of(self) -> Callable[[PageId], int]:
+        host, entries = self.host, self.entries
+
+        def code_of(page_id: PageId) -> int:
+            """The fastest tier holding the page (0: none)."""
+            if page_id in host:
+                return HOST
+            entry = entries.get(page_id)
+            return DISK if entry is not None and entry.disk is not None else 0
+
+        return code_of
+
+    def tier_of(self, page_id: PageId) -> str | None:
+        code = self.code_of(page_id)
+        return TIERS[code - 1] if code else None
+
+    def namespace(self, user_ref: int) -> Namespace:
+        ns = self.namespaces.get(user_ref)
+        if ns is None:
+            ns = self.namespaces[user_ref] = Namespace(user_ref)
+        return ns
+
+    def apply(self, ns: Namespace, records: Iterable[PageRecord]) -> None:
+        """Install or replace entries from catalog rows of namespace ``ns``."""
+        for r in records:
+            disk = Located(r.segment, r.offset, r.length) if r.segment else None
+            self.entries[PageId(r.page_id)] = PageEntry(PageId(r.page_id), ns, r.page_index, r.size, r.checksum, disk)
+        ns.bump()
+
+    def add(self, entry: PageEntry) -> None:
+        self.entries[entry.page_id] = entry
+        entry.ns.bump()
+
+    def forget(self, page_ids: Iterable[PageId]) -> None:
+        """Drop the entries (and host copies) of pages that are gone from every durable tier."""
+        for page_id in page_ids:
+            entry = self.entries.pop(page_id, None)
+            if entry is not None:
+                entry.ns.bump()
+        self.host.discard(page_ids)
+
+    def lose_durable(self, page_ids: Iterable[PageId]) -> None:
+        """These pages left the durable tiers; keep host copies (still readable here)."""
+        for page_id in page_ids:
+            entry = self.entries.get(page_id)
+            if entry is None:
+                continue
+            if page_id in self.host:
+                entry.disk = None
+                entry.ns.bump()
+            else:
+                del self.entries[page_id]
+                entry.ns.bump()
+
+    def left_host(self, page_ids: Iterable[PageId]) -> None:
+        """These pages were evicted from host; entries of pages with no durable copy go."""
+        for page_id in page_ids:
+            entry = self.entries.get(page_id)
+            if entry is None:
+                continue
+            entry.ns.bump()
+            if entry.disk is None:
+                del self.entries[page_id]
+
+    def drop_namespace(self, user_ref: int) -> None:
+        """Forget everything cached of a namespace (it will reload from the catalog)."""
+        ns = self.namespaces.pop(user_ref, None)
+        if ns is None:
+            return
+        ns.bump()
+        gone = [pid for pid, e in self.entries.items() if e.ns is ns]
+        for page_id in gone:
+            del self.entries[page_id]
+        self.host.discard(gone)

@@ -1,0 +1,363 @@
+"""Queries on the catalog's tables, each on an open connection.
+
+Functions here neither begin nor commit: the caller (the store) opens a read or write
+transaction with :class:`dss.catalog.Catalog` and calls several of them inside it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, TypeVar
+
+from sqlalchemy import and_, delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from dss.catalog import aware, now
+from dss.schema import (
+    LayoutRow,
+    PageLocation,
+    PageRef,
+    PageRow,
+    Quarantine,
+    Segment,
+    SessionRow,
+    Tenant,
+    User,
+    VersionRow,
+)
+from dss.types import Layout
+
+tenants, users, layouts = Tenant.__table__, User.__table__, LayoutRow.__table__
+sessions, versions = SessionRow.__table__, VersionRow.__table__
+pages, locations, refs = PageRow.__table__, PageLocation.__table__, PageRef.__table__
+segments, quarantine = Segment.__table__, Quarantine.__table__
+
+CHUNK = 500
+"""Largest ``IN (...)`` list sent in one statement."""
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+# -- namespaces and layouts ------------------------------------------------------------------
+
+
+def ensure_tenant(conn: Connection, tenant_id: str) -> int:
+    ref = conn.execute(select(tenants.c.id).where(tenants.c.tenant_id == tenant_id)).scalar()
+    if ref is None:
+        ref = conn.execute(insert(tenants).values(tenant_id=tenant_id, created_at=now())).inserted_primary_key[0]
+    return int(ref)
+
+
+def ensure_user(conn: Connection, tenant_ref: int, user_id: str) -> int:
+    where = and_(users.c.tenant_ref == tenant_ref, users.c.user_id == user_id)
+    ref = conn.execute(select(users.c.id).where(where)).scalar()
+    if ref is None:
+        ref = conn.execute(
+            insert(users).values(tenant_ref=tenant_ref, user_id=user_id, created_at=now())
+        ).inserted_primary_key[0]
+    return int(ref)
+
+
+def ensure_layout(conn: Connection, layout: Layout) -> int:
+    ref = conn.execute(select(layouts.c.id).where(layouts.c.digest == layout.digest)).scalar()
+    if ref is None:
+        ref = conn.execute(insert(layouts).values(
+            digest=layout.digest, name=layout.name, page_tokens=layout.page_tokens,
+            page_bytes=layout.page_bytes, spec=json.dumps(layout.to_dict(), sort_keys=True),
+        )).inserted_primary_key[0]
+    return int(ref)
+
+
+# -- sessions --------------------------------------------------------------------------------
+
+
+class SessionRecord(NamedTuple):
+    ref: int
+    session_id: str
+    tenant_id: str
+    user_id: str
+    tenant_ref: int
+    user_ref: int
+    layout_ref: int
+    layout: Layout
+    head_id: int | None
+    created_at: dt.datetime
+    last_access: dt.datetime
+    seq: int
+
+
+_session_select = (
+    select(sessions.c.id, sessions.c.session_id, tenants.c.tenant_id, users.c.user_id, sessions.c.tenant_ref,
+           sessions.c.user_ref, sessions.c.layout_ref, layouts.c.spec, sessions.c.head_id, sessions.c.created_at,
+           sessions.c.last_access, sessions.c.seq)
+    .join(tenants, tenants.c.id == sessions.c.tenant_ref)
+    .join(users, users.c.id == sessions.c.user_ref)
+    .join(layouts, layouts.c.id == sessions.c.layout_ref)
+)
+
+
+def _session_record(row: tuple) -> SessionRecord:
+    ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, spec, head, created, last, seq = row
+    return SessionRecord(ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, Layout.from_dict(json.loads(spec)),
+                         head, aware(created), aware(last), seq)
+
+
+def find_sessions(conn: Connection, session_id: str, tenant_id: str | None) -> list[SessionRecord]:
+    """Sessions named ``session_id`` (in ``tenant_id`` if given; several tenants may reuse an id)."""
+    query = _session_select.where(sessions.c.session_id == session_id)
+    if tenant_id is not None:
+        query = query.where(tenants.c.tenant_id == tenant_id)
+    return [_session_record(r) for r in conn.execute(query)]
+
+
+def session_by_ref(conn: Connection, ref: int) -> SessionRecord | None:
+    row = conn.execute(_session_select.where(sessions.c.id == ref)).first()
+    return _session_record(row) if row else None
+
+
+def list_sessions(conn: Connection, tenant_id: str | None = None, user_id: str | None = None) -> list[tuple[SessionRecord, int]]:
+    """Every session (filtered by owner) with its number of versions, oldest first."""
+    counts = select(versions.c.session_ref, func.count().label("n")).group_by(versions.c.session_ref).subquery()
+    query = _session_select.add_columns(func.coalesce(counts.c.n, 0)).outerjoin(
+        counts, counts.c.session_ref == sessions.c.id).order_by(sessions.c.id)
+    if tenant_id is not None:
+        query = query.where(tenants.c.tenant_id == tenant_id)
+    if user_id is not None:
+        query = query.where(users.c.user_id == user_id)
+    return [(_session_record(r[:-1]), int(r[-1])) for r in conn.execute(query)]
+
+
+def insert_session(conn: Connection, session_id: str, tenant_ref: int, user_ref: int, layout_ref: int, seq: int) -> int:
+    stamp = now()
+    return int(conn.execute(insert(sessions).values(
+        session_id=session_id, tenant_ref=tenant_ref, user_ref=user_ref, layout_ref=layout_ref,
+        head_id=None, created_at=stamp, last_access=stamp, seq=seq,
+    )).inserted_primary_key[0])
+
+
+def update_session(conn: Connection, session_ref: int, seq: int, head_id: int | None = None) -> None:
+    """Stamp a session changed by transaction ``seq`` (and move its head, if given)."""
+    values: dict = {"seq": seq, "last_access": now()}
+    if head_id is not None:
+        values["head_id"] = head_id
+    conn.execute(update(sessions).where(sessions.c.id == session_ref).values(**values))
+
+
+def delete_session(conn: Connection, session_ref: int) -> list[bytes]:
+    """Delete a session, its versions and its page references; return the ids of the
+    pages it referenced that no session references any more."""
+    held = [r[0] for r in conn.execute(select(refs.c.page_id).where(refs.c.session_ref == session_ref))]
+    conn.execute(delete(refs).where(refs.c.session_ref == session_ref))
+    conn.execute(delete(versions).where(versions.c.session_ref == session_ref))
+    conn.execute(delete(sessions).where(sessions.c.id == session_ref))
+    still = set()
+    for part in chunks(held):
+        still.update(r[0] for r in conn.execute(select(refs.c.page_id).where(refs.c.page_id.in_(part))))
+    return [p for p in held if p not in still]
+
+
+# -- versions --------------------------------------------------------------------------------
+
+
+class VersionRecord(NamedTuple):
+    version_id: int
+    session_ref: int
+    parent_id: int | None
+    base_id: int | None
+    base_len: int
+    num_tokens: int
+    suffix: bytes
+    label: str | None
+    pinned: bool
+    created_at: dt.datetime
+
+
+def _version_record(row: tuple) -> VersionRecord:
+    vid, sref, parent, base, base_len, num, suffix, label, pinned, created = row
+    return VersionRecord(vid, sref, parent, base, base_len, num, bytes(suffix), label, bool(pinned), aware(created))
+
+
+_version_columns = (versions.c.id, versions.c.session_ref, versions.c.parent_id, versions.c.base_id,
+                    versions.c.base_len, versions.c.num_tokens, versions.c.suffix, versions.c.label,
+                    versions.c.pinned, versions.c.created_at)
+
+
+def session_versions(conn: Connection, session_ref: int) -> list[VersionRecord]:
+    """Every version of a session, oldest first."""
+    query = select(*_version_columns).where(versions.c.session_ref == session_ref).order_by(versions.c.id)
+    return [_version_record(r) for r in conn.execute(query)]
+
+
+def insert_version(conn: Connection, session_ref: int, parent_id: int | None, base_id: int | None, base_len: int,
+                   num_tokens: int, suffix: bytes, label: str | None) -> int:
+    return int(conn.execute(insert(versions).values(
+        session_ref=session_ref, parent_id=parent_id, base_id=base_id, base_len=base_len, num_tokens=num_tokens,
+        suffix=suffix, label=label, pinned=False, created_at=now(),
+    )).inserted_primary_key[0])
+
+
+def set_pinned(conn: Connection, version_id: int, pinned: bool) -> None:
+    conn.execute(update(versions).where(versions.c.id == version_id).values(pinned=pinned))
+
+
+def pinned_versions(conn: Connection) -> list[tuple[int, int]]:
+    """``(session_ref, version_id)`` of every pinned version."""
+    return [tuple(r) for r in conn.execute(select(versions.c.session_ref, versions.c.id).where(versions.c.pinned))]
+
+
+# -- pages -----------------------------------------------------------------------------------
+
+
+class PageRecord(NamedTuple):
+    page_id: bytes
+    user_ref: int
+    page_index: int
+    size: int
+    checksum: int
+    segment: str | None
+    offset: int
+    length: int
+
+
+_page_select = (
+    select(pages.c.page_id, pages.c.user_ref, pages.c.page_index, pages.c.size, pages.c.checksum,
+           segments.c.name, locations.c.offset, locations.c.length)
+    .outerjoin(locations, and_(locations.c.page_id == pages.c.page_id, locations.c.tier == "disk"))
+    .outerjoin(segments, segments.c.id == locations.c.segment_ref)
+)
+
+
+def _page_record(r: tuple) -> PageRecord:
+    return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6] or 0, r[7] or 0)
+
+
+def namespace_pages(conn: Connection, user_ref: int, since_seq: int | None = None) -> list[PageRecord]:
+    """Pages of a namespace with their disk location (``since_seq``: changed at or after it)."""
+    query = _page_select.where(pages.c.user_ref == user_ref)
+    if since_seq is not None:
+        query = query.where(pages.c.seq >= since_seq)
+    return [_page_record(r) for r in conn.execute(query)]
+
+
+def pages_by_id(conn: Connection, page_ids: Sequence[bytes]) -> list[PageRecord]:
+    """The rows of these pages (absent ones are left out)."""
+    out: list[PageRecord] = []
+    for part in chunks(page_ids):
+        out.extend(_page_record(r) for r in conn.execute(_page_select.where(pages.c.page_id.in_(part))))
+    return out
+
+
+def existing_pages(conn: Connection, page_ids: Sequence[bytes]) -> set[bytes]:
+    found: set[bytes] = set()
+    for part in chunks(page_ids):
+        found.update(bytes(r[0]) for r in conn.execute(select(pages.c.page_id).where(pages.c.page_id.in_(part))))
+    return found
+
+
+def insert_segment(conn: Connection, name: str, tier: str, user_ref: int, size: int) -> int:
+    return int(conn.execute(insert(segments).values(
+        name=name, tier=tier, user_ref=user_ref, size=size, created_at=now())).inserted_primary_key[0])
+
+
+def insert_pages(conn: Connection, page_rows: list[dict], location_rows: list[dict]) -> None:
+    if page_rows:
+        conn.execute(insert(pages), page_rows)
+    if location_rows:
+        conn.execute(insert(locations), location_rows)
+
+
+def session_refs(conn: Connection, session_ref: int) -> set[bytes]:
+    return {bytes(r[0]) for r in conn.execute(select(refs.c.page_id).where(refs.c.session_ref == session_ref))}
+
+
+def add_refs(conn: Connection, session_ref: int, page_ids: Iterable[bytes], version_id: int) -> None:
+    rows = [{"session_ref": session_ref, "page_id": p, "version_ref": version_id} for p in page_ids]
+    if rows:
+        conn.execute(insert(refs), rows)
+
+
+def touch_refs(conn: Connection, session_ref: int, page_ids: Sequence[bytes], version_id: int) -> None:
+    """Mark ``version_id`` as the newest version of the session containing these pages."""
+    for part in chunks(page_ids):
+        conn.execute(update(refs).where(refs.c.session_ref == session_ref, refs.c.page_id.in_(part))
+                     .values(version_ref=version_id))
+
+
+def drop_pages(conn: Connection, page_ids: Sequence[bytes]) -> list[str]:
+    """Delete pages with their references and locations; delete the rows of segments left
+    with no page and return their names (their files go after the transaction commits)."""
+    touched: set[int] = set()
+    for part in chunks(page_ids):
+        touched.update(r[0] for r in conn.execute(
+            select(locations.c.segment_ref).where(locations.c.page_id.in_(part)).distinct()))
+        conn.execute(delete(refs).where(refs.c.page_id.in_(part)))
+        conn.execute(delete(locations).where(locations.c.page_id.in_(part)))
+        conn.execute(delete(pages).where(pages.c.page_id.in_(part)))
+    return drop_empty_segments(conn, sorted(touched))
+
+
+def drop_empty_segments(conn: Connection, segment_refs: Sequence[int]) -> list[str]:
+    """Delete the rows of those segments that hold no page; return their names."""
+    emptied: list[str] = []
+    for part in chunks(segment_refs):
+        live = {r[0] for r in conn.execute(
+            select(locations.c.segment_ref).where(locations.c.segment_ref.in_(part)).distinct())}
+        dead = [s for s in part if s not in live]
+        if dead:
+            emptied.extend(r[0] for r in conn.execute(select(segments.c.name).where(segments.c.id.in_(dead))))
+            conn.execute(delete(segments).where(segments.c.id.in_(dead)))
+    return emptied
+
+
+def add_quarantine(conn: Connection, page_id: bytes, user_ref: int, tier: str, segment: str, offset: int,
+                   reason: str) -> None:
+    conn.execute(insert(quarantine).values(page_id=page_id, user_ref=user_ref, tier=tier, segment=segment,
+                                           offset=offset, reason=reason, detected_at=now()))
+
+
+# -- tiers -----------------------------------------------------------------------------------
+
+
+def tier_bytes(conn: Connection, tier: str) -> int:
+    """Bytes of every segment file of a tier, the space it occupies."""
+    return int(conn.execute(select(func.coalesce(func.sum(segments.c.size), 0)).where(segments.c.tier == tier)).scalar_one())
+
+
+def eviction_order(conn: Connection, tier: str) -> list[tuple[int, str, int]]:
+    """Segments of a tier as ``(ref, name, size)``, the first to drop first.
+
+    A segment's age is the newest version that contains any of its pages (page_refs'
+    ``version_ref``); segments whose pages no version holds come first, then oldest first.
+    """
+    newest = func.max(refs.c.version_ref)
+    query = (
+        select(segments.c.id, segments.c.name, segments.c.size, newest)
+        .outerjoin(locations, locations.c.segment_ref == segments.c.id)
+        .outerjoin(refs, refs.c.page_id == locations.c.page_id)
+        .where(segments.c.tier == tier)
+        .group_by(segments.c.id, segments.c.name, segments.c.size)
+        .order_by(func.coalesce(newest, -1), segments.c.id)
+    )
+    return [(r[0], r[1], r[2]) for r in conn.execute(query)]
+
+
+def segment_pages(conn: Connection, segment_refs: Sequence[int]) -> dict[int, list[bytes]]:
+    out: dict[int, list[bytes]] = {s: [] for s in segment_refs}
+    for part in chunks(segment_refs):
+        for seg, page_id in conn.execute(
+                select(locations.c.segment_ref, locations.c.page_id).where(locations.c.segment_ref.in_(part))):
+            out[seg].append(bytes(page_id))
+    return out
+
+
+def all_segments(conn: Connection, tier: str) -> dict[str, tuple[int, int]]:
+    """``name -> (ref, size)`` of every segment of a tier."""
+    return {r[0]: (r[1], r[2]) for r in conn.execute(
+        select(segments.c.name, segments.c.id, segments.c.size).where(segments.c.tier == tier))}

@@ -1,0 +1,116 @@
+"""The answer of ``resume``: how much of a prompt is already computed, where, and whether to load it.
+
+A :class:`ResumeResult` is computed eagerly where it is cheap (counts, the version) and
+lazily where it is not (one :class:`PageRef` per page), from a snapshot taken when
+``resume`` ran: later changes to the store do not alter it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from dss.trie import Span
+from dss.types import TIER_CODE, TIERS, PageId, PageRef, VersionId
+
+
+class Rates(NamedTuple):
+    """Speeds used to estimate load time against recompute time."""
+
+    tier_bytes_per_s: dict[str, float]
+    recompute_tokens_per_s: float
+
+
+class ResumeResult:
+    """How many leading tokens of a prompt have stored, readable KV, and where.
+
+    ``matched_tokens`` is page-aligned; ``pages`` has one :class:`PageRef` per matched
+    page in prompt order; ``tiers`` maps tier name to matched tokens found there (fastest
+    tier per page); ``version_id`` is the version of the session whose history the match
+    runs along (the head when it does), ``None`` when nothing matched or the match came
+    from the namespace's other sessions only. ``num_history_tokens`` is how many leading
+    tokens the session's history holds, KV or not.
+    """
+
+    __slots__ = ("session_id", "version_id", "matched_tokens", "num_prompt_tokens", "num_history_tokens",
+                 "page_tokens", "page_bytes", "_spans", "_pages", "_rates")
+
+    def __init__(self, session_id: str, version_id: VersionId | None, matched_tokens: int, num_prompt_tokens: int,
+                 num_history_tokens: int, page_tokens: int, page_bytes: int, *, spans: Sequence[Span] = (),
+                 pages: list[PageRef] | None = None, rates: Rates | None = None) -> None:
+        self.session_id = session_id
+        self.version_id = version_id
+        self.matched_tokens = matched_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_history_tokens = num_history_tokens
+        self.page_tokens = page_tokens
+        self.page_bytes = page_bytes
+        self._spans = spans
+        self._pages = pages
+        self._rates = rates
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens of the prompt the engine still has to compute."""
+        return self.num_prompt_tokens - self.matched_tokens
+
+    @property
+    def pages(self) -> list[PageRef]:
+        """One reference per matched page, in order (built on first access)."""
+        if self._pages is None:
+            out: list[PageRef] = []
+            for span in self._spans:
+                for i in range(span.count):
+                    out.append(PageRef(span.first + i, PageId(span.page_ids[i]), TIERS[span.codes[i] - 1]))
+            self._pages = out
+        return self._pages
+
+    @property
+    def tiers(self) -> dict[str, int]:
+        """Matched tokens per tier (only tiers that hold some)."""
+        counts: dict[str, int] = {}
+        if self._pages is not None or not self._spans:
+            for ref in self.pages:
+                counts[ref.tier] = counts.get(ref.tier, 0) + self.page_tokens
+            return counts
+        for name, code in TIER_CODE.items():
+            n = sum(span.codes.count(code, 0, span.count) for span in self._spans)
+            if n:
+                counts[name] = n * self.page_tokens
+        return counts
+
+    @property
+    def load_seconds(self) -> float:
+        """Estimated time to load the matched pages from their tiers."""
+        if self._rates is None:
+            return 0.0
+        per_page = self.page_bytes / self.page_tokens
+        return sum(tokens * per_page / self._rates.tier_bytes_per_s.get(tier, 1e9) for tier, tokens in self.tiers.items())
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Estimated time to recompute the matched tokens instead."""
+        if self._rates is None:
+            return 0.0
+        return self.matched_tokens / self._rates.recompute_tokens_per_s
+
+    @property
+    def should_load(self) -> bool:
+        """Whether loading the matched pages is estimated to beat recomputing them."""
+        return self.matched_tokens > 0 and self.load_seconds < self.recompute_seconds
+
+    def to_dict(self, *, with_pages: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "session_id": self.session_id, "version_id": self.version_id, "matched_tokens": self.matched_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_history_tokens": self.num_history_tokens,
+            "num_new_tokens": self.num_new_tokens, "page_tokens": self.page_tokens, "page_bytes": self.page_bytes,
+            "tiers": self.tiers, "load_seconds": self.load_seconds, "recompute_seconds": self.recompute_seconds,
+            "should_load": self.should_load,
+        }
+        if with_pages:
+            out["pages"] = [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in self.pages]
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ResumeResult(session_id={self.session_id!r}, matched_tokens={self.matched_tokens}, "
+                f"num_prompt_tokens={self.num_prompt_tokens}, version_id={self.version_id}, tiers={self.tiers})")

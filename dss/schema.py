@@ -1,0 +1,178 @@
+"""The catalog's tables, as SQLAlchemy 2 declarative models.
+
+The Alembic migrations in ``migrations/`` create exactly these tables (a test compares
+them); the read-only views operators query are defined in the migrations, as SQL.
+
+Token histories are stored compactly: a version keeps only the tokens it adds to a base
+version (``base_id``, first ``base_len`` tokens), packed as little-endian uint32 bytes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_REVISION = "0001"
+"""The Alembic revision this code expects the catalog to be at."""
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(256), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class User(Base):
+    """A namespace: one user of one tenant."""
+
+    __tablename__ = "users"
+    __table_args__ = (UniqueConstraint("tenant_ref", "user_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_ref: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    user_id: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LayoutRow(Base):
+    __tablename__ = "layouts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[bytes] = mapped_column(LargeBinary(16), unique=True)
+    name: Mapped[str] = mapped_column(String(256))
+    page_tokens: Mapped[int] = mapped_column(Integer)
+    page_bytes: Mapped[int] = mapped_column(Integer)
+    spec: Mapped[str] = mapped_column(Text)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    __table_args__ = (UniqueConstraint("tenant_ref", "session_id"), Index("ix_sessions_seq", "seq"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(256))
+    tenant_ref: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    user_ref: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    layout_ref: Mapped[int] = mapped_column(ForeignKey("layouts.id"))
+    head_id: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    last_access: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    seq: Mapped[int] = mapped_column(BigInteger)
+
+
+class VersionRow(Base):
+    __tablename__ = "versions"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    session_ref: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    parent_id: Mapped[int | None] = mapped_column(BigInteger)
+    base_id: Mapped[int | None] = mapped_column(BigInteger)
+    base_len: Mapped[int] = mapped_column(Integer)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    suffix: Mapped[bytes] = mapped_column(LargeBinary)
+    label: Mapped[str | None] = mapped_column(String(256))
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Segment(Base):
+    """A page file on a durable tier: one batch of pages of one namespace."""
+
+    __tablename__ = "segments"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    tier: Mapped[str] = mapped_column(String(16))
+    user_ref: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class PageRow(Base):
+    """A page whose bytes a durable tier holds."""
+
+    __tablename__ = "pages"
+    __table_args__ = (Index("ix_pages_user_seq", "user_ref", "seq"),)
+    page_id: Mapped[bytes] = mapped_column(LargeBinary(16), primary_key=True)
+    user_ref: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    layout_ref: Mapped[int] = mapped_column(ForeignKey("layouts.id"))
+    page_index: Mapped[int] = mapped_column(Integer)
+    size: Mapped[int] = mapped_column(Integer)
+    checksum: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    seq: Mapped[int] = mapped_column(BigInteger)
+
+
+class PageLocation(Base):
+    __tablename__ = "page_locations"
+    page_id: Mapped[bytes] = mapped_column(ForeignKey("pages.page_id"), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    segment_ref: Mapped[int] = mapped_column(ForeignKey("segments.id"), index=True)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    length: Mapped[int] = mapped_column(Integer)
+
+
+class PageRef(Base):
+    """Session ``session_ref`` holds page ``page_id``: some version of it contains the page.
+
+    ``version_ref`` is the newest version of the session that contains it; disk eviction
+    drops pages whose newest version is oldest first.
+    """
+
+    __tablename__ = "page_refs"
+    session_ref: Mapped[int] = mapped_column(ForeignKey("sessions.id"), primary_key=True)
+    page_id: Mapped[bytes] = mapped_column(ForeignKey("pages.page_id"), primary_key=True, index=True)
+    version_ref: Mapped[int] = mapped_column(BigInteger)
+
+
+class Quarantine(Base):
+    """A page found corrupt on read: never served again, kept here for the operator."""
+
+    __tablename__ = "quarantine"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    page_id: Mapped[bytes] = mapped_column(LargeBinary(16))
+    user_ref: Mapped[int] = mapped_column(Integer)
+    tier: Mapped[str] = mapped_column(String(16))
+    segment: Mapped[str] = mapped_column(String(128))
+    offset: Mapped[int] = mapped_column(BigInteger)
+    reason: Mapped[str] = mapped_column(Text)
+    detected_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Change(Base):
+    """What each write transaction changed, so other processes can refresh their caches.
+
+    ``kind`` is ``session`` (reload that session), ``pages`` (pages of the namespace with
+    ``seq`` at or above this one were added or moved) or ``drop`` (page ``page_id`` is gone).
+    """
+
+    __tablename__ = "changes"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    session_ref: Mapped[int | None] = mapped_column(Integer)
+    user_ref: Mapped[int | None] = mapped_column(Integer)
+    page_id: Mapped[bytes | None] = mapped_column(LargeBinary(16))
+
+
+class CatalogSeq(Base):
+    """One row: the sequence number of the last write transaction, and below which
+    sequence number ``changes`` rows were pruned (a process behind that reloads everything)."""
+
+    __tablename__ = "catalog_seq"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    floor: Mapped[int] = mapped_column(BigInteger)

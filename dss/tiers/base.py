@@ -1,0 +1,85 @@
+"""What every tier offers.
+
+A tier holds page payloads as opaque bytes. Tiers know nothing of sessions, namespaces or
+the catalog: the store decides what goes where (placement) and records durable locations
+in the catalog. Two kinds exist:
+
+* a **cache tier** (``host``, later ``device``) holds payloads by page id in this
+  process's memory; it is bounded in bytes and evicts by itself;
+* a **durable tier** (``disk``, later ``remote``) writes batches of pages as one unit
+  (a segment) and returns where each page landed; the store records those locations
+  in the same catalog transaction as the commit that made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+from dss.types import PageId
+
+
+class Located(NamedTuple):
+    """Where a durable tier put one page: segment, byte offset and length of its record."""
+
+    segment: str
+    offset: int
+    length: int
+
+
+class ReadRequest(NamedTuple):
+    """One page to read from a durable tier, with what its record must contain."""
+
+    segment: str
+    offset: int
+    length: int
+    page_id: PageId
+    checksum: int
+
+
+class ReadFailure(NamedTuple):
+    """A page a durable tier could not return: its position in the request and why."""
+
+    index: int
+    reason: str
+
+
+class CacheTier(Protocol):
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+
+    def get_many(self, page_ids: Sequence[PageId]) -> list[bytes | None]:
+        """Payloads in order, ``None`` where absent; marks the found ones recently used."""
+        ...
+
+    def put(self, page_id: PageId, payload: bytes) -> list[PageId] | None:
+        """Store a payload; return the ids evicted to make room, or ``None`` if it cannot fit."""
+        ...
+
+    def discard(self, page_ids: Iterable[PageId]) -> int:
+        """Drop these pages if present; return the bytes freed. Never raises for absent ids."""
+        ...
+
+    def __contains__(self, page_id: object) -> bool: ...
+
+
+class DurableTier(Protocol):
+    name: str
+
+    def write(self, pages: Sequence[tuple[PageId, int, bytes]]) -> tuple[str, int, list[Located]]:
+        """Publish ``(page_id, checksum, payload)`` records atomically as one new segment.
+
+        Returns ``(segment, size, locations)``. When it returns, the segment is durable;
+        when it raises, nothing is visible.
+        """
+        ...
+
+    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[bytes | None], list[ReadFailure]]:
+        """Payloads in request order, verified against id and checksum; ``None`` plus a
+        failure for each record that is missing, torn or corrupt. Batches its I/O."""
+        ...
+
+    def remove(self, segments: Iterable[str]) -> None:
+        """Delete segments; absent ones are ignored."""
+        ...

@@ -1,0 +1,1 @@
+"""Alembic migrations of the dss catalog (installed as ``dss_migrations``)."""

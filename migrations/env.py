@@ -1,0 +1,22 @@
+"""Alembic environment: runs on the connection dss hands over, or on ``sqlalchemy.url``."""
+
+from alembic import context
+from sqlalchemy import create_engine
+
+from dss.schema import Base
+
+config = context.config
+connection = config.attributes.get("connection")
+
+
+def run(conn) -> None:
+    context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if connection is not None:
+    run(connection)
+else:
+    with create_engine(config.get_main_option("sqlalchemy.url")).begin() as conn:
+        run(conn)
