@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select
 
 from dss import records
-from dss.hashing import namespace_key
 from dss.sessions import SessionState
 
 if TYPE_CHECKING:
@@ -46,17 +45,20 @@ def _sessions(store: Store, conn: object) -> list[str]:
                 problems.append(f"version {v.version_id} of {name} takes {v.base_len} tokens of a shorter base")
             if (v.base_len if v.base_id is not None else 0) + len(v.suffix) // 4 != v.num_tokens:
                 problems.append(f"version {v.version_id} of {name} does not hold {v.num_tokens} tokens")
-        if any(p.startswith(f"version ") and name in p for p in problems):
+        if any(p.startswith("version ") and name in p for p in problems):
             continue
-        key = namespace_key(store._secret, record.tenant_id, record.user_id)
+        key = store.mirror.key(record.user_ref, record.tenant_id, record.user_id)
         fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, set())
         contained: set[bytes] = set()
         for version_id in fresh.positions:
             contained.update(fresh.page_ids(version_id))
-        stray = records.session_refs(conn, record.ref) - contained  # type: ignore[arg-type]
+        refs = records.refs
+        committed = {bytes(r[0]) for r in conn.execute(  # type: ignore[attr-defined]
+            select(refs.c.page_id).where(refs.c.session_ref == record.ref, refs.c.version_ref != 0))}
+        stray = committed - contained
         if stray:
             problems.append(f"{name} references {len(stray)} pages none of its versions contains")
-        cached = store._sessions.get(record.ref)
+        cached = store.mirror.sessions.get(record.ref)
         if cached is not None and record.seq == cached.record.seq:
             if cached.head_id != record.head_id or set(cached.versions) != set(by_id):
                 problems.append(f"{name}: this process's cached versions or head differ from the catalog")

@@ -55,6 +55,11 @@ def ensure_tenant(conn: Connection, tenant_id: str) -> int:
     return int(ref)
 
 
+def find_user(conn: Connection, tenant_id: str, user_id: str) -> int | None:
+    return conn.execute(select(users.c.id).join(tenants, tenants.c.id == users.c.tenant_ref).where(
+        tenants.c.tenant_id == tenant_id, users.c.user_id == user_id)).scalar()
+
+
 def ensure_user(conn: Connection, tenant_ref: int, user_id: str) -> int:
     where = and_(users.c.tenant_ref == tenant_ref, users.c.user_id == user_id)
     ref = conn.execute(select(users.c.id).where(where)).scalar()

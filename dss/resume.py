@@ -35,7 +35,7 @@ class ResumeResult:
     __slots__ = ("session_id", "version_id", "matched_tokens", "num_prompt_tokens", "num_history_tokens",
                  "page_tokens", "page_bytes", "_spans", "_pages", "_rates")
 
-    def __init__(self, session_id: str, version_id: VersionId | None, matched_tokens: int, num_prompt_tokens: int,
+    def __init__(self, session_id: str | None, version_id: VersionId | None, matched_tokens: int, num_prompt_tokens: int,
                  num_history_tokens: int, page_tokens: int, page_bytes: int, *, spans: Sequence[Span] = (),
                  pages: list[PageRef] | None = None, rates: Rates | None = None) -> None:
         self.session_id = session_id

@@ -128,8 +128,9 @@ class PageLocation(Base):
 class PageRef(Base):
     """Session ``session_ref`` holds page ``page_id``: some version of it contains the page.
 
-    ``version_ref`` is the newest version of the session that contains it; disk eviction
-    drops pages whose newest version is oldest first.
+    ``version_ref`` is the newest version of the session that contains it (0: saved ahead
+    of the commit that will contain it); disk eviction drops pages whose newest version is
+    oldest first.
     """
 
     __tablename__ = "page_refs"

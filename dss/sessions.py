@@ -7,11 +7,15 @@ own writes have committed.
 
 from __future__ import annotations
 
+from typing import Any
+
+from dss.errors import UnknownVersion
 from dss.hashing import chain_ids, chain_root
 from dss.pageindex import Namespace
 from dss.records import SessionRecord, VersionRecord
 from dss.trie import Position, Trie
 from dss.types import PageId, Version, VersionId
+from dss.validate import check_version_id
 
 
 class SessionState:
@@ -83,6 +87,14 @@ class SessionState:
             prev = ids[-1] if ids else trie.root_id
             ids.extend(trie.chain(prev, buf, len(ids), total - len(ids)))
         return ids
+
+    def version_record(self, version_id: Any) -> VersionRecord:
+        """The row of one of this session's versions; raises ``UnknownVersion`` (or
+        ``InvalidInput`` for an id that is not an int)."""
+        record = self.versions.get(check_version_id(version_id))
+        if record is None:
+            raise UnknownVersion(f"version {version_id} is not a version of session {self.session_id!r}")
+        return record
 
     def version(self, version_id: int) -> Version:
         record = self.versions[version_id]

@@ -1,0 +1,5 @@
+"""``python -m dss``: the command line."""
+
+from dss.cli import main
+
+main()

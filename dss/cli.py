@@ -1,0 +1,223 @@
+"""The ``dss`` command line (also ``python -m dss``).
+
+Every command takes ``--home`` (default ``DSS_HOME`` or ``./dss-data``) and ``--catalog-url``;
+tabular output has ``--json``; errors print ``error: <Kind>: <message>`` and exit with 1.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+
+import dss
+from dss.catalog import Catalog
+from dss.config import load_config
+from dss.errors import DssError
+from dss.store import Store
+
+
+class DssCommandError(click.ClickException):
+    def format_message(self) -> str:
+        return self.message
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+def _guard(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a DssError into a one-line message and exit status 1."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except DssError as exc:
+            raise DssCommandError(f"{exc.kind}: {exc}") from None
+
+    return wrapper
+
+
+class Context:
+    def __init__(self, home: str | None, catalog_url: str | None) -> None:
+        self.home = home
+        self.catalog_url = catalog_url
+
+    def config(self) -> dss.StoreConfig:
+        return load_config(self.home, catalog_url=self.catalog_url)
+
+    def open(self) -> Store:
+        return Store(self.config())
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--home", envvar="DSS_HOME", default=None, help="Store folder [default: $DSS_HOME or ./dss-data].")
+@click.option("--catalog-url", envvar="DSS_CATALOG_URL", default=None,
+              help="SQLAlchemy URL of the catalog [default: SQLite in the store folder].")
+@click.version_option(dss.__version__, prog_name="dss")
+@click.pass_context
+def main(ctx: click.Context, home: str | None, catalog_url: str | None) -> None:
+    """dss: a dialogue state store for LLM inference."""
+    ctx.obj = Context(home, catalog_url)
+
+
+@main.command()
+@pass_ctx
+@_guard
+def demo(ctx: Context) -> None:
+    """Run a scripted multi-turn conversation (with rollback and branch) and show what was reused."""
+    from dss.demo import run
+
+    click.echo(f"dss demo in {ctx.config().home}\n")
+    run(ctx.open, click.echo)
+
+
+@main.command()
+@click.option("--tenant", default=None, help="Only this tenant's sessions.")
+@click.option("--user", default=None, help="Only this user's sessions.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def sessions(ctx: Context, tenant: str | None, user: str | None, as_json: bool) -> None:
+    """List sessions with their owner, head and number of versions."""
+    with ctx.open() as store:
+        rows = [{"session_id": s.session_id, "tenant_id": s.tenant_id, "user_id": s.user_id,
+                 "layout": s.layout.name, "head": s.head_id, "versions": s.num_versions,
+                 "last_access": s.last_access} for s in store.sessions(tenant_id=tenant, user_id=user)]
+    _emit(rows, as_json)
+
+
+@main.command()
+@click.argument("session_id")
+@click.option("--tenant", default=None, help="Tenant of the session (needed if several tenants use the id).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def versions(ctx: Context, session_id: str, tenant: str | None, as_json: bool) -> None:
+    """List the versions of a session (the head is marked)."""
+    with ctx.open() as store:
+        rows = [{"version_id": v.version_id, "parent_id": v.parent_id, "tokens": v.num_tokens, "label": v.label,
+                 "head": v.is_head, "pinned": v.is_pinned, "created_at": v.created_at}
+                for v in store.versions(session_id, tenant_id=tenant)]
+    _emit(rows, as_json)
+
+
+@main.command()
+@click.argument("query")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--max-rows", default=10_000, show_default=True, help="Stop after this many rows.")
+@pass_ctx
+@_guard
+def sql(ctx: Context, query: str, as_json: bool, max_rows: int) -> None:
+    """Run a read-only SQL query on the catalog (views: session_summary, user_summary, tier_usage, ...)."""
+    with ctx.open() as store:
+        result = store.sql(query, max_rows=max_rows)
+    _emit([dict(zip(result.columns, row)) for row in result.rows], as_json, columns=result.columns)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def check(ctx: Context, as_json: bool) -> None:
+    """Verify every invariant of the store; exit 1 if any is broken."""
+    with ctx.open() as store:
+        problems = store.check()
+    if as_json:
+        click.echo(json.dumps({"ok": not problems, "problems": problems}))
+    elif problems:
+        for problem in problems:
+            click.echo(f"problem: {problem}")
+    else:
+        click.echo("ok: every invariant holds")
+    if problems:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def stats(ctx: Context, as_json: bool) -> None:
+    """Show how full each tier is."""
+    with ctx.open() as store:
+        data = store.stats()
+    rows = [{"tier": tier, **values} for tier, values in data.items()]
+    _emit(rows, as_json)
+
+
+@main.group()
+def db() -> None:
+    """Manage the catalog database."""
+
+
+@db.command()
+@pass_ctx
+@_guard
+def upgrade(ctx: Context) -> None:
+    """Apply pending catalog migrations (back the catalog up first)."""
+    config = ctx.config()
+    config.home.mkdir(parents=True, exist_ok=True)
+    catalog = Catalog(config.url, fsync=config.fsync)
+    try:
+        before, after = catalog.upgrade()
+    finally:
+        catalog.close()
+    if before == after:
+        click.echo(f"catalog already at revision {after}")
+    else:
+        click.echo(f"catalog upgraded from {before or 'empty'} to {after}")
+
+
+@db.command()
+@pass_ctx
+@_guard
+def current(ctx: Context) -> None:
+    """Print the catalog's schema revision."""
+    config = ctx.config()
+    catalog = Catalog(config.url, fsync=config.fsync)
+    try:
+        click.echo(catalog.revision() or "empty")
+    finally:
+        catalog.close()
+
+
+def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:
+    if as_json:
+        click.echo(json.dumps(list(rows), default=_json_default, indent=None))
+        return
+    columns = list(columns or (rows[0].keys() if rows else []))
+    if not columns:
+        click.echo("(none)")
+        return
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dt.datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot encode {type(value).__name__}")

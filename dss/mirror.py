@@ -1,0 +1,171 @@
+"""This process's mirror of the catalog: session states and the page index, kept current.
+
+Several processes may share one store. Each keeps a :class:`Mirror` of what it read from
+the catalog (sessions with their tries, the pages of each namespace) and catches up before
+every operation: when the epoch file moved (:mod:`dss.epoch`), it reads the change feed
+(:meth:`dss.catalog.Catalog.changes_since`) and drops or refreshes exactly what changed.
+Its own writes it applies directly, and skips them in the feed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from dss import records
+from dss.catalog import Catalog, Tx
+from dss.epoch import Epoch
+from dss.errors import AmbiguousSession, UnknownSession
+from dss.hashing import namespace_key
+from dss.pageindex import Namespace, PageIndex
+from dss.records import SessionRecord, VersionRecord
+from dss.sessions import SessionState
+from dss.types import PageId
+from dss.validate import check_name
+
+
+class Mirror:
+    """Session states and namespaces of one process. Not thread-safe; the store locks."""
+
+    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, secret: bytes) -> None:
+        self.catalog = catalog
+        self.epoch = epoch
+        self.index = index
+        self._secret = secret
+        self.sessions: dict[int, SessionState] = {}
+        self._names: dict[tuple[str, str | None], int] = {}
+        self._keys: dict[int, bytes] = {}
+        self._own: set[int] = set()
+        self._seq = catalog.latest_seq()
+        self._epoch_seen = epoch.read()
+
+    # -- catching up -----------------------------------------------------------------------
+
+    def wrote(self, seq: int) -> None:
+        """This process committed transaction ``seq`` and applied it itself; tell the others."""
+        self._own.add(seq)
+        self.epoch.publish(seq)
+
+    def sync(self) -> None:
+        """Catch up with what other processes committed (a memory load when nothing changed)."""
+        seen = self.epoch.read()
+        if seen == self._epoch_seen:
+            return
+        self._epoch_seen = seen
+        latest, rows = self.catalog.changes_since(self._seq)
+        if rows is None:
+            self.sessions.clear()
+            self._names.clear()
+            for user_ref in list(self.index.namespaces):
+                self.index.drop_namespace(user_ref)
+        else:
+            reload: dict[int, int] = {}
+            for seq, kind, session_ref, user_ref, page_id in rows:
+                if seq in self._own:
+                    continue
+                if kind == "session":
+                    self.sessions.pop(session_ref, None)
+                    self._names = {k: v for k, v in self._names.items() if k[1] is not None}
+                elif kind == "pages":
+                    reload[user_ref] = min(seq, reload.get(user_ref, seq))
+                elif kind == "drop":
+                    self.index.forget([PageId(bytes(page_id))])
+                elif kind == "evict":
+                    self.index.lose_durable([PageId(bytes(page_id))])
+            for user_ref, since in reload.items():
+                ns = self.index.namespaces.get(user_ref)
+                if ns is not None and ns.loaded:
+                    with self.catalog.read() as conn:
+                        self.index.apply(ns, records.namespace_pages(conn, user_ref, since))
+        self._own = {s for s in self._own if s > latest}
+        self._seq = latest
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def state(self, session_id: str, tenant_id: str | None) -> SessionState:
+        """The state of a session by id; raises ``UnknownSession`` or ``AmbiguousSession``."""
+        ref = self._names.get((session_id, tenant_id))
+        if ref is not None:
+            state = self.sessions.get(ref)
+            if state is not None:
+                return state
+            with self.catalog.read() as conn:
+                loaded = self.loaded(ref, conn)
+            if loaded is not None:
+                return loaded
+            del self._names[(session_id, tenant_id)]
+        check_name("session_id", session_id)
+        if tenant_id is not None:
+            check_name("tenant_id", tenant_id)
+        with self.catalog.read() as conn:
+            found = records.find_sessions(conn, session_id, tenant_id)
+            if not found:
+                where = f" in tenant {tenant_id!r}" if tenant_id is not None else ""
+                raise UnknownSession(f"no session {session_id!r}{where}")
+            if len(found) > 1:
+                raise AmbiguousSession(f"session id {session_id!r} exists in {len(found)} tenants: pass tenant_id")
+            state = self.loaded(found[0].ref, conn)
+        assert state is not None
+        self._names[(session_id, tenant_id)] = state.ref
+        return state
+
+    def loaded(self, ref: int, conn: Any) -> SessionState | None:
+        """The state of session ``ref``, loaded on ``conn`` if not cached; ``None`` if deleted."""
+        state = self.sessions.get(ref)
+        if state is not None:
+            return state
+        record = records.session_by_ref(conn, ref)
+        if record is None:
+            return None
+        return self.build(record, records.session_versions(conn, ref), records.session_refs(conn, ref), conn)
+
+    def build(self, record: SessionRecord, versions: list[VersionRecord], refs: set[bytes], conn: Any) -> SessionState:
+        """Make and cache the state of a session from its catalog rows."""
+        state = SessionState(record, self.key(record.user_ref, record.tenant_id, record.user_id),
+                             self.namespace(record.user_ref, conn), versions, refs)
+        self.sessions[record.ref] = state
+        return state
+
+    def fresh(self, tx: Tx, state: SessionState) -> SessionState:
+        """``state`` as of write transaction ``tx``, reloaded if another process changed it."""
+        row = tx.conn.execute(select(records.sessions.c.seq).where(records.sessions.c.id == state.ref)).first()
+        if row is None:
+            self.drop(state.ref)
+            raise UnknownSession(f"session {state.session_id!r} was deleted")
+        if row[0] == state.record.seq:
+            return state
+        self.sessions.pop(state.ref, None)
+        fresh = self.loaded(state.ref, tx.conn)
+        assert fresh is not None
+        return fresh
+
+    def drop(self, ref: int) -> None:
+        """Forget a session this process deleted."""
+        self.sessions.pop(ref, None)
+        self._names = {k: v for k, v in self._names.items() if v != ref}
+
+    # -- namespaces ------------------------------------------------------------------------
+
+    def namespace(self, user_ref: int, conn: Any = None) -> Namespace:
+        """The page index of a namespace, loaded from the catalog on first use."""
+        ns = self.index.namespace(user_ref)
+        if not ns.loaded:
+            if conn is None:
+                with self.catalog.read() as own:
+                    self.index.apply(ns, records.namespace_pages(own, user_ref))
+            else:
+                self.index.apply(ns, records.namespace_pages(conn, user_ref))
+            ns.loaded = True
+        return ns
+
+    def key(self, user_ref: int, tenant_id: str, user_id: str) -> bytes:
+        """The hashing key of a namespace."""
+        key = self._keys.get(user_ref)
+        if key is None:
+            key = self._keys[user_ref] = namespace_key(self._secret, tenant_id, user_id)
+        return key
+
+    def user_ref(self, tenant_id: str, user_id: str) -> int | None:
+        with self.catalog.read() as conn:
+            return records.find_user(conn, tenant_id, user_id)
