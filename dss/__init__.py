@@ -45,7 +45,7 @@ __all__ = [
     "AmbiguousSession", "ConfigError", "Conflict", "DssError", "InvalidInput", "InvalidLayout", "InvalidPage",
     "InvalidTokens", "Layout", "Namespace", "NotFound", "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult",
     "SchemaOutdated", "SchemaTooNew", "Session", "SessionExists", "SessionId", "SqlError", "SqlResult", "Store",
-    "StoreClosed", "StoreConfig", "UnknownSession", "UnknownVersion", "Version", "VersionId", "configure",
+    "StoreClosed", "StoreConfig", "UnknownSession", "UnknownVersion", "Version", "VersionId", "configure", "connect",
     "default_store", "open", "resume",
 ]
 
@@ -65,6 +65,13 @@ def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> S
         options["catalog_url"] = str(path_or_url)
         path_or_url = None
     return Store(load_config(path_or_url, **options))
+
+
+def connect(url: str, *, api_key: str | None = None, **options: Any) -> Any:
+    """A client of a ``dss serve`` service, with the same methods and result types as :class:`Store`."""
+    from dss.client import Client
+
+    return Client(url, api_key=api_key, **options)
 
 
 def configure(home: str | os.PathLike[str] | None = None, **options: Any) -> None:

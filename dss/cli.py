@@ -190,6 +190,20 @@ def current(ctx: Context) -> None:
         catalog.close()
 
 
+def _register_service_commands() -> None:
+    """``dss serve`` and its key management live with the service (:mod:`dss.server_cli`)."""
+    try:
+        from dss.server_cli import register
+    except ModuleNotFoundError as exc:
+        if exc.name != "dss.server_cli":
+            raise
+        return
+    register(main)
+
+
+_register_service_commands()
+
+
 def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:
     if as_json:
         click.echo(json.dumps(list(rows), default=_json_default, indent=None))
