@@ -1,0 +1,81 @@
+"""Shared fixtures: stores on every catalog dss supports (SQLite embedded, PostgreSQL).
+
+PostgreSQL tests use the server on 127.0.0.1:5432 (database ``test``, trust auth), each in a
+schema of its own that is dropped afterwards. They run, never skip: CI has the server.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+import dss
+
+PG_URL = os.environ.get("DSS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
+
+
+def _pg_schema() -> Iterator[str]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def catalog_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """``None`` (SQLite in the store folder) or the URL of a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield None
+    else:
+        yield from _pg_schema()
+
+
+@pytest.fixture
+def open_store(tmp_path: Path, catalog_url: str | None) -> Iterator[Callable[..., dss.Store]]:
+    """Open stores on one folder and catalog (each call opens another handle); all closed at the end."""
+    opened: list[dss.Store] = []
+
+    def make(**options: object) -> dss.Store:
+        store = dss.open(tmp_path / "store", catalog_url=catalog_url, **options)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(open_store: Callable[..., dss.Store]) -> dss.Store:
+    return open_store()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[dss.Store]:
+    """A store on the embedded default only (for tests about files and SQLite itself)."""
+    store = dss.open(tmp_path / "store")
+    yield store
+    store.close()
+
+
+def page(tag: int, layout: dss.Layout = LAYOUT) -> bytes:
+    """A recognisable payload of the layout's size."""
+    return bytes([tag % 256]) * layout.page_bytes
+
+
+def pages_for(tokens: list[int], layout: dss.Layout = LAYOUT, tag: int = 0) -> dict[int, bytes]:
+    """One payload per full page of ``tokens``, distinct per page and tag."""
+    return {i: page(tag * 31 + i + 1, layout) for i in range(len(tokens) // layout.page_tokens)}

@@ -1,0 +1,482 @@
+"""The HTTP API (dss.server) in process: every endpoint, its happy path and each error class,
+with exact status codes and bodies. A real store and the real app (FastAPI's TestClient)."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+import dss
+from dss.apikeys import KeyRing, add_key
+from dss.problems import problem
+from dss.server import create_app
+from dss.server_config import load_server_config
+
+LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny")
+LAYOUT_JSON = {"name": "test", "page_tokens": 4, "page_bytes": 16, "model": "tiny"}
+T = list(range(100, 110))  # 10 tokens: two full pages of 4, and 2 tokens of tail
+
+
+def page(tag: int) -> bytes:
+    return bytes([tag]) * LAYOUT.page_bytes
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class Service:
+    """The app on a fresh store, with keys: ``admin`` (tenant t1, admin), ``t1`` and ``t2``."""
+
+    def __init__(self, home: Path, **config: Any) -> None:
+        self.home = home
+        self.keys = {"admin": add_key(home / "api-keys.json", "t1", is_admin=True)[0],
+                     "t1": add_key(home / "api-keys.json", "t1")[0],
+                     "t2": add_key(home / "api-keys.json", "t2")[0]}
+        self.store = dss.open(home, fsync=False)
+        self.config = load_server_config(home, **config)
+        self.app = create_app(self.store, self.config, KeyRing(self.config.keys_file, reload_interval_s=0),
+                              close_store=True)
+        self.http = TestClient(self.app)
+
+    def call(self, method: str, path: str, who: str | None = "t1", **kw: Any) -> httpx.Response:
+        headers = kw.pop("headers", {})
+        if who is not None:
+            headers["Authorization"] = f"Bearer {self.keys[who]}"
+        return self.http.request(method, path, headers=headers, **kw)
+
+    def ok(self, method: str, path: str, who: str | None = "t1", status: int = 200, **kw: Any) -> Any:
+        response = self.call(method, path, who, **kw)
+        assert response.status_code == status, response.text
+        return response.json()
+
+    def create(self, session_id: str = "s", who: str = "t1", user_id: str = "u") -> dict[str, Any]:
+        return self.ok("POST", "/v1/sessions", who, json={"session_id": session_id, "user_id": user_id,
+                                                          "layout": LAYOUT_JSON})
+
+    def commit(self, tokens: list[int], session_id: str = "s", who: str = "t1", pages: dict[int, bytes] | None = None,
+               **extra: Any) -> dict[str, Any]:
+        body = {"session_id": session_id, "tokens": tokens, **extra}
+        if pages is not None:
+            body["pages"] = {str(i): b64(p) for i, p in pages.items()}
+        return self.ok("POST", "/v1/commit", who, status=201, json=body)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    svc = Service(tmp_path / "home")
+    with svc.http:
+        yield svc
+
+
+def expect_problem(response: httpx.Response, kind: str, status: int, detail: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json() == problem(kind, status, detail)
+
+
+def when(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text)
+
+
+# -- service endpoints -------------------------------------------------------------------------
+
+
+def test_healthz_answers_without_a_key_and_503_once_the_store_closes(service: Service) -> None:
+    assert service.ok("GET", "/healthz", who=None) == {"status": "ok", "version": dss.__version__}
+    service.store.close()
+    expect_problem(service.call("GET", "/healthz", who=None), "StoreClosed", 503, "this store is closed")
+
+
+def test_openapi_lists_every_endpoint_with_its_error_responses(service: Service) -> None:
+    doc = service.ok("GET", "/openapi.json", who=None)
+    paths = {(path, method) for path, item in doc["paths"].items() for method in item}
+    assert paths == {
+        ("/healthz", "get"), ("/metrics", "get"), ("/v1/info", "get"), ("/v1/sessions", "post"),
+        ("/v1/sessions", "get"), ("/v1/session", "get"), ("/v1/session", "delete"), ("/v1/versions", "get"),
+        ("/v1/tokens", "get"), ("/v1/commit", "post"), ("/v1/pages", "post"), ("/v1/pages/read", "post"),
+        ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
+        ("/v1/pin", "post"), ("/v1/sql", "post"), ("/v1/check", "get"), ("/v1/stats", "get"),
+    }
+    for path, item in doc["paths"].items():
+        if path.startswith("/v1/"):
+            for operation in item.values():
+                assert {"400", "401", "403", "404", "409", "413", "503"} <= set(operation["responses"]), path
+
+
+def test_info_names_the_key_its_tenant_and_the_limits(service: Service) -> None:
+    body = service.ok("GET", "/v1/info", who="t2")
+    key_id = service.keys["t2"].split("_")[1]
+    assert body == {"version": dss.__version__, "key_id": key_id, "tenant_id": "t2", "is_admin": False,
+                    "limits": {"max_body_bytes": 32 << 20, "max_tokens": 1 << 20},
+                    "rates": {"tier_bytes_per_s": {"host": 8e9, "disk": 1e9}, "recompute_tokens_per_s": 4000.0}}
+
+
+# -- authentication and routing ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer "}, {"Authorization": "Basic dXNlcjpwdw=="}])
+def test_requests_without_a_bearer_key_are_401(service: Service, headers: dict[str, str]) -> None:
+    response = service.call("GET", "/v1/sessions", who=None, headers=headers)
+    expect_problem(response, "Unauthorized", 401,
+                   "this endpoint needs an API key: send 'Authorization: Bearer <key>'")
+    assert response.headers["www-authenticate"] == 'Bearer realm="dss"'
+
+
+def test_an_unknown_or_revoked_key_is_401_and_a_new_key_works_at_once(service: Service) -> None:
+    bad = service.call("GET", "/v1/sessions", who=None, headers={"Authorization": "Bearer dss_000000000000_nope"})
+    expect_problem(bad, "Unauthorized", 401, "unknown API key")
+    key, entry = add_key(service.config.keys_file, "t3")
+    assert service.http.get("/v1/sessions", headers={"Authorization": f"Bearer {key}"}).json() == []
+    from dss.apikeys import remove_key
+
+    remove_key(service.config.keys_file, entry.key_id)
+    gone = service.http.get("/v1/sessions", headers={"Authorization": f"Bearer {key}"})
+    expect_problem(gone, "Unauthorized", 401, "unknown API key")
+
+
+def test_unknown_paths_wrong_methods_and_malformed_bodies(service: Service) -> None:
+    expect_problem(service.call("GET", "/v1/nope"), "NotFound", 404, "no endpoint GET /v1/nope")
+    expect_problem(service.call("GET", "/nope", who=None), "NotFound", 404, "no endpoint GET /nope")
+    expect_problem(service.call("PUT", "/v1/commit"), "MethodNotAllowed", 405, "/v1/commit does not answer PUT")
+    bad_json = service.call("POST", "/v1/commit", content=b"{", headers={"content-type": "application/json"})
+    expect_problem(bad_json, "InvalidInput", 400, "invalid request: body.1: JSON decode error")
+    text = service.call("POST", "/v1/commit", content=b"hello", headers={"content-type": "text/plain"})
+    assert (text.status_code, text.json()["kind"]) == (400, "InvalidInput")
+    missing = service.call("POST", "/v1/commit", json={"tokens": [1]})
+    expect_problem(missing, "InvalidInput", 400, "invalid request: body.session_id: Field required")
+    extra = service.call("POST", "/v1/commit", json={"session_id": "s", "tokens": [1], "colour": 1})
+    expect_problem(extra, "InvalidInput", 400, "invalid request: body.colour: Extra inputs are not permitted")
+
+
+def test_bodies_over_the_limit_are_413_before_anything_runs(tmp_path: Path) -> None:
+    svc = Service(tmp_path / "home", max_body_bytes=4096)
+    with svc.http:
+        svc.create()
+        big = {"session_id": "s", "tokens": [1] * 3000}
+        expect_problem(svc.call("POST", "/v1/commit", json=big), "PayloadTooLarge", 413,
+                       "request bodies are limited to 4096 bytes (max_body_bytes)")
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams
+            yield b'{"session_id": "s", "tokens": ['
+            for _ in range(2000):
+                yield b"1, "
+            yield b"1]}"
+
+        streamed = svc.call("POST", "/v1/commit", content=chunks(), headers={"content-type": "application/json"})
+        expect_problem(streamed, "PayloadTooLarge", 413, "request bodies are limited to 4096 bytes (max_body_bytes)")
+        assert svc.ok("GET", "/v1/versions", params={"session_id": "s"}) == []
+
+
+def test_an_unexpected_failure_is_a_500_problem_without_internals(service: Service,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kw: Any) -> None:
+        raise RuntimeError("disk on fire at /secret/path")
+
+    monkeypatch.setattr(service.store, "versions", broken)
+    http = TestClient(service.app, raise_server_exceptions=False)
+    response = http.get("/v1/versions", params={"session_id": "s"},
+                        headers={"Authorization": f"Bearer {service.keys['t1']}"})
+    expect_problem(response, "InternalError", 500, "the service failed on its own; see its log")
+
+
+# -- sessions ----------------------------------------------------------------------------------
+
+
+def test_create_session_is_idempotent_and_returns_the_session(service: Service) -> None:
+    body = service.create()
+    stored = service.store.session("s", tenant_id="t1")
+    assert body == {"session_id": "s", "tenant_id": "t1", "user_id": "u", "layout": LAYOUT_JSON, "head_id": None,
+                    "num_versions": 0, "created_at": body["created_at"], "last_access": body["last_access"]}
+    assert when(body["created_at"]) == stored.created_at
+    assert service.create() == body
+    conflict = service.call("POST", "/v1/sessions", json={"session_id": "s", "user_id": "other",
+                                                          "layout": LAYOUT_JSON})
+    expect_problem(conflict, "SessionExists", 409, "session 's' exists in tenant 't1' with another owner or layout")
+
+
+@pytest.mark.parametrize(("body", "kind", "detail"), [
+    ({"session_id": "~x", "layout": LAYOUT_JSON}, "InvalidInput", "session ids starting with '~' are reserved for dss"),
+    ({"session_id": "", "layout": LAYOUT_JSON}, "InvalidInput",
+     "session_id must be a printable string of 1 to 256 characters, got ''"),
+    ({"session_id": "s", "user_id": "a\nb", "layout": LAYOUT_JSON}, "InvalidInput",
+     "user_id must be a printable string of 1 to 256 characters, got 'a\\nb'"),
+    ({"session_id": "s", "layout": {**LAYOUT_JSON, "page_tokens": 0}}, "InvalidLayout",
+     "layout page_tokens must be an integer in [1, 65536], got 0"),
+    ({"session_id": "s", "layout": {**LAYOUT_JSON, "dtype": [1]}}, "InvalidLayout",
+     "layout field 'dtype' must be str, int, float or bool, got list"),
+])
+def test_create_session_refuses_bad_input(service: Service, body: dict[str, Any], kind: str, detail: str) -> None:
+    expect_problem(service.call("POST", "/v1/sessions", json=body), kind, 400, detail)
+    assert service.store.sessions() == []
+
+
+def test_create_session_in_another_tenant_is_403_even_for_admin(service: Service) -> None:
+    body = {"session_id": "s", "layout": LAYOUT_JSON, "tenant_id": "t2"}
+    expect_problem(service.call("POST", "/v1/sessions", json=body), "Forbidden", 403,
+                   "writes go to the API key's own tenant 't1', not 't2'")
+    expect_problem(service.call("POST", "/v1/sessions", "admin", json=body), "Forbidden", 403,
+                   "writes go to the API key's own tenant 't1', not 't2'")
+    assert service.ok("POST", "/v1/sessions", json={**body, "tenant_id": "t1"})["tenant_id"] == "t1"
+
+
+def test_get_list_and_delete_sessions(service: Service) -> None:
+    service.create("a", user_id="u1")
+    service.create("b", user_id="u2")
+    service.create("c", who="t2")
+    service.commit(T, "a", pages={0: page(1), 1: page(2)})
+    got = service.ok("GET", "/v1/session", params={"session_id": "a"})
+    assert (got["session_id"], got["head_id"], got["num_versions"]) == ("a", 1, 1)
+    assert [s["session_id"] for s in service.ok("GET", "/v1/sessions")] == ["a", "b"]
+    assert [s["session_id"] for s in service.ok("GET", "/v1/sessions", params={"user_id": "u2"})] == ["b"]
+    assert [s["session_id"] for s in service.ok("GET", "/v1/sessions", "t2")] == ["c"]
+    everyone = service.ok("GET", "/v1/sessions", "admin", params={"all_tenants": "true"})
+    assert [(s["tenant_id"], s["session_id"]) for s in everyone] == [("t1", "a"), ("t1", "b"), ("t2", "c")]
+    assert [s["session_id"] for s in service.ok("GET", "/v1/sessions", "admin", params={"tenant_id": "t2"})] == ["c"]
+    expect_problem(service.call("GET", "/v1/sessions", params={"all_tenants": "true"}), "Forbidden", 403,
+                   "listing every tenant's sessions needs an admin API key")
+    expect_problem(service.call("GET", "/v1/sessions", params={"tenant_id": "t2"}), "Forbidden", 403,
+                   "this API key may read only its own tenant 't1'")
+    assert service.ok("DELETE", "/v1/session", params={"session_id": "a"}) == {"session_id": "a",
+                                                                               "num_pages_released": 2}
+    expect_problem(service.call("DELETE", "/v1/session", params={"session_id": "a"}), "UnknownSession", 404,
+                   "no session 'a' in tenant 't1'")
+    expect_problem(service.call("GET", "/v1/session", params={"session_id": "a"}), "UnknownSession", 404,
+                   "no session 'a' in tenant 't1'")
+    expect_problem(service.call("GET", "/v1/session"), "InvalidInput", 400,
+                   "invalid request: query.session_id: Field required")
+    assert service.store.check() == []
+
+
+# -- versions ----------------------------------------------------------------------------------
+
+
+def test_commit_returns_the_new_head_and_stores_pages(service: Service) -> None:
+    service.create()
+    v1 = service.commit(T, pages={0: page(1), 1: page(2)}, label="turn 1")
+    assert v1 == {"version_id": 1, "session_id": "s", "parent_id": None, "num_tokens": 10,
+                  "created_at": v1["created_at"], "label": "turn 1", "is_head": True, "is_pinned": False}
+    v2 = service.commit(T + [1, 2])
+    assert (v2["version_id"], v2["parent_id"], v2["num_tokens"], v2["label"]) == (2, 1, 12, None)
+    stored = service.store.versions("s", tenant_id="t1")
+    assert [when(v["created_at"]) for v in (v1, v2)] == [v.created_at for v in stored]
+    assert service.store.read_pages(service.store.resume("s", T, tenant_id="t1").pages) == [page(1), page(2)]
+
+
+@pytest.mark.parametrize(("body", "kind", "detail"), [
+    ({"tokens": []}, "InvalidTokens", "commit needs at least one token"),
+    ({"tokens": [1, -1]}, "InvalidTokens", "invalid request: body.tokens.1: Input should be greater than or equal to 0"),
+    ({"tokens": [2**32]}, "InvalidTokens",
+     "invalid request: body.tokens.0: Input should be less than or equal to 4294967295"),
+    ({"tokens": ["1"]}, "InvalidTokens", "invalid request: body.tokens.0: Input should be a valid integer"),
+    ({"tokens": [1.5]}, "InvalidTokens", "invalid request: body.tokens.0: Input should be a valid integer"),
+    ({"tokens": T, "pages": {"0": "!!"}}, "InvalidPage", "page 0 is not valid base64"),
+    ({"tokens": T, "pages": {"0": b64(b"abc")}}, "InvalidPage", "page 0 has 3 bytes; layout 'test' pages have 16"),
+    ({"tokens": T, "pages": {"2": b64(page(1))}}, "InvalidPage",
+     "page index 2 is out of range: 10 tokens hold 2 full pages of 4 tokens"),
+    ({"tokens": T, "pages": {"x": b64(page(1))}}, "InvalidInput",
+     "invalid request: body.pages.x.[key]: Input should be a valid integer, unable to parse string as an integer"),
+    ({"tokens": T, "label": "x" * 257}, "InvalidInput", f"label must be a string of at most 256 characters, got "
+                                                         f"{'x' * 257!r}"),
+])
+def test_commit_refuses_bad_input_and_changes_nothing(service: Service, body: dict[str, Any], kind: str,
+                                                      detail: str) -> None:
+    service.create()
+    expect_problem(service.call("POST", "/v1/commit", json={"session_id": "s", **body}), kind, 400, detail)
+    assert service.store.versions("s", tenant_id="t1") == []
+
+
+def test_commit_to_an_unknown_session_is_404(service: Service) -> None:
+    expect_problem(service.call("POST", "/v1/commit", json={"session_id": "nope", "tokens": [1]}), "UnknownSession",
+                   404, "no session 'nope' in tenant 't1'")
+
+
+def test_token_count_is_bounded_by_config(tmp_path: Path) -> None:
+    svc = Service(tmp_path / "home", max_tokens=8)
+    with svc.http:
+        svc.create()
+        for path in ("/v1/commit", "/v1/resume"):
+            expect_problem(svc.call("POST", path, json={"session_id": "s", "tokens": list(range(9))}),
+                           "InvalidTokens", 400, "a request may carry at most 8 tokens (max_tokens), got 9")
+        assert svc.commit(list(range(8)))["num_tokens"] == 8
+
+
+def test_versions_and_tokens(service: Service) -> None:
+    service.create()
+    service.create("other")
+    service.commit(T)
+    service.commit(T + [7])
+    service.commit([5], "other")
+    versions = service.ok("GET", "/v1/versions", params={"session_id": "s"})
+    assert [(v["version_id"], v["parent_id"], v["num_tokens"], v["is_head"]) for v in versions] == [
+        (1, None, 10, False), (2, 1, 11, True)]
+    assert service.ok("GET", "/v1/tokens", params={"session_id": "s"}) == {
+        "session_id": "s", "version_id": 2, "tokens": T + [7]}
+    assert service.ok("GET", "/v1/tokens", params={"session_id": "s", "version_id": 1}) == {
+        "session_id": "s", "version_id": 1, "tokens": T}
+    expect_problem(service.call("GET", "/v1/tokens", params={"session_id": "s", "version_id": 3}), "UnknownVersion",
+                   404, "version 3 is not a version of session 's'")
+    expect_problem(service.call("GET", "/v1/tokens", params={"session_id": "s", "version_id": "x"}), "InvalidInput",
+                   400, "invalid request: query.version_id: Input should be a valid integer, unable to parse string "
+                        "as an integer")
+    service.create("empty")
+    assert service.ok("GET", "/v1/tokens", params={"session_id": "empty"}) == {
+        "session_id": "empty", "version_id": None, "tokens": []}
+    expect_problem(service.call("GET", "/v1/versions", params={"session_id": "nope"}), "UnknownSession", 404,
+                   "no session 'nope' in tenant 't1'")
+
+
+def test_rollback_moves_the_head_and_the_next_commit_branches_from_it(service: Service) -> None:
+    service.create()
+    service.commit(T)
+    service.commit(T + [1, 2])
+    head = service.ok("POST", "/v1/rollback", json={"session_id": "s", "version_id": 1})
+    assert (head["version_id"], head["is_head"]) == (1, True)
+    v3 = service.commit(T + [9])
+    assert (v3["version_id"], v3["parent_id"]) == (3, 1)
+    expect_problem(service.call("POST", "/v1/rollback", json={"session_id": "s", "version_id": 99}),
+                   "UnknownVersion", 404, "version 99 is not a version of session 's'")
+    expect_problem(service.call("POST", "/v1/rollback", json={"session_id": "s", "version_id": "1"}), "InvalidInput",
+                   400, "invalid request: body.version_id: Input should be a valid integer")
+    assert service.store.session("s", tenant_id="t1").head_id == 3
+
+
+def test_branch_starts_a_new_session_sharing_pages(service: Service) -> None:
+    service.create()
+    service.commit(T, pages={0: page(1), 1: page(2)})
+    b = service.ok("POST", "/v1/branch", status=201,
+                   json={"session_id": "s", "version_id": 1, "new_session_id": "b", "label": "fork"})
+    assert (b["session_id"], b["tenant_id"], b["user_id"], b["head_id"], b["num_versions"]) == ("b", "t1", "u", 2, 1)
+    assert service.ok("POST", "/v1/resume", json={"session_id": "b", "tokens": T})["matched_tokens"] == 8
+    expect_problem(service.call("POST", "/v1/branch", json={"session_id": "s", "version_id": 1,
+                                                            "new_session_id": "b"}),
+                   "SessionExists", 409, "session 'b' already exists in tenant 't1'")
+    expect_problem(service.call("POST", "/v1/branch", json={"session_id": "s", "version_id": 1,
+                                                            "new_session_id": "~b"}),
+                   "InvalidInput", 400, "session ids starting with '~' are reserved for dss")
+    expect_problem(service.call("POST", "/v1/branch", json={"session_id": "s", "version_id": 7,
+                                                            "new_session_id": "c"}),
+                   "UnknownVersion", 404, "version 7 is not a version of session 's'")
+
+
+def test_pin_and_unpin(service: Service) -> None:
+    service.create()
+    service.commit(T)
+    assert service.ok("POST", "/v1/pin", json={"session_id": "s", "version_id": 1})["is_pinned"] is True
+    assert service.store.versions("s", tenant_id="t1")[0].is_pinned is True
+    assert service.ok("POST", "/v1/pin", json={"session_id": "s", "version_id": 1, "pinned": False})["is_pinned"] is False
+    expect_problem(service.call("POST", "/v1/pin", json={"session_id": "s", "version_id": 2}), "UnknownVersion", 404,
+                   "version 2 is not a version of session 's'")
+
+
+# -- resume and pages --------------------------------------------------------------------------
+
+
+def test_resume_reports_matched_tokens_tiers_version_and_pages(service: Service) -> None:
+    service.create()
+    service.commit(T, pages={0: page(1), 1: page(2)})
+    r = service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": T + [1, 2, 3]})
+    expected = service.store.resume("s", T + [1, 2, 3], tenant_id="t1")
+    assert r == {"session_id": "s", "version_id": 1, "matched_tokens": 8, "num_prompt_tokens": 13,
+                 "num_history_tokens": 10, "num_new_tokens": 5, "page_tokens": 4, "page_bytes": 16,
+                 "tiers": {"host": 8}, "load_seconds": expected.load_seconds,
+                 "recompute_seconds": expected.recompute_seconds, "should_load": True,
+                 "pages": [{"index": 0, "page_id": expected.pages[0].page_id.hex(), "tier": "host"},
+                           {"index": 1, "page_id": expected.pages[1].page_id.hex(), "tier": "host"}]}
+    miss = service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": [1, 2, 3, 4, 5]})
+    assert (miss["matched_tokens"], miss["version_id"], miss["pages"], miss["tiers"]) == (0, None, [], {})
+    expect_problem(service.call("POST", "/v1/resume", json={"session_id": "x", "tokens": T}), "UnknownSession", 404,
+                   "no session 'x' in tenant 't1'")
+
+
+def test_save_pages_then_lookup_without_a_session(service: Service) -> None:
+    body = {"session_id": None, "tokens": T, "pages": {"0": b64(page(3))}, "user_id": "u", "layout": LAYOUT_JSON}
+    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 1}
+    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 0}
+    found = service.ok("POST", "/v1/lookup", json={"tokens": T, "layout": LAYOUT_JSON, "user_id": "u"})
+    assert (found["session_id"], found["matched_tokens"], found["tiers"]) == (None, 4, {"host": 4})
+    other = service.ok("POST", "/v1/lookup", json={"tokens": T, "layout": LAYOUT_JSON, "user_id": "v"})
+    assert other["matched_tokens"] == 0
+    expect_problem(service.call("POST", "/v1/pages", json={**body, "layout": None}), "InvalidInput", 400,
+                   "save_pages without a session needs tenant_id, user_id and layout")
+    payloads = service.ok("POST", "/v1/pages/read", json={"page_ids": [p["page_id"] for p in found["pages"]]})
+    assert payloads == {"pages": [b64(page(3))]}
+
+
+def test_save_pages_into_a_session_before_its_commit(service: Service) -> None:
+    service.create()
+    body = {"session_id": "s", "tokens": T, "pages": {"0": b64(page(1)), "1": b64(page(2))}}
+    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 2}
+    assert service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": T})["matched_tokens"] == 8
+    expect_problem(service.call("POST", "/v1/pages", json={**body, "pages": {"0": b64(b"x")}}), "InvalidPage", 400,
+                   "page 0 has 1 bytes; layout 'test' pages have 16")
+
+
+def test_read_pages_returns_payloads_and_null_for_unknown_ids(service: Service) -> None:
+    service.create()
+    service.commit(T, pages={0: page(1), 1: page(2)})
+    ids = [p.page_id.hex() for p in service.store.resume("s", T, tenant_id="t1").pages]
+    got = service.ok("POST", "/v1/pages/read", json={"page_ids": [ids[1], "00" * 16, ids[0]]})
+    assert got == {"pages": [b64(page(2)), None, b64(page(1))]}
+    assert service.ok("POST", "/v1/pages/read", json={"page_ids": []}) == {"pages": []}
+    bad = service.call("POST", "/v1/pages/read", json={"page_ids": ["xyz"]})
+    assert (bad.status_code, bad.json()["kind"]) == (400, "InvalidInput")
+
+
+def test_read_pages_is_bounded_by_the_body_limit(tmp_path: Path) -> None:
+    svc = Service(tmp_path / "home", max_body_bytes=4096)
+    big = dss.Layout(name="big", page_tokens=1, page_bytes=1024)
+    with svc.http:
+        svc.store.create_session("s", user_id="u", tenant_id="t1", layout=big)
+        svc.store.commit("s", [1, 2, 3, 4, 5], {i: bytes([i]) * 1024 for i in range(5)})
+        ids = [p.page_id.hex() for p in svc.store.resume("s", [1, 2, 3, 4, 5], tenant_id="t1").pages]
+        expect_problem(svc.call("POST", "/v1/pages/read", json={"page_ids": ids}), "PayloadTooLarge", 413,
+                       "the pages asked for hold 5120 bytes; read at most 4096 bytes per request")
+        four = svc.ok("POST", "/v1/pages/read", json={"page_ids": ids[:4] + ids[:4]})["pages"]
+        assert four == [b64(bytes([i]) * 1024) for i in range(4)] * 2
+
+
+# -- admin endpoints ---------------------------------------------------------------------------
+
+
+def test_sql_needs_an_admin_key_and_refuses_writes(service: Service) -> None:
+    service.create()
+    query = {"query": "SELECT session_id, tenant_id FROM session_summary"}
+    assert service.ok("POST", "/v1/sql", "admin", json=query) == {"columns": ["session_id", "tenant_id"],
+                                                                   "rows": [["s", "t1"]]}
+    expect_problem(service.call("POST", "/v1/sql", json=query), "Forbidden", 403, "SQL needs an admin API key")
+    write = service.call("POST", "/v1/sql", "admin", json={"query": "DELETE FROM sessions"})
+    assert (write.status_code, write.json()["kind"]) == (403, "ReadOnlyViolation")
+    broken = service.call("POST", "/v1/sql", "admin", json={"query": "SELEC 1"})
+    assert (broken.status_code, broken.json()["kind"]) == (400, "SqlError")
+    assert len(service.store.sessions()) == 1
+
+
+def test_sql_cells_json_cannot_carry_are_tagged(service: Service) -> None:
+    out = service.ok("POST", "/v1/sql", "admin", json={
+        "query": "SELECT x'00ff' AS b, 1e999 AS f, 1.5 AS g, NULL AS n, :p AS p, :q AS q",
+        "params": {"p": "text", "q": 2}, "max_rows": 1})
+    assert out == {"columns": ["b", "f", "g", "n", "p", "q"],
+                   "rows": [[{"type": "bytes", "value": "AP8="}, {"type": "float", "value": "inf"}, 1.5, None,
+                             "text", 2]]}
+    big = service.ok("POST", "/v1/sql", "admin", json={"query": "SELECT :p AS p", "params": {"p": 2**63}})
+    assert big == {"columns": ["p"], "rows": [[float(2**63)]]}  # past int64: bound as a float, as SQLite would
+    nested = service.call("POST", "/v1/sql", "admin", json={"query": "SELECT :p", "params": {"p": [1]}})
+    assert (nested.status_code, nested.json()["kind"]) == (400, "InvalidInput")
+
+
+def test_check_and_stats_need_an_admin_key(service: Service) -> None:
+    service.create()
+    service.commit(T, pages={0: page(1)})
+    assert service.ok("GET", "/v1/check", "admin") == {"problems": []}
+    stats = service.ok("GET", "/v1/stats", "admin")
+    assert stats["host"] == {"pages": 1, "bytes": 16, "capacity": 1 << 30}
+    for path, what in (("/v1/check", "check"), ("/v1/stats", "stats")):
+        expect_problem(service.call("GET", path), "Forbidden", 403, f"{what} needs an admin API key")
