@@ -12,6 +12,7 @@ The queries on the tables live in :mod:`dss.records`; this module owns the conne
 from __future__ import annotations
 
 import datetime as dt
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -71,7 +72,10 @@ class Catalog:
     # -- schema ----------------------------------------------------------------------------
 
     def revision(self) -> str | None:
-        """The Alembic revision the catalog is at, or ``None`` for an empty database."""
+        """The Alembic revision the catalog is at, or ``None`` for an empty (or absent) database."""
+        path = self.engine.url.database
+        if self.is_sqlite and path and not os.path.exists(path):
+            return None
         with self.engine.connect() as conn:
             if not inspect(conn).has_table("alembic_version"):
                 return None
@@ -205,6 +209,7 @@ class Catalog:
     def _sql_server(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
         with self.engine.connect() as conn:
             try:
+                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
                 conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
                 conn.exec_driver_sql(f"SET statement_timeout = {int(self.sql_timeout_s * 1000)}")
                 result = conn.execute(text(query), params)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
+from sqlalchemy.exc import OperationalError
 
 import dss
 from dss.catalog import Catalog
@@ -39,6 +40,8 @@ def _guard(func: Callable[..., Any]) -> Callable[..., Any]:
             return func(*args, **kwargs)
         except DssError as exc:
             raise DssCommandError(f"{exc.kind}: {exc}") from None
+        except OperationalError as exc:
+            raise DssCommandError(f"CatalogUnavailable: {str(exc.orig).strip()}") from None
 
     return wrapper
 

@@ -1,0 +1,104 @@
+"""The catalog: migrations equal the models, schema revisions are checked, SQL is read-only, views are right."""
+
+from __future__ import annotations
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import text
+
+import dss
+import dss.catalog as catalog_module
+from dss.catalog import Catalog
+from dss.schema import Base
+from tests.conftest import LAYOUT, pages_for
+
+T = list(range(1, 13))
+
+
+def test_migrations_create_exactly_the_models(store: dss.Store) -> None:
+    with store.catalog.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+
+
+def test_fresh_catalog_is_at_the_current_revision(store: dss.Store) -> None:
+    assert store.catalog.revision() == catalog_module.SCHEMA_REVISION
+
+
+def test_older_schema_is_refused_with_instructions(store: dss.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(catalog_module, "SCHEMA_REVISION", "0002")
+    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0002: run `dss db upgrade`"):
+        store.catalog.ensure_schema()
+
+
+def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
+    with store.catalog.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
+    with pytest.raises(dss.SchemaTooNew, match="made by a newer dss"):
+        Catalog(store.catalog.url).ensure_schema()
+
+
+def test_upgrade_of_an_empty_database(tmp_path) -> None:
+    catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
+    assert catalog.revision() is None
+    assert catalog.upgrade() == (None, "0001")
+    assert catalog.upgrade() == ("0001", "0001")
+    catalog.close()
+
+
+WRITES = [
+    "INSERT INTO tenants (tenant_id, created_at) VALUES ('x', '2020-01-01')",
+    "UPDATE sessions SET head_id = NULL",
+    "DELETE FROM pages",
+    "DROP TABLE versions",
+    "CREATE TABLE evil (x INTEGER)",
+    "ALTER TABLE sessions ADD COLUMN x INTEGER",
+]
+
+
+@pytest.mark.parametrize("statement", WRITES)
+def test_sql_refuses_every_write(store: dss.Store, statement: str) -> None:
+    store.create_session("s", user_id="u", tenant_id="t", layout=LAYOUT)
+    store.commit("s", T, pages_for(T))
+    before = store.sql("SELECT * FROM session_summary").rows
+    with pytest.raises(dss.ReadOnlyViolation):
+        store.sql(statement)
+    assert store.sql("SELECT * FROM session_summary").rows == before
+    assert store.check() == []
+
+
+def test_sql_refuses_stacked_statements_and_reports_errors(store: dss.Store) -> None:
+    with pytest.raises((dss.SqlError, dss.ReadOnlyViolation)):
+        store.sql("SELECT 1; DELETE FROM pages")
+    with pytest.raises(dss.SqlError, match="query failed"):
+        store.sql("SELECT * FROM no_such_table")
+    with pytest.raises(dss.SqlError):
+        store.sql("")
+
+
+def test_sqlite_refuses_attach_and_pragmas(sqlite_store: dss.Store, tmp_path) -> None:
+    with pytest.raises(dss.ReadOnlyViolation):
+        sqlite_store.sql(f"ATTACH DATABASE '{tmp_path / 'x.db'}' AS x")
+    with pytest.raises(dss.ReadOnlyViolation):
+        sqlite_store.sql("PRAGMA journal_mode = DELETE")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_views_summarise_sessions_and_users(store: dss.Store) -> None:
+    store.create_session("s", user_id="alice", tenant_id="acme", layout=LAYOUT)
+    v1 = store.commit("s", T, pages_for(T))  # 3 pages of 16 bytes
+    store.commit("s", T + [1, 2, 3, 4], {3: b"z" * 16})
+    store.branch("s", v1.version_id, "s2")
+    rows = store.sql("SELECT session_id, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
+                     "page_bytes, disk_bytes FROM session_summary ORDER BY session_id").rows
+    record = 32 + 16
+    assert rows == [("s", "acme", "alice", "test", 2, 16, 4, 64, 4 * record),
+                    ("s2", "acme", "alice", "test", 1, 12, 3, 48, 3 * record)]
+    users = store.sql("SELECT tenant_id, user_id, num_sessions, num_versions, num_pages, page_bytes, disk_bytes "
+                      "FROM user_summary").rows
+    assert users == [("acme", "alice", 2, 3, 4, 64, 2 * 32 + 4 * record)]
+    tiers = store.sql("SELECT tier, num_segments, num_pages, bytes, live_bytes FROM tier_usage").rows
+    assert tiers == [("disk", 2, 4, 2 * 32 + 4 * record, 4 * record)]
+    heads = store.sql("SELECT session_id, version_id FROM version_summary WHERE is_head = 1 ORDER BY session_id").rows
+    assert heads == [("s", v1.version_id + 1), ("s2", v1.version_id + 2)]

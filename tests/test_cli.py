@@ -1,0 +1,111 @@
+"""The command line: exit codes and exact output, tables and --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import dss
+from dss.cli import main
+from dss.demo import run as run_demo
+from tests.conftest import LAYOUT, pages_for
+
+T = list(range(1, 13))
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> str:
+    with dss.open(tmp_path / "h") as store:
+        store.create_session("chat", user_id="alice", tenant_id="acme", layout=LAYOUT)
+        v1 = store.commit("chat", T, pages_for(T), label="one")
+        store.commit("chat", T + [1, 2], label="two")
+        store.rollback("chat", v1.version_id)
+    return str(tmp_path / "h")
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def test_sessions_table_and_json(home: str) -> None:
+    code, out = run("--home", home, "sessions")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["session_id", "tenant_id", "user_id", "layout", "head", "versions", "last_access"]
+    assert lines[1].split()[:6] == ["chat", "acme", "alice", "test", "1", "2"]
+    code, out = run("--home", home, "sessions", "--json")
+    assert code == 0
+    (row,) = json.loads(out)
+    assert {k: row[k] for k in ("session_id", "tenant_id", "user_id", "head", "versions")} == {
+        "session_id": "chat", "tenant_id": "acme", "user_id": "alice", "head": 1, "versions": 2}
+
+
+def test_versions(home: str) -> None:
+    code, out = run("--home", home, "versions", "chat", "--json")
+    assert code == 0
+    assert [(v["version_id"], v["parent_id"], v["tokens"], v["label"], v["head"]) for v in json.loads(out)] == [
+        (1, None, 12, "one", True), (2, 1, 14, "two", False)]
+
+
+def test_sql_and_its_refusals(home: str) -> None:
+    code, out = run("--home", home, "sql", "SELECT session_id, num_versions FROM session_summary", "--json")
+    assert (code, json.loads(out)) == (0, [{"session_id": "chat", "num_versions": 2}])
+    code, out = run("--home", home, "sql", "DELETE FROM sessions")
+    assert code == 1
+    assert out == "error: ReadOnlyViolation: sql() runs read-only queries only: not authorized\n"
+
+
+def test_unknown_session_message(home: str) -> None:
+    assert run("--home", home, "versions", "nope") == (1, "error: UnknownSession: no session 'nope'\n")
+
+
+def test_check(home: str) -> None:
+    assert run("--home", home, "check") == (0, "ok: every invariant holds\n")
+    assert run("--home", home, "check", "--json") == (0, '{"ok": true, "problems": []}\n')
+    segment = next((Path(home) / "segments").iterdir())
+    segment.unlink()
+    code, out = run("--home", home, "check")
+    assert code == 1 and out == f"problem: page file {segment.name} is in the catalog but missing on disk\n"
+
+
+def test_db_upgrade_and_current(tmp_path: Path) -> None:
+    home = str(tmp_path / "new")
+    assert run("--home", home, "db", "current") == (0, "empty\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0001\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0001\n")
+    assert run("--home", home, "db", "current") == (0, "0001\n")
+
+
+def test_demo_reuses_and_verifies(tmp_path: Path) -> None:
+    code, out = run("--home", str(tmp_path / "demo"), "demo")
+    assert code == 0, out
+    assert out.endswith("integrity check: ok\n")
+    rows = run_demo(lambda: dss.open(tmp_path / "demo"), lambda line: None)  # a second run starts afresh
+    assert [(r["step"], r["prompt"], r["reused"], r["tiers"], r["verified"]) for r in rows] == [
+        ("turn 1", 640, 0, "-", True),
+        ("turn 2", 790, 736, "host 736", True),
+        ("turn 3", 965, 928, "host 928", True),
+        ("undo turn 3, ask again", 975, 928, "host 928", True),
+        ("regenerate turn 3", 975, 928, "host 928", True),
+        ("branch at turn 1", 810, 736, "host 736", True),
+        ("new chat, same user", 640, 576, "host 576", True),  # the shared system prompt, by chain hash
+        ("after restart", 1105, 1056, "disk 1056", True),
+    ]
+
+
+def test_help_everywhere() -> None:
+    for args in ([], ["demo"], ["sessions"], ["versions"], ["sql"], ["check"], ["stats"], ["db"], ["db", "upgrade"]):
+        code, out = run(*args, "--help")
+        assert code == 0 and "Usage:" in out
+
+
+def test_python_dash_m(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
+                            text=True)
+    assert (result.returncode, result.stdout) == (0, "(none)\n")

@@ -1,0 +1,116 @@
+"""Corrupted page files: every read detects the damage, counts a miss, quarantines the page.
+
+No read may ever return bytes other than those committed.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+import dss
+
+LAYOUT = dss.Layout(name="c", page_tokens=4, page_bytes=64)
+TOKENS = list(range(1, 41))  # 10 pages
+
+
+def original(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(LAYOUT.page_bytes))
+
+
+def build(folder: Path) -> None:
+    with dss.open(folder) as store:
+        store.create_session("s", layout=LAYOUT)
+        store.commit("s", TOKENS, {i: original(i) for i in range(10)})
+
+
+def segment(folder: Path) -> Path:
+    files = list((folder / "segments").iterdir())
+    assert len(files) == 1
+    return files[0]
+
+
+def location(store: dss.Store, index: int) -> tuple[int, int]:
+    (offset, length), = store.sql(
+        "SELECT l.\"offset\", l.length FROM page_locations l JOIN pages p ON p.page_id = l.page_id "
+        "WHERE p.page_index = :i", {"i": index}).rows
+    return offset, length
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_payload_byte_is_a_miss_and_quarantined(tmp_path: Path) -> None:
+    build(tmp_path)
+    with dss.open(tmp_path) as store:
+        offset, length = location(store, 3)
+        flip(segment(tmp_path), offset + length - 1)  # last payload byte of page 3
+        result = store.resume("s", TOKENS)
+        assert result.matched_tokens == 40  # not known to be bad until read
+        got = store.read_pages(result.pages)
+        assert got == [original(i) if i != 3 else None for i in range(10)]
+        quarantined = store.sql("SELECT tier, reason FROM quarantine").rows
+        assert quarantined == [("disk", quarantined[0][1])] and "checksum" in quarantined[0][1]
+        assert store.resume("s", TOKENS).matched_tokens == 12  # pages 0..2 only
+        assert store.check() == []
+
+
+def test_flipped_header_byte_is_detected(tmp_path: Path) -> None:
+    build(tmp_path)
+    with dss.open(tmp_path) as store:
+        offset, _ = location(store, 5)
+        flip(segment(tmp_path), offset + 2)  # inside the page id of page 5's record
+        got = store.read_pages(store.resume("s", TOKENS).pages)
+        assert got == [original(i) if i != 5 else None for i in range(10)]
+        assert "another page" in store.sql("SELECT reason FROM quarantine").rows[0][0]
+
+
+def test_truncated_file_loses_only_the_pages_past_the_cut(tmp_path: Path) -> None:
+    build(tmp_path)
+    with dss.open(tmp_path) as store:
+        offset, _ = location(store, 6)
+        path = segment(tmp_path)
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(offset + 10)  # page 6 torn, 7..9 gone
+        got = store.read_pages(store.resume("s", TOKENS).pages)
+        assert got == [original(i) if i < 6 else None for i in range(10)]
+        assert store.sql("SELECT COUNT(*) FROM quarantine").rows == [(4,)]
+        assert store.resume("s", TOKENS).matched_tokens == 24
+        assert store.check() == [f"page file {path.name} has {offset + 10} bytes, the catalog says {size}"]
+
+
+def test_missing_file_is_a_miss(tmp_path: Path) -> None:
+    build(tmp_path)
+    with dss.open(tmp_path) as store:
+        segment(tmp_path).unlink()
+        assert store.read_pages(store.resume("s", TOKENS).pages) == [None] * 10
+        assert store.resume("s", TOKENS).matched_tokens == 0
+        assert store.check() == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_damage_never_returns_wrong_bytes(tmp_path: Path, seed: int) -> None:
+    build(tmp_path)
+    rng = random.Random(seed)
+    path = segment(tmp_path)
+    data = bytearray(path.read_bytes())
+    for _ in range(rng.randrange(1, 6)):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    if rng.random() < 0.3:
+        del data[rng.randrange(len(data)):]
+    path.write_bytes(bytes(data))
+    with dss.open(tmp_path) as store:
+        refs = store.resume("s", TOKENS).pages
+        got = store.read_pages(refs)
+        for ref, payload in zip(refs, got):
+            assert payload is None or payload == original(ref.index)
+        bad = sum(p is None for p in got)
+        assert store.sql("SELECT COUNT(*) FROM quarantine").rows == [(bad,)]
+        assert store.read_pages(refs) == got  # asked again: same answer, nothing new quarantined
+        assert store.sql("SELECT COUNT(*) FROM quarantine").rows == [(bad,)]

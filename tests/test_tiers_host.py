@@ -1,0 +1,36 @@
+"""The host tier: a byte-bounded LRU that never evicts pinned pages."""
+
+from __future__ import annotations
+
+from dss.tiers.host import HostTier
+from dss.types import PageId
+
+
+def ids(*names: str) -> list[PageId]:
+    return [PageId(n.encode()) for n in names]
+
+
+def test_lru_order_and_bounds() -> None:
+    host = HostTier(30)
+    a, b, c, d = ids("a", "b", "c", "d")
+    assert host.put(a, b"x" * 10) == [] and host.put(b, b"y" * 10) == [] and host.put(c, b"z" * 10) == []
+    assert host.get_many([a]) == [b"x" * 10]  # a is now most recent
+    assert host.put(d, b"w" * 10) == [b]
+    assert host.ids() == [c, a, d]
+    assert host.put(a, b"x" * 10) == []  # present: only refreshed
+    assert host.ids() == [c, d, a] and host.used_bytes == 30
+    assert host.check() == []
+
+
+def test_pinned_pages_stay_and_oversize_is_refused() -> None:
+    host = HostTier(20)
+    a, b, c = ids("a", "b", "c")
+    host.put(a, b"1" * 10)
+    host.put(b, b"2" * 10)
+    host.pin([a, b])
+    assert host.put(c, b"3" * 10) is None and c not in host
+    host.unpin([a])
+    assert host.put(c, b"3" * 10) == [a]
+    assert host.put(PageId(b"big"), b"4" * 21) is None
+    assert host.discard([b, b, PageId(b"nope")]) == 10
+    assert host.used_bytes == 10 and host.check() == []
