@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from dss.errors import ConfigError
 
@@ -43,7 +43,10 @@ class StoreConfig(BaseModel):
     catalog_url: str | None = Field(None, description="SQLAlchemy URL of the catalog; default SQLite in home.")
     host_bytes: int = Field(1 << 30, description="Capacity of the host (RAM) tier of each process, bytes.")
     disk_bytes: int = Field(16 << 30, description="Capacity of the disk tier, bytes.")
-    secret_file: Path | None = Field(None, description="File with the store's hashing secret; default home/secret.")
+    master_key_file: Path | None = Field(None, description="File with the 32-byte master key that wraps every "
+                                         "user's data key; outside the store folder. Default ~/.config/dss/master.key.")
+    master_key: SecretStr | None = Field(None, description="The master key as 64 hex digits (instead of a file).")
+    encrypt: bool = Field(True, description="Seal pages and token histories at rest; off only for benchmarks.")
     fsync: bool = Field(True, description="fsync page files and the catalog; turn off only for throwaway stores.")
     segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
     host_read_gbps: float = Field(8.0, description="Estimated host-tier load bandwidth, GB/s.")
@@ -61,10 +64,6 @@ class StoreConfig(BaseModel):
         """The catalog URL, defaulting to SQLite in the store folder."""
         return self.catalog_url or f"sqlite:///{self.home / 'catalog.db'}"
 
-    @property
-    def secret_path(self) -> Path:
-        """Where the hashing secret lives."""
-        return self.secret_file or self.home / "secret"
 
 
 _ENV = {
@@ -72,7 +71,9 @@ _ENV = {
     "DSS_CATALOG_URL": "catalog_url",
     "DSS_HOST_BYTES": "host_bytes",
     "DSS_DISK_BYTES": "disk_bytes",
-    "DSS_SECRET_FILE": "secret_file",
+    "DSS_MASTER_KEY_FILE": "master_key_file",
+    "DSS_MASTER_KEY": "master_key",
+    "DSS_ENCRYPT": "encrypt",
     "DSS_FSYNC": "fsync",
     "DSS_SEGMENT_BYTES": "segment_bytes",
     "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",

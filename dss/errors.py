@@ -64,6 +64,10 @@ class AmbiguousSession(Conflict):
     """A session id exists in several tenants; pass ``tenant_id``."""
 
 
+class ErasureInProgress(Conflict):
+    """The user's data is being erased (its key is destroyed); retry once the erasure finished."""
+
+
 class ReadOnlyViolation(DssError):
     """``sql()`` refuses any statement that writes."""
 

@@ -7,14 +7,15 @@ A page id is a keyed chain hash::
 
 so it depends on the namespace, the layout and every token up to and including page k.
 Identical prefixes of one namespace therefore share pages, and nothing is shared across
-namespaces or layouts. The namespace key is derived from the store's secret, so nobody
-without the secret can compute (or probe for) a page id. Payload checksums are XXH3-64.
+namespaces or layouts. The namespace key is derived from the namespace's data key
+(:func:`dss.crypto.namespace_hash_key`), so nobody without it can compute (or probe for) a
+page id, and once the data key is destroyed no page id can be linked to any tokens.
+Payload checksums are XXH3-64.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 
 import xxhash
 
@@ -22,12 +23,6 @@ from dss.types import PageId
 
 PAGE_ID_BYTES = 16
 _ROOT_TAG = b"dss-page v1"
-
-
-def namespace_key(secret: bytes, tenant_id: str, user_id: str) -> bytes:
-    """The 32-byte key of a namespace, derived from the store secret (HMAC-SHA256)."""
-    message = b"dss-namespace v1\0" + tenant_id.encode() + b"\0" + user_id.encode()
-    return hmac.new(secret, message, hashlib.sha256).digest()
 
 
 def chain_root(key: bytes, layout_digest: bytes) -> PageId:

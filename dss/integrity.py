@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select
 
 from dss import records
+from dss.crypto import SealError
 from dss.sessions import SessionState
 
 if TYPE_CHECKING:
@@ -32,7 +33,11 @@ def _sessions(store: Store, conn: object) -> list[str]:
     problems: list[str] = []
     for record, _ in records.list_sessions(conn):  # type: ignore[arg-type]
         name = f"session {record.session_id!r} (tenant {record.tenant_id!r})"
-        versions = records.session_versions(conn, record.ref)  # type: ignore[arg-type]
+        try:
+            versions = store.mirror.unsealed(record, records.session_versions(conn, record.ref), conn)  # type: ignore[arg-type]
+        except SealError:
+            problems.append(f"{name} has a token history that does not authenticate")
+            continue
         by_id = {v.version_id: v for v in versions}
         if record.head_id is None and versions:
             problems.append(f"{name} has versions but no head")
@@ -47,7 +52,7 @@ def _sessions(store: Store, conn: object) -> list[str]:
                 problems.append(f"version {v.version_id} of {name} does not hold {v.num_tokens} tokens")
         if any(p.startswith("version ") and name in p for p in problems):
             continue
-        key = store.mirror.key(record.user_ref, record.tenant_id, record.user_id)
+        key = store.mirror.keys(record.user_ref, conn).hash_key
         fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, set())
         contained: set[bytes] = set()
         for version_id in fresh.positions:

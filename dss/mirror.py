@@ -9,15 +9,15 @@ Its own writes it applies directly, and skips them in the feed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import select
 
 from dss import records
 from dss.catalog import Catalog, Tx
+from dss.crypto import Sealer, namespace_hash_key, unwrap
 from dss.epoch import Epoch
-from dss.errors import AmbiguousSession, UnknownSession
-from dss.hashing import namespace_key
+from dss.errors import AmbiguousSession, ErasureInProgress, UnknownSession
 from dss.pageindex import Namespace, PageIndex
 from dss.records import SessionRecord, VersionRecord
 from dss.sessions import SessionState
@@ -25,17 +25,36 @@ from dss.types import PageId
 from dss.validate import check_name
 
 
+class Keys(NamedTuple):
+    """What a namespace's data key yields: the page-id hashing key and the sealer (``None``
+    when the store does not encrypt)."""
+
+    hash_key: bytes
+    sealer: Sealer | None
+
+
+def owner_tag(user_ref: int) -> bytes:
+    """What a wrapped data key is bound to."""
+    return b"user:%d" % user_ref
+
+
+def tokens_aad(session_ref: int) -> bytes:
+    """What a sealed token history is bound to."""
+    return b"dss-tokens v1\0session:%d" % session_ref
+
+
 class Mirror:
     """Session states and namespaces of one process. Not thread-safe; the store locks."""
 
-    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, secret: bytes) -> None:
+    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, master: bytes, *, encrypt: bool) -> None:
         self.catalog = catalog
         self.epoch = epoch
         self.index = index
-        self._secret = secret
+        self._master = master
+        self._encrypt = encrypt
         self.sessions: dict[int, SessionState] = {}
         self._names: dict[tuple[str, str | None], int] = {}
-        self._keys: dict[int, bytes] = {}
+        self._keys: dict[int, Keys] = {}
         self._own: set[int] = set()
         self._seq = catalog.latest_seq()
         self._epoch_seen = epoch.read()
@@ -57,6 +76,7 @@ class Mirror:
         if rows is None:
             self.sessions.clear()
             self._names.clear()
+            self._keys.clear()
             for user_ref in list(self.index.namespaces):
                 self.index.drop_namespace(user_ref)
         else:
@@ -73,6 +93,8 @@ class Mirror:
                     self.index.forget([PageId(bytes(page_id))])
                 elif kind == "evict":
                     self.index.lose_durable([PageId(bytes(page_id))])
+                elif kind == "forget":
+                    self.forget_user(user_ref)
             for user_ref, since in reload.items():
                 ns = self.index.namespaces.get(user_ref)
                 if ns is not None and ns.loaded:
@@ -122,10 +144,21 @@ class Mirror:
 
     def build(self, record: SessionRecord, versions: list[VersionRecord], refs: set[bytes], conn: Any) -> SessionState:
         """Make and cache the state of a session from its catalog rows."""
-        state = SessionState(record, self.key(record.user_ref, record.tenant_id, record.user_id),
-                             self.namespace(record.user_ref, conn), versions, refs)
+        keys = self.keys(record.user_ref, conn)
+        state = SessionState(record, keys.hash_key, self.namespace(record.user_ref, conn),
+                             self.unsealed(record, versions, conn), refs)
         self.sessions[record.ref] = state
         return state
+
+    def unsealed(self, record: SessionRecord, versions: list[VersionRecord], conn: Any = None) -> list[VersionRecord]:
+        """The version rows with their token histories in clear."""
+        if not any(v.sealed for v in versions):
+            return versions
+        sealer = self.keys(record.user_ref, conn).sealer
+        if sealer is None:
+            sealer = Sealer(self._data_key(record.user_ref, conn))
+        aad = tokens_aad(record.ref)
+        return [v._replace(suffix=sealer.open(v.suffix, aad), sealed=False) if v.sealed else v for v in versions]
 
     def fresh(self, tx: Tx, state: SessionState) -> SessionState:
         """``state`` as of write transaction ``tx``, reloaded if another process changed it."""
@@ -159,12 +192,41 @@ class Mirror:
             ns.loaded = True
         return ns
 
-    def key(self, user_ref: int, tenant_id: str, user_id: str) -> bytes:
-        """The hashing key of a namespace."""
-        key = self._keys.get(user_ref)
-        if key is None:
-            key = self._keys[user_ref] = namespace_key(self._secret, tenant_id, user_id)
-        return key
+    def keys(self, user_ref: int, conn: Any = None) -> Keys:
+        """The keys of a namespace, unwrapped from the catalog on first use.
+
+        Raises ``ErasureInProgress`` when the namespace's data key was destroyed.
+        """
+        keys = self._keys.get(user_ref)
+        if keys is not None:
+            return keys
+        data_key = self._data_key(user_ref, conn)
+        keys = self._keys[user_ref] = Keys(namespace_hash_key(data_key), Sealer(data_key) if self._encrypt else None)
+        return keys
+
+    def _data_key(self, user_ref: int, conn: Any) -> bytes:
+        if conn is None:
+            with self.catalog.read() as own:
+                wrapped = records.wrapped_key(own, user_ref)
+        else:
+            wrapped = records.wrapped_key(conn, user_ref)
+        if wrapped is None:
+            raise ErasureInProgress("this user's data key is destroyed: their data is being (or was) erased")
+        return unwrap(self._master, wrapped, owner_tag(user_ref))
+
+    def sealer_of(self, user_ref: int) -> Sealer | None:
+        """The sealer of a namespace, or ``None`` if its key is gone (its pages are then unreadable)."""
+        try:
+            return self.keys(user_ref).sealer
+        except ErasureInProgress:
+            return None
+
+    def forget_user(self, user_ref: int) -> None:
+        """Drop every cached trace of a namespace: key, sessions, page entries, host copies."""
+        self._keys.pop(user_ref, None)
+        for ref in [ref for ref, state in self.sessions.items() if state.record.user_ref == user_ref]:
+            self.drop(ref)
+        self.index.drop_namespace(user_ref)
 
     def user_ref(self, tenant_id: str, user_id: str) -> int | None:
         with self.catalog.read() as conn:

@@ -27,7 +27,8 @@ from dss.catalog import Catalog, Tx
 from dss.hashing import checksum
 from dss.pageindex import Namespace, PageEntry, PageIndex
 from dss.placement import pick_segments, room_needed
-from dss.tiers.base import Located, ReadRequest
+from dss.crypto import Sealer, SealError
+from dss.tiers.base import Located, ReadFailure, ReadRequest
 from dss.tiers.disk import HEADER_BYTES, RECORD, DiskTier
 from dss.tiers.host import HostTier
 from dss.types import PageId
@@ -36,12 +37,19 @@ log = logging.getLogger("dss.pages")
 
 
 class NewPage(NamedTuple):
-    """A page to store: its id, checksum, payload and index in its prompt."""
+    """A page to store: its id and index in its prompt, its payload, and the bytes that go
+    to disk (sealed unless the store does not encrypt) with their checksum and record flags."""
 
     page_id: PageId
-    checksum: int
-    payload: bytes
     index: int
+    payload: bytes
+    stored: bytes
+    checksum: int
+    flags: int
+
+
+SEALED = 1
+"""Record flag: the payload on disk is sealed under the owner's data key."""
 
 
 @dataclass
@@ -70,11 +78,18 @@ class PageStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def fresh(self, ids: Sequence[PageId], payloads: Mapping[int, bytes]) -> list[NewPage]:
-        """The given pages no durable tier holds yet (as far as this process knows)."""
+    def fresh(self, ids: Sequence[PageId], payloads: Mapping[int, bytes], sealer: Sealer | None) -> list[NewPage]:
+        """The given pages no durable tier holds yet (as far as this process knows), sealed
+        with ``sealer`` (bound to their page ids) unless it is ``None``."""
         entries = self.index.entries
-        return [NewPage(ids[i], checksum(p), p, i) for i, p in payloads.items()
-                if not (ids[i] in entries and entries[ids[i]].disk is not None)]
+        out = []
+        for i, payload in payloads.items():
+            page_id = ids[i]
+            if page_id in entries and entries[page_id].disk is not None:
+                continue
+            stored = sealer.seal(payload, page_id) if sealer is not None else payload
+            out.append(NewPage(page_id, i, payload, stored, checksum(stored), SEALED if sealer is not None else 0))
+        return out
 
     def place(self, tx: Tx, placement: Placement, *, user_ref: int, layout_ref: int, fresh: list[NewPage],
               wanted: Sequence[PageId]) -> None:
@@ -85,7 +100,7 @@ class PageStore:
         this one last looked are not written again.
         """
         if fresh:
-            self._make_room(tx, placement, sum(RECORD.size + len(p.payload) for p in fresh) + HEADER_BYTES)
+            self._make_room(tx, placement, _segment_size(fresh))
             if self._fits(tx, fresh):
                 self._write(tx, placement, user_ref, layout_ref, fresh)
         existing = records.existing_pages(tx.conn, [p for p in wanted if p not in placement.inserted])
@@ -142,8 +157,7 @@ class PageStore:
 
     def _fits(self, tx: Tx, fresh: list[NewPage]) -> bool:
         used = records.tier_bytes(tx.conn, "disk")
-        need = HEADER_BYTES + sum(RECORD.size + len(p.payload) for p in fresh)
-        if used + need <= self.disk_bytes:
+        if used + _segment_size(fresh) <= self.disk_bytes:
             return True
         log.warning("disk tier full (%d of %d bytes held by pinned versions, or the batch is too large): "
                     "%d pages stay in host only", used, self.disk_bytes, len(fresh))
@@ -153,7 +167,7 @@ class PageStore:
         existing = records.existing_pages(tx.conn, [p.page_id for p in fresh])
         stamp = records.now()
         for batch in self._batches([p for p in fresh if p.page_id not in existing]):
-            segment, size, located = self.disk.write([(p.page_id, p.checksum, p.payload) for p in batch])
+            segment, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
             placement.written.append(segment)
             placed = list(zip(batch, located))
             segment_ref = records.insert_segment(tx.conn, segment, "disk", user_ref, size)
@@ -171,7 +185,7 @@ class PageStore:
         batches: list[list[NewPage]] = [[]]
         size = HEADER_BYTES
         for page in fresh:
-            grow = RECORD.size + len(page.payload)
+            grow = RECORD.size + len(page.stored)
             if batches[-1] and size + grow > self.segment_bytes:
                 batches.append([])
                 size = HEADER_BYTES
@@ -181,10 +195,13 @@ class PageStore:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, ids: Sequence[PageId], write: Callable[[], object]) -> list[bytes | None]:
+    def read(self, ids: Sequence[PageId], write: Callable[[], object],
+             sealer_of: Callable[[int], Sealer | None]) -> list[bytes | None]:
         """Payloads in order, ``None`` where no tier holds valid bytes; see ``Store.read_pages``.
 
-        ``write`` opens a write transaction (the store's), used to quarantine bad pages.
+        ``write`` opens a write transaction (the store's), used to quarantine bad pages;
+        ``sealer_of(user_ref)`` gives the sealer of a namespace (``None``: its key is gone,
+        so its sealed pages are a miss).
         """
         out = self.host.get_many(ids)
         entries = self.index.entries
@@ -195,11 +212,23 @@ class PageStore:
                   if v is None and ids[i] in entries and entries[ids[i]].disk is not None]
         requests = [ReadRequest(*entry.disk, entry.page_id, entry.checksum)  # type: ignore[misc]
                     for _, entry in wanted]
-        payloads, failures = self.disk.read(requests)
-        for (i, entry), payload in zip(wanted, payloads):
-            if payload is None:
+        found, failures = self.disk.read(requests)
+        failures = list(failures)
+        for j, ((i, entry), record) in enumerate(zip(wanted, found)):
+            if record is None:
                 continue
-            data = out[i] = bytes(payload)
+            if record.flags & SEALED:
+                sealer = sealer_of(entry.ns.user_ref)
+                if sealer is None:
+                    continue
+                try:
+                    data = sealer.open(record.payload, entry.page_id)
+                except SealError:
+                    failures.append(ReadFailure(j, f"page {entry.page_id.hex()} fails authentication"))
+                    continue
+            else:
+                data = bytes(record.payload)
+            out[i] = data
             evicted = self.host.put(entry.page_id, data)
             if evicted:
                 self.index.left_host(evicted)
@@ -227,3 +256,7 @@ class PageStore:
             self.catalog.note(tx, "drop", page_ids=ids)
         self.disk.remove(emptied)
         self.index.forget(ids)
+
+
+def _segment_size(fresh: Sequence[NewPage]) -> int:
+    return HEADER_BYTES + sum(RECORD.size + len(p.stored) for p in fresh)

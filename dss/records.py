@@ -16,6 +16,8 @@ from sqlalchemy.engine import Connection
 
 from dss.catalog import aware, now
 from dss.schema import (
+    Audit,
+    Erasure,
     LayoutRow,
     PageLocation,
     PageRef,
@@ -23,8 +25,10 @@ from dss.schema import (
     Quarantine,
     Segment,
     SessionRow,
+    StoreMeta,
     Tenant,
     User,
+    UserKey,
     VersionRow,
 )
 from dss.types import Layout
@@ -33,6 +37,8 @@ tenants, users, layouts = Tenant.__table__, User.__table__, LayoutRow.__table__
 sessions, versions = SessionRow.__table__, VersionRow.__table__
 pages, locations, refs = PageRow.__table__, PageLocation.__table__, PageRef.__table__
 segments, quarantine = Segment.__table__, Quarantine.__table__
+user_keys, store_meta = UserKey.__table__, StoreMeta.__table__
+erasures, audit = Erasure.__table__, Audit.__table__
 
 CHUNK = 500
 """Largest ``IN (...)`` list sent in one statement."""
@@ -172,6 +178,8 @@ def delete_session(conn: Connection, session_ref: int) -> list[bytes]:
 
 
 class VersionRecord(NamedTuple):
+    """A version row; ``suffix`` is sealed when ``sealed`` (see :mod:`dss.crypto`)."""
+
     version_id: int
     session_ref: int
     parent_id: int | None
@@ -182,16 +190,18 @@ class VersionRecord(NamedTuple):
     label: str | None
     pinned: bool
     created_at: dt.datetime
+    sealed: bool = False
 
 
 def _version_record(row: tuple) -> VersionRecord:
-    vid, sref, parent, base, base_len, num, suffix, label, pinned, created = row
-    return VersionRecord(vid, sref, parent, base, base_len, num, bytes(suffix), label, bool(pinned), aware(created))
+    vid, sref, parent, base, base_len, num, suffix, label, pinned, created, sealed = row
+    return VersionRecord(vid, sref, parent, base, base_len, num, bytes(suffix), label, bool(pinned), aware(created),
+                         bool(sealed))
 
 
 _version_columns = (versions.c.id, versions.c.session_ref, versions.c.parent_id, versions.c.base_id,
                     versions.c.base_len, versions.c.num_tokens, versions.c.suffix, versions.c.label,
-                    versions.c.pinned, versions.c.created_at)
+                    versions.c.pinned, versions.c.created_at, versions.c.sealed)
 
 
 def session_versions(conn: Connection, session_ref: int) -> list[VersionRecord]:
@@ -201,10 +211,10 @@ def session_versions(conn: Connection, session_ref: int) -> list[VersionRecord]:
 
 
 def insert_version(conn: Connection, session_ref: int, parent_id: int | None, base_id: int | None, base_len: int,
-                   num_tokens: int, suffix: bytes, label: str | None) -> int:
+                   num_tokens: int, suffix: bytes, label: str | None, sealed: bool) -> int:
     return int(conn.execute(insert(versions).values(
         session_ref=session_ref, parent_id=parent_id, base_id=base_id, base_len=base_len, num_tokens=num_tokens,
-        suffix=suffix, label=label, pinned=False, created_at=now(),
+        suffix=suffix, label=label, pinned=False, created_at=now(), sealed=sealed,
     )).inserted_primary_key[0])
 
 
@@ -366,3 +376,99 @@ def all_segments(conn: Connection, tier: str) -> dict[str, tuple[int, int]]:
     """``name -> (ref, size)`` of every segment of a tier."""
     return {r[0]: (r[1], r[2]) for r in conn.execute(
         select(segments.c.name, segments.c.id, segments.c.size).where(segments.c.tier == tier))}
+
+
+# -- keys and store facts ---------------------------------------------------------------------
+
+
+def wrapped_key(conn: Connection, user_ref: int) -> bytes | None:
+    value = conn.execute(select(user_keys.c.wrapped).where(user_keys.c.user_ref == user_ref)).scalar()
+    return bytes(value) if value is not None else None
+
+
+def insert_key(conn: Connection, user_ref: int, wrapped: bytes) -> None:
+    conn.execute(insert(user_keys).values(user_ref=user_ref, wrapped=wrapped, created_at=now()))
+
+
+def destroy_key(conn: Connection, user_ref: int) -> bool:
+    """Overwrite, then delete, a user's wrapped key; return whether there was one."""
+    conn.execute(update(user_keys).where(user_keys.c.user_ref == user_ref).values(wrapped=b"\0" * 60))
+    return bool(conn.execute(delete(user_keys).where(user_keys.c.user_ref == user_ref)).rowcount)
+
+
+def users_without_key(conn: Connection) -> list[int]:
+    """Users that have no data key and no erasure under way (rows from before revision 0002)."""
+    erasing = select(erasures.c.user_ref).where(erasures.c.user_ref.is_not(None))
+    return [r[0] for r in conn.execute(select(users.c.id).where(
+        ~select(user_keys.c.user_ref).where(user_keys.c.user_ref == users.c.id).exists(),
+        users.c.id.not_in(erasing)))]
+
+
+def meta(conn: Connection, key: str) -> bytes | None:
+    value = conn.execute(select(store_meta.c.value).where(store_meta.c.key == key)).scalar()
+    return bytes(value) if value is not None else None
+
+
+def set_meta(conn: Connection, key: str, value: bytes) -> None:
+    conn.execute(insert(store_meta).values(key=key, value=value))
+
+
+# -- erasures and audit ------------------------------------------------------------------------
+
+
+class ErasureRecord(NamedTuple):
+    id: int
+    tenant_id: str
+    user_id: str
+    user_ref: int | None
+    state: str
+    plan: str
+    started_at: dt.datetime
+
+
+def _erasure_record(r: tuple) -> ErasureRecord:
+    return ErasureRecord(r[0], r[1], r[2], r[3], r[4], r[5], aware(r[6]))
+
+
+_erasure_select = select(erasures.c.id, erasures.c.tenant_id, erasures.c.user_id, erasures.c.user_ref,
+                         erasures.c.state, erasures.c.plan, erasures.c.started_at)
+
+
+def open_erasures(conn: Connection) -> list[ErasureRecord]:
+    """Erasure jobs not finished, oldest first."""
+    return [_erasure_record(r) for r in conn.execute(
+        _erasure_select.where(erasures.c.finished_at.is_(None)).order_by(erasures.c.id))]
+
+
+def erasure_of(conn: Connection, user_ref: int) -> ErasureRecord | None:
+    row = conn.execute(_erasure_select.where(erasures.c.user_ref == user_ref, erasures.c.finished_at.is_(None))).first()
+    return _erasure_record(row) if row else None
+
+
+def insert_erasure(conn: Connection, tenant_id: str, user_id: str, user_ref: int | None, plan: str) -> int:
+    return int(conn.execute(insert(erasures).values(
+        tenant_id=tenant_id, user_id=user_id, user_ref=user_ref, state="planned", plan=plan, started_at=now(),
+    )).inserted_primary_key[0])
+
+
+def set_erasure(conn: Connection, erasure_id: int, state: str, plan: str | None = None, finished: bool = False) -> None:
+    values: dict = {"state": state}
+    if plan is not None:
+        values["plan"] = plan
+    if finished:
+        values["finished_at"] = now()
+        values["user_ref"] = None
+    conn.execute(update(erasures).where(erasures.c.id == erasure_id).values(**values))
+
+
+def insert_audit(conn: Connection, kind: str, tenant_id: str, user_id: str, receipt: str) -> int:
+    return int(conn.execute(insert(audit).values(
+        kind=kind, tenant_id=tenant_id, user_id=user_id, created_at=now(), receipt=receipt)).inserted_primary_key[0])
+
+
+def audit_rows(conn: Connection, tenant_id: str | None = None) -> list[tuple[int, str, str, str, dt.datetime, str]]:
+    query = select(audit.c.id, audit.c.kind, audit.c.tenant_id, audit.c.user_id, audit.c.created_at,
+                   audit.c.receipt).order_by(audit.c.id)
+    if tenant_id is not None:
+        query = query.where(audit.c.tenant_id == tenant_id)
+    return [(r[0], r[1], r[2], r[3], aware(r[4]), r[5]) for r in conn.execute(query)]

@@ -13,6 +13,7 @@ import datetime as dt
 
 from sqlalchemy import (
     BigInteger,
+    false,
     Boolean,
     DateTime,
     ForeignKey,
@@ -25,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 """The Alembic revision this code expects the catalog to be at."""
 
 
@@ -87,6 +88,8 @@ class VersionRow(Base):
     label: Mapped[str | None] = mapped_column(String(256))
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    sealed: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    """Whether ``suffix`` is sealed under the owner's data key (always, since revision 0002)."""
 
 
 class Segment(Base):
@@ -177,3 +180,46 @@ class CatalogSeq(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger)
     floor: Mapped[int] = mapped_column(BigInteger)
+
+
+class UserKey(Base):
+    """A namespace's data key, wrapped under the master key; deleting the row shreds the data."""
+
+    __tablename__ = "user_keys"
+    user_ref: Mapped[int] = mapped_column(ForeignKey("users.id"), primary_key=True)
+    wrapped: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class StoreMeta(Base):
+    """Facts about the store itself (e.g. which master key it was made with)."""
+
+    __tablename__ = "store_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Erasure(Base):
+    """A forget-user job: its plan and how far it got, so a crash can be resumed."""
+
+    __tablename__ = "erasures"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(256))
+    user_id: Mapped[str] = mapped_column(String(256))
+    user_ref: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(32))
+    plan: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Audit(Base):
+    """Receipts of what dss did on request (erasures), kept for the operator."""
+
+    __tablename__ = "audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    tenant_id: Mapped[str] = mapped_column(String(256))
+    user_id: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    receipt: Mapped[str] = mapped_column(Text)

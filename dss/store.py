@@ -22,7 +22,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,9 +31,10 @@ from dss import integrity, records
 from dss.catalog import Catalog, Tx
 from dss.config import StoreConfig
 from dss.epoch import Epoch
-from dss.errors import ConfigError, InvalidInput, InvalidTokens, SessionExists, StoreClosed
+from dss.crypto import load_master_key, master_check, new_data_key, wrap
+from dss.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed
 from dss.hashing import chain_ids, chain_root
-from dss.mirror import Mirror
+from dss.mirror import Mirror, owner_tag, tokens_aad
 from dss.pageindex import PageIndex
 from dss.pages import PageStore, Placement
 from dss.records import SessionRecord, VersionRecord
@@ -61,14 +61,16 @@ class Store:
         home = config.home
         home.mkdir(parents=True, exist_ok=True)
         with _folder_lock(home):
-            secret = _load_secret(config.secret_path)
+            hex_key = config.master_key.get_secret_value() if config.master_key else None
+            self._master = load_master_key(config.master_key_file, home, hex_key)
             self.catalog = Catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s)
             self.catalog.ensure_schema()
+            self._adopt_master_key()
             epoch = Epoch(home / "epoch")
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
         self.index = PageIndex(self.host)
-        self.mirror = Mirror(self.catalog, epoch, self.index, secret)
+        self.mirror = Mirror(self.catalog, epoch, self.index, self._master, encrypt=config.encrypt)
         self.pages = PageStore(self.catalog, self.disk, self.host, self.index, disk_bytes=config.disk_bytes,
                                segment_bytes=config.segment_bytes, pinned_pages=self._pinned_pages)
         self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
@@ -238,7 +240,9 @@ class Store:
                 ref = records.insert_session(tx.conn, new_session_id, rec.tenant_ref, rec.user_ref, rec.layout_ref,
                                              tx.seq)
                 buf = state.tokens(version_id)
-                vid = records.insert_version(tx.conn, ref, source.version_id, None, 0, len(buf) // 4, buf, label)
+                stored, sealed = self._seal_tokens(tx, rec.user_ref, ref, buf)
+                vid = records.insert_version(tx.conn, ref, source.version_id, None, 0, len(buf) // 4, stored, label,
+                                             sealed)
                 records.update_session(tx.conn, ref, tx.seq, head_id=vid)
                 held = records.existing_pages(tx.conn, state.page_ids(version_id))
                 records.add_refs(tx.conn, ref, held, vid)
@@ -330,7 +334,7 @@ class Store:
             span = None
             if user_ref is not None:
                 self.mirror.namespace(user_ref)
-                key = self.mirror.key(user_ref, tenant_id, user_id)
+                key = self.mirror.keys(user_ref).hash_key
                 span = _chain_span(lambda p, k: chain_ids(key, p, buf, k, 1, page_tokens)[0],
                                    chain_root(key, layout.digest), 0, len(buf) // 4 // page_tokens,
                                    self.index.code_of)
@@ -347,7 +351,7 @@ class Store:
         """
         ids = [PageId(p.page_id if isinstance(p, PageRef) else bytes(p)) for p in pages]
         with self._reading():
-            return self.pages.read(ids, self._write)
+            return self.pages.read(ids, self._write, self.mirror.sealer_of)
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -411,6 +415,7 @@ class Store:
                     return _session_info(state)
                 tenant_ref = records.ensure_tenant(tx.conn, tenant_id)
                 user_ref = records.ensure_user(tx.conn, tenant_ref, user_id)
+                self._ensure_key(tx, user_ref)
                 layout_ref = records.ensure_layout(tx.conn, layout)
                 ref = records.insert_session(tx.conn, session_id, tenant_ref, user_ref, layout_ref, tx.seq)
                 self.catalog.note(tx, "session", session_ref=ref, user_ref=user_ref)
@@ -430,7 +435,7 @@ class Store:
             with self._write() as tx:
                 state = self.mirror.fresh(tx, state)
                 rec = state.record
-                fresh = self.pages.fresh(ids, payloads)
+                fresh = self.pages.fresh(ids, payloads, self.mirror.keys(rec.user_ref, tx.conn).sealer)
                 self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref, fresh=fresh,
                                  wanted=wanted)
                 result = record(tx, state, placement.held)
@@ -450,12 +455,40 @@ class Store:
         match = state.trie.walk(buf)
         base_id = state.trie.version_along(match.path[-1], match.num_tokens, state.head) if match.num_tokens else None
         suffix = buf[4 * match.num_tokens:]
+        stored, sealed = self._seal_tokens(tx, rec.user_ref, rec.ref, suffix)
         vid = records.insert_version(tx.conn, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4,
-                                     suffix, label)
+                                     stored, label, sealed)
         records.update_session(tx.conn, rec.ref, tx.seq, head_id=vid)
         self.catalog.note(tx, "session", session_ref=rec.ref, user_ref=rec.user_ref)
         return VersionRecord(vid, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4, suffix, label,
                              False, records.now())
+
+    def _seal_tokens(self, tx: Tx, user_ref: int, session_ref: int, buf: bytes) -> tuple[bytes, bool]:
+        """Token history as stored: sealed under the owner's data key, bound to its session."""
+        sealer = self.mirror.keys(user_ref, tx.conn).sealer
+        if sealer is None:
+            return buf, False
+        return sealer.seal(buf, tokens_aad(session_ref)), True
+
+    def _ensure_key(self, tx: Tx, user_ref: int) -> None:
+        """Give a namespace its data key (refused while the user is being erased)."""
+        if records.erasure_of(tx.conn, user_ref) is not None:
+            raise ErasureInProgress("this user's data is being erased; try again when the erasure has finished")
+        if records.wrapped_key(tx.conn, user_ref) is None:
+            records.insert_key(tx.conn, user_ref, wrap(self._master, new_data_key(), owner_tag(user_ref)))
+
+    def _adopt_master_key(self) -> None:
+        """Check the master key against the catalog (record it on first use); give keys to
+        users made before revision 0002."""
+        with self.catalog.write() as tx:
+            check = records.meta(tx.conn, "master_check")
+            if check is None:
+                records.set_meta(tx.conn, "master_check", master_check(self._master))
+            elif check != master_check(self._master):
+                raise ConfigError("this store was made with another master key (master_key_file / "
+                                  "DSS_MASTER_KEY_FILE / DSS_MASTER_KEY): without it no page or history is readable")
+            for user_ref in records.users_without_key(tx.conn):
+                records.insert_key(tx.conn, user_ref, wrap(self._master, new_data_key(), owner_tag(user_ref)))
 
     def _pinned_pages(self, tx: Tx) -> list[bytes]:
         """Every page of every pinned version (disk eviction never drops them)."""
@@ -513,28 +546,10 @@ def _session_of(rec: SessionRecord, num_versions: int) -> Session:
 
 @contextmanager
 def _folder_lock(home: os.PathLike[str]) -> Iterator[None]:
-    """Serialise store initialisation (schema creation, secret) between processes."""
+    """Serialise store initialisation (schema creation, master key check) between processes."""
     fd = os.open(os.path.join(home, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
-
-
-def _load_secret(path: os.PathLike[str]) -> bytes:
-    """The store's 32-byte hashing secret, created (mode 0600, fsynced) on first open."""
-    try:
-        with open(path, "rb") as f:
-            secret = f.read()
-    except FileNotFoundError:
-        secret = secrets.token_bytes(32)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        try:
-            os.write(fd, secret)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    if len(secret) != 32:
-        raise ConfigError(f"{path} must hold exactly 32 bytes (the store secret)")
-    return secret

@@ -18,6 +18,14 @@ import dss
 
 PG_URL = os.environ.get("DSS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One master key for the whole run, outside every store folder (children inherit it)."""
+    import tempfile
+
+    if "DSS_MASTER_KEY_FILE" not in os.environ:
+        os.environ["DSS_MASTER_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="dss-test-keys-"), "master.key")
+
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
 
 

@@ -9,6 +9,7 @@ from sqlalchemy import text
 
 import dss
 import dss.catalog as catalog_module
+from dss.crypto import OVERHEAD
 from dss.catalog import Catalog
 from dss.schema import Base
 from tests.conftest import LAYOUT, pages_for
@@ -26,10 +27,26 @@ def test_fresh_catalog_is_at_the_current_revision(store: dss.Store) -> None:
     assert store.catalog.revision() == catalog_module.SCHEMA_REVISION
 
 
-def test_older_schema_is_refused_with_instructions(store: dss.Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(catalog_module, "SCHEMA_REVISION", "0002")
+def test_older_schema_is_refused_then_upgraded(tmp_path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    old = Catalog(url)
+    with old.engine.begin() as conn:
+        config = catalog_module._alembic_config()
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+    old.close()
     with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0002: run `dss db upgrade`"):
-        store.catalog.ensure_schema()
+        dss.open(tmp_path)
+    upgraded = Catalog(url)
+    assert upgraded.upgrade() == ("0001", "0002")
+    upgraded.close()
+    with dss.open(tmp_path) as store:
+        store.create_session("s", layout=LAYOUT)
+        store.commit("s", T, pages_for(T))
+        assert store.resume("s", T).matched_tokens == 12
+        assert store.check() == []
 
 
 def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
@@ -42,8 +59,8 @@ def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
 def test_upgrade_of_an_empty_database(tmp_path) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     assert catalog.revision() is None
-    assert catalog.upgrade() == (None, "0001")
-    assert catalog.upgrade() == ("0001", "0001")
+    assert catalog.upgrade() == (None, "0002")
+    assert catalog.upgrade() == ("0002", "0002")
     catalog.close()
 
 
@@ -92,7 +109,7 @@ def test_views_summarise_sessions_and_users(store: dss.Store) -> None:
     store.branch("s", v1.version_id, "s2")
     rows = store.sql("SELECT session_id, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
                      "page_bytes, disk_bytes FROM session_summary ORDER BY session_id").rows
-    record = 32 + 16
+    record = 32 + OVERHEAD + 16  # record header, nonce and tag, payload
     assert rows == [("s", "acme", "alice", "test", 2, 16, 4, 64, 4 * record),
                     ("s2", "acme", "alice", "test", 1, 12, 3, 48, 3 * record)]
     users = store.sql("SELECT tenant_id, user_id, num_sessions, num_versions, num_pages, page_bytes, disk_bytes "

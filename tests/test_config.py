@@ -17,7 +17,7 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSS_DISK_BYTES", "2KB")
     config = load_config(home, fsync=True)
     assert (config.host_bytes, config.disk_bytes, config.fsync) == (1 << 20, 2000, True)
-    assert config.url == f"sqlite:///{home / 'catalog.db'}" and config.secret_path == home / "secret"
+    assert config.url == f"sqlite:///{home / 'catalog.db'}"
     monkeypatch.setenv("DSS_HOME", str(tmp_path / "other"))
     assert load_config().home == tmp_path / "other"
 

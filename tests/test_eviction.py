@@ -1,16 +1,17 @@
 """Bounded tiers: host evicts least recently used pages (they stay on disk); a full disk drops
 segments whose newest version is oldest, never a pinned version's. Versions keep their tokens.
 
-Sizes here: pages of 1024 bytes, 4 pages a commit, so a segment is 32 + 4 * (32 + 1024)
-= 4256 bytes.
+Sizes here: pages of 1024 bytes sealed into 1052 (nonce and tag), 4 pages a commit, so a
+segment is 32 + 4 * (32 + 1052) = 4368 bytes.
 """
 
 from __future__ import annotations
 
 import dss
+from dss.crypto import OVERHEAD
 
 LAYOUT = dss.Layout(name="e", page_tokens=4, page_bytes=1024)
-SEGMENT = 32 + 4 * (32 + 1024)
+SEGMENT = 32 + 4 * (32 + OVERHEAD + 1024)
 
 
 def toks(seed: int, n: int = 16) -> list[int]:

@@ -5,19 +5,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from dss.hashing import chain_ids, chain_root, checksum, namespace_key
+from dss.crypto import namespace_hash_key
+from dss.hashing import chain_ids, chain_root, checksum
 from dss.tokens import pack
 from dss.types import Layout
 
 
 def test_chain_by_hand() -> None:
-    """key = HMAC-SHA256(secret, "dss-namespace v1\\0" tenant "\\0" user)
+    """key = HMAC-SHA256(data key, "dss-namespace-hash v1")
     root = BLAKE2b-128(key, "dss-page v1" + layout digest)
     id0  = BLAKE2b-128(key, root + tokens 0..1 as uint32 LE), id1 = BLAKE2b-128(key, id0 + tokens 2..3)
     """
-    secret = b"s" * 32
-    key = hmac.new(secret, b"dss-namespace v1\0acme\0alice", hashlib.sha256).digest()
-    assert namespace_key(secret, "acme", "alice") == key
+    data_key = b"s" * 32
+    key = hmac.new(data_key, b"dss-namespace-hash v1", hashlib.sha256).digest()
+    assert namespace_hash_key(data_key) == key
     layout = Layout(name="l", page_tokens=2, page_bytes=4)
     root = hashlib.blake2b(b"dss-page v1" + layout.digest, key=key, digest_size=16).digest()
     assert chain_root(key, layout.digest) == root
@@ -28,12 +29,11 @@ def test_chain_by_hand() -> None:
 
 
 def test_namespace_and_layout_change_every_id() -> None:
-    secret = b"s" * 32
     buf = pack(list(range(8)))
     layouts = [Layout(name="l", page_tokens=4, page_bytes=4), Layout(name="l", page_tokens=4, page_bytes=4, v=2)]
     seen = set()
-    for tenant, user in (("a", "u"), ("a", "v"), ("b", "u")):
-        key = namespace_key(secret, tenant, user)
+    for data_key in (b"a" * 32, b"b" * 32, b"c" * 32):
+        key = namespace_hash_key(data_key)
         for layout in layouts:
             seen.update(chain_ids(key, chain_root(key, layout.digest), buf, 0, 2, 4))
     assert len(seen) == 12

@@ -12,7 +12,7 @@ from dss.tiers.base import ReadRequest
 from dss.tiers.disk import HEADER_BYTES, MAGIC, RECORD, DiskTier
 from dss.types import PageId
 
-PAGES = [(PageId(bytes([i]) * 16), checksum(bytes([i]) * 100), bytes([i]) * 100) for i in range(5)]
+PAGES = [(PageId(bytes([i]) * 16), checksum(bytes([i]) * 100), bytes([i]) * 100, i % 2) for i in range(5)]
 
 
 def test_segment_format_and_round_trip(tmp_path: Path) -> None:
@@ -22,9 +22,10 @@ def test_segment_format_and_round_trip(tmp_path: Path) -> None:
     assert data[:32] == MAGIC and data.startswith(b"dss-segment v1\n")
     assert size == len(data) == HEADER_BYTES + 5 * (RECORD.size + 100)
     assert [loc.offset for loc in located] == [HEADER_BYTES + i * (RECORD.size + 100) for i in range(5)]
-    requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _) in zip(located, PAGES)]
-    payloads, failures = disk.read(requests[::-1])
-    assert [bytes(p) for p in payloads] == [p for _, _, p in PAGES][::-1] and failures == []
+    requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, PAGES)]
+    records, failures = disk.read(requests[::-1])
+    assert [(bytes(r.payload), r.flags) for r in records] == [(p, f) for _, _, p, f in PAGES][::-1]
+    assert failures == []
     assert list((tmp_path / "tmp").iterdir()) == []
     disk.close()
 
@@ -35,14 +36,14 @@ def test_reads_are_coalesced_into_few_preads(tmp_path: Path, monkeypatch) -> Non
     calls = []
     real = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: calls.append((n, off)) or real(fd, n, off))
-    disk.read([ReadRequest(*loc, pid, c) for loc, (pid, c, _) in zip(located, PAGES)])
+    disk.read([ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, PAGES)])
     assert calls == [(5 * (RECORD.size + 100), HEADER_BYTES)]
     disk.close()
 
 
 def test_recovery_removes_only_files_of_dead_writers(tmp_path: Path) -> None:
     script = (f"import os; from pathlib import Path; from dss.tiers.disk import DiskTier; "
-              f"d = DiskTier(Path({str(tmp_path)!r})); print(d.write([(b'x' * 16, 0, b'')])[0]); os._exit(0)")
+              f"d = DiskTier(Path({str(tmp_path)!r})); print(d.write([(b'x' * 16, 0, b'', 0)])[0]); os._exit(0)")
     dead = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
     alive = DiskTier(tmp_path)
     mine, _, _ = alive.write(PAGES[:1])

@@ -37,6 +37,13 @@ class ReadRequest(NamedTuple):
     checksum: int
 
 
+class Record(NamedTuple):
+    """A page read back from a durable tier: its stored payload and the record's flags."""
+
+    payload: memoryview
+    flags: int
+
+
 class ReadFailure(NamedTuple):
     """A page a durable tier could not return: its position in the request and why."""
 
@@ -67,16 +74,16 @@ class CacheTier(Protocol):
 class DurableTier(Protocol):
     name: str
 
-    def write(self, pages: Sequence[tuple[PageId, int, bytes]]) -> tuple[str, int, list[Located]]:
-        """Publish ``(page_id, checksum, payload)`` records atomically as one new segment.
+    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
+        """Publish ``(page_id, checksum, payload, flags)`` records atomically as one new segment.
 
         Returns ``(segment, size, locations)``. When it returns, the segment is durable;
         when it raises, nothing is visible.
         """
         ...
 
-    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[bytes | None], list[ReadFailure]]:
-        """Payloads in request order, verified against id and checksum; ``None`` plus a
+    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[Record | None], list[ReadFailure]]:
+        """Records in request order, verified against id and checksum; ``None`` plus a
         failure for each record that is missing, torn or corrupt. Batches its I/O."""
         ...
 

@@ -4,7 +4,7 @@ Segment file format ``dss-segment v1`` (all integers little-endian)::
 
     header   32 bytes   b"dss-segment v1\\n" + 17 zero bytes
     record   32 bytes   page id (16) | payload length u32 | flags u32 | XXH3-64 of payload i64
-             payload
+             payload    (flags bit 0: the payload is sealed, see dss.crypto)
 
 A segment is written to ``tmp/``, fsynced, renamed into ``segments/`` and the directory
 fsynced, so it is either whole or absent. Files are never changed after that; deleting
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dss.hashing import checksum as page_checksum
-from dss.tiers.base import Located, ReadFailure, ReadRequest
+from dss.tiers.base import Located, ReadFailure, ReadRequest, Record
 from dss.types import PageId
 
 MAGIC = b"dss-segment v1\n".ljust(32, b"\0")
@@ -66,14 +66,14 @@ class DiskTier:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, pages: Sequence[tuple[PageId, int, bytes]]) -> tuple[str, int, list[Located]]:
-        """Publish ``(page_id, checksum, payload)`` records as one new segment; see DurableTier."""
+    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
+        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier."""
         name = f"{self.writer}-{next(self._counter):010d}.seg"
         parts: list[bytes] = [MAGIC]
         locations: list[Located] = []
         offset = HEADER_BYTES
-        for page_id, checksum, payload in pages:
-            parts.append(RECORD.pack(page_id, len(payload), 0, checksum))
+        for page_id, checksum, payload, flags in pages:
+            parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
             parts.append(payload)
             length = RECORD.size + len(payload)
             locations.append(Located(name, offset, length))
@@ -108,9 +108,9 @@ class DiskTier:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[bytes | None], list[ReadFailure]]:
-        """Verified payloads in request order; see DurableTier. Never raises for bad files."""
-        out: list[bytes | None] = [None] * len(requests)
+    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[Record | None], list[ReadFailure]]:
+        """Verified records in request order; see DurableTier. Never raises for bad files."""
+        out: list[Record | None] = [None] * len(requests)
         failures: list[ReadFailure] = []
         order = sorted(range(len(requests)), key=lambda i: (requests[i].segment, requests[i].offset))
         for segment, group in itertools.groupby(order, key=lambda i: requests[i].segment):
@@ -128,7 +128,7 @@ class DiskTier:
         return out, failures
 
     def _read_run(self, fd: int, run: list[int], requests: Sequence[ReadRequest],
-                  out: list[bytes | None], failures: list[ReadFailure]) -> None:
+                  out: list[Record | None], failures: list[ReadFailure]) -> None:
         start = requests[run[0]].offset
         end = max(requests[i].offset + requests[i].length for i in run)
         try:
@@ -143,7 +143,7 @@ class DiskTier:
             if problem:
                 failures.append(ReadFailure(i, problem))
             else:
-                out[i] = record[RECORD.size :]
+                out[i] = Record(record[RECORD.size :], RECORD.unpack_from(record)[2])
 
     # -- inventory and recovery ------------------------------------------------------------
 
