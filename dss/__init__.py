@@ -20,6 +20,8 @@ from dss.errors import (
     ConfigError,
     Conflict,
     DssError,
+    ErasureIncomplete,
+    ErasureInProgress,
     InvalidInput,
     InvalidLayout,
     InvalidPage,
@@ -42,7 +44,7 @@ from dss.types import Layout, Namespace, PageId, PageRef, Session, SessionId, Sq
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmbiguousSession", "ConfigError", "Conflict", "DssError", "InvalidInput", "InvalidLayout", "InvalidPage",
+    "AmbiguousSession", "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "InvalidInput", "InvalidLayout", "InvalidPage",
     "InvalidTokens", "Layout", "Namespace", "NotFound", "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult",
     "SchemaOutdated", "SchemaTooNew", "Session", "SessionExists", "SessionId", "SqlError", "SqlResult", "Store",
     "StoreClosed", "StoreConfig", "UnknownSession", "UnknownVersion", "Version", "VersionId", "configure", "connect",

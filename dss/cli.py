@@ -157,6 +157,57 @@ def stats(ctx: Context, as_json: bool) -> None:
     _emit(rows, as_json)
 
 
+@main.command("forget-user")
+@click.argument("user_id")
+@click.option("--tenant", default="default", show_default=True, help="The user's tenant.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed (counts and bytes per tier); change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Erase a user everywhere (key first), verify, and print the receipt."""
+    with ctx.open() as store:
+        plan = store.forget_user(user_id, tenant_id=tenant, dry_run=True)
+        if dry_run:
+            click.echo(json.dumps(plan) if as_json else _describe_plan(plan))
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                raise DssCommandError("refusing to erase without --yes (stdin is not a terminal)")
+            click.echo(_describe_plan(plan), err=True)
+            click.confirm(f"Erase user {user_id!r} of tenant {tenant!r} for good?", abort=True, err=True)
+        receipt = store.forget_user(user_id, tenant_id=tenant,
+                                    progress=None if as_json else lambda step: click.echo(f"  {step}", err=True))
+    click.echo(json.dumps(receipt) if as_json else json.dumps(receipt, indent=2))
+
+
+def _describe_plan(plan: dict[str, Any]) -> str:
+    if not plan["user_known"]:
+        return f"user {plan['user_id']!r} of tenant {plan['tenant_id']!r} has no data in this store"
+    tiers = ", ".join(f"{tier}: {v['pages']} pages, {v['bytes']} bytes" for tier, v in plan["tiers"].items())
+    return (f"user {plan['user_id']!r} of tenant {plan['tenant_id']!r}: {plan['sessions']} sessions, "
+            f"{plan['versions']} versions, {plan['pages']} pages ({tiers}); data key "
+            f"{'present' if plan['key_present'] else 'absent'}")
+
+
+@main.command()
+@click.option("--tenant", default=None, help="Only this tenant's receipts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the full receipts).")
+@pass_ctx
+@_guard
+def audit(ctx: Context, tenant: str | None, as_json: bool) -> None:
+    """List erasure receipts."""
+    with ctx.open() as store:
+        entries = store.audit(tenant_id=tenant)
+    if as_json:
+        click.echo(json.dumps(entries))
+        return
+    _emit([{"audit_id": e["audit_id"], "kind": e["kind"], "tenant_id": e["tenant_id"], "user_id": e["user_id"],
+            "created_at": e["created_at"][:19], "pages": e["receipt"]["removed"]["pages"],
+            "verified": e["receipt"]["verification"]["ok"]} for e in entries], False)
+
+
 @main.group()
 def db() -> None:
     """Manage the catalog database."""

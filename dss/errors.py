@@ -68,6 +68,12 @@ class ErasureInProgress(Conflict):
     """The user's data is being erased (its key is destroyed); retry once the erasure finished."""
 
 
+class ErasureIncomplete(DssError):
+    """An erasure's verification found data of the user left somewhere; the job stays open."""
+
+    status = 500
+
+
 class ReadOnlyViolation(DssError):
     """``sql()`` refuses any statement that writes."""
 

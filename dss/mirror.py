@@ -55,6 +55,7 @@ class Mirror:
         self.sessions: dict[int, SessionState] = {}
         self._names: dict[tuple[str, str | None], int] = {}
         self._keys: dict[int, Keys] = {}
+        self._no_shared: set[tuple[str, bytes]] = set()
         self._own: set[int] = set()
         self._seq = catalog.latest_seq()
         self._epoch_seen = epoch.read()
@@ -77,6 +78,7 @@ class Mirror:
             self.sessions.clear()
             self._names.clear()
             self._keys.clear()
+            self._no_shared.clear()
             for user_ref in list(self.index.namespaces):
                 self.index.drop_namespace(user_ref)
         else:
@@ -87,6 +89,7 @@ class Mirror:
                 if kind == "session":
                     self.sessions.pop(session_ref, None)
                     self._names = {k: v for k, v in self._names.items() if k[1] is not None}
+                    self._no_shared.clear()
                 elif kind == "pages":
                     reload[user_ref] = min(seq, reload.get(user_ref, seq))
                 elif kind == "drop":
@@ -132,6 +135,17 @@ class Mirror:
         self._names[(session_id, tenant_id)] = state.ref
         return state
 
+    def shared(self, tenant_id: str, layout: Any, session_id: str) -> SessionState | None:
+        """The tenant's shared-prefix session for a layout, or ``None`` (remembered until a
+        session changes somewhere)."""
+        if (tenant_id, layout.digest) in self._no_shared:
+            return None
+        try:
+            return self.state(session_id, tenant_id)
+        except UnknownSession:
+            self._no_shared.add((tenant_id, layout.digest))
+            return None
+
     def loaded(self, ref: int, conn: Any) -> SessionState | None:
         """The state of session ``ref``, loaded on ``conn`` if not cached; ``None`` if deleted."""
         state = self.sessions.get(ref)
@@ -144,6 +158,7 @@ class Mirror:
 
     def build(self, record: SessionRecord, versions: list[VersionRecord], refs: set[bytes], conn: Any) -> SessionState:
         """Make and cache the state of a session from its catalog rows."""
+        self._no_shared.discard((record.tenant_id, record.layout.digest))
         keys = self.keys(record.user_ref, conn)
         state = SessionState(record, keys.hash_key, self.namespace(record.user_ref, conn),
                              self.unsealed(record, versions, conn), refs)
@@ -176,6 +191,7 @@ class Mirror:
     def drop(self, ref: int) -> None:
         """Forget a session this process deleted."""
         self.sessions.pop(ref, None)
+        self._no_shared.clear()
         self._names = {k: v for k, v in self._names.items() if v != ref}
 
     # -- namespaces ------------------------------------------------------------------------

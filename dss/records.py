@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection
 from dss.catalog import aware, now
 from dss.schema import (
     Audit,
+    Change,
     Erasure,
     LayoutRow,
     PageLocation,
@@ -38,7 +39,7 @@ sessions, versions = SessionRow.__table__, VersionRow.__table__
 pages, locations, refs = PageRow.__table__, PageLocation.__table__, PageRef.__table__
 segments, quarantine = Segment.__table__, Quarantine.__table__
 user_keys, store_meta = UserKey.__table__, StoreMeta.__table__
-erasures, audit = Erasure.__table__, Audit.__table__
+erasures, audit, changes = Erasure.__table__, Audit.__table__, Change.__table__
 
 CHUNK = 500
 """Largest ``IN (...)`` list sent in one statement."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from dss import integrity, records
 from dss.catalog import Catalog, Tx
 from dss.config import StoreConfig
 from dss.epoch import Epoch
+from dss.erase import Eraser
 from dss.crypto import load_master_key, master_check, new_data_key, wrap
 from dss.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed
 from dss.hashing import chain_ids, chain_root
@@ -42,7 +44,7 @@ from dss.resume import Rates, ResumeResult
 from dss.sessions import SessionState
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
-from dss.tokens import TokenInput, pack, unpack
+from dss.tokens import TokenInput, pack, unpack, view
 from dss.trie import Span
 from dss.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
 from dss.validate import check_label, check_name, check_pages
@@ -51,6 +53,10 @@ log = logging.getLogger("dss.store")
 
 CACHE_PREFIX = "~cache-"
 """Session ids of the sessions holding pages saved without a session (one per namespace and layout)."""
+SHARED_PREFIX = "~shared-"
+"""Session ids of a tenant's registered shared prefixes (one session per layout)."""
+SHARED_USER = "~shared"
+"""The owner of a tenant's shared prefixes: the tenant, not any user."""
 
 
 class Store:
@@ -75,12 +81,16 @@ class Store:
                                segment_bytes=config.segment_bytes, pinned_pages=self._pinned_pages)
         self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
                            config.recompute_tokens_per_s)
+        self.eraser = Eraser(self.catalog, self.disk, self.host, write=self._write, forget_cached=self._forget_cached)
         self._lock = threading.RLock()
         self._closed = False
         with self.catalog.read() as conn:
             removed = self.disk.recover(set(records.all_segments(conn, "disk")))
         if removed:
             log.info("removed %d page files left behind by dead writers", len(removed))
+        finished = self.eraser.resume_all()
+        if finished:
+            log.info("finished %d erasures a crash had interrupted", len(finished))
 
     def close(self) -> None:
         """Release files and connections. Idempotent; the store is unusable afterwards."""
@@ -289,58 +299,49 @@ class Store:
     def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None) -> ResumeResult:
         """How many leading tokens of ``tokens`` have stored, readable KV, and where.
 
-        Walks the session's trie (every version, not only the head), then — past the
-        trie's match — looks the next pages up by their chain hash in the session's
-        namespace. Side-effect free: changes nothing, so engines may ask repeatedly.
+        Walks the session's trie (every version, not only the head), fills pages it lacks
+        from the tenant's registered shared prefixes, then — past the trie's match — looks
+        further pages up by their chain hash in the session's namespace. Side-effect free:
+        changes nothing, so engines may ask repeatedly.
         """
-        buf = pack(tokens)
+        buf = view(tokens)
         with self._reading():
             state = self.mirror.state(session_id, tenant_id)
-            trie = state.trie
-            match = trie.walk(buf)
-            spans = trie.available(match, state.ns.gen, self.index.code_of)
-            num_pages = sum(span.count for span in spans)
-            page_tokens = trie.page_tokens
-            version_id = None
-            if num_pages:
-                depth = num_pages * page_tokens
-                node = next(n for n in match.path if n.start < depth <= n.depth)
-                version_id = trie.version_along(node, depth, state.head)
-            total = len(buf) // 4 // page_tokens
-            if match.num_tokens < (num_pages + 1) * page_tokens and num_pages < total:
-                prev = spans[-1].page_ids[spans[-1].count - 1] if spans else trie.root_id
-                extra = _chain_span(lambda p, k: trie.chain(p, buf, k, 1)[0], prev, num_pages, total,
-                                    self.index.code_of)
-                if extra is not None:
-                    spans = [*spans, extra]
-                    num_pages += extra.count
-            layout = state.record.layout
-            return ResumeResult(state.session_id, VersionId(version_id) if version_id is not None else None,
-                                num_pages * page_tokens, len(buf) // 4, match.num_tokens, page_tokens,
-                                layout.page_bytes, spans=spans, rates=self.rates)
+            record = state.record
+            return self._match(buf, record.layout, record.tenant_id, record.user_ref, state)
 
     def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
                tenant_id: str = "default") -> ResumeResult:
-        """Like :meth:`resume` for a request with no session: exact chain-hash lookup of the
-        prompt's pages in the namespace ``(tenant_id, user_id)`` and ``layout``. Side-effect free."""
-        buf = pack(tokens)
+        """Like :meth:`resume` for a request with no session: the tenant's shared prefixes, then
+        an exact chain-hash lookup in the namespace ``(tenant_id, user_id)``. Side-effect free."""
+        buf = view(tokens)
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
         if not isinstance(layout, Layout):
             raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
-        page_tokens = layout.page_tokens
         with self._reading():
-            user_ref = self.mirror.user_ref(tenant_id, user_id)
-            span = None
-            if user_ref is not None:
-                self.mirror.namespace(user_ref)
-                key = self.mirror.keys(user_ref).hash_key
-                span = _chain_span(lambda p, k: chain_ids(key, p, buf, k, 1, page_tokens)[0],
-                                   chain_root(key, layout.digest), 0, len(buf) // 4 // page_tokens,
-                                   self.index.code_of)
-            matched = span.count * page_tokens if span else 0
-            return ResumeResult(None, None, matched, len(buf) // 4, 0, page_tokens, layout.page_bytes,
-                                spans=[span] if span else [], rates=self.rates)
+            return self._match(buf, layout, tenant_id, self.mirror.user_ref(tenant_id, user_id), None)
+
+    def register_prefix(self, tokens: TokenInput, pages: Mapping[int, bytes], *, layout: Layout,
+                        tenant_id: str = "default", label: str | None = None) -> Version:
+        """Share a prefix (a system prompt, tool definitions) with every user of the tenant.
+
+        Its pages belong to the tenant, not to any user: every session of the tenant with
+        the same layout resumes them, erasing a user leaves them, and they are pinned.
+        """
+        with self._reading():
+            session_id = f"{SHARED_PREFIX}{layout.digest.hex()[:16]}"
+            self._create(session_id, SHARED_USER, tenant_id, layout)
+            version = self.commit(session_id, tokens, pages, label=label, tenant_id=tenant_id)
+            return self.pin(session_id, version.version_id, tenant_id=tenant_id)
+
+    def shared_prefixes(self, *, tenant_id: str = "default") -> list[Version]:
+        """The registered shared prefixes of a tenant (every layout), oldest first."""
+        with self._reading():
+            out: list[Version] = []
+            for info in self.sessions(tenant_id=tenant_id, user_id=SHARED_USER):
+                out.extend(self.versions(info.session_id, tenant_id=tenant_id))
+            return out
 
     def read_pages(self, pages: Sequence[PageRef | bytes]) -> list[bytes | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
@@ -352,6 +353,37 @@ class Store:
         ids = [PageId(p.page_id if isinstance(p, PageRef) else bytes(p)) for p in pages]
         with self._reading():
             return self.pages.read(ids, self._write, self.mirror.sealer_of)
+
+    # -- erasure ---------------------------------------------------------------------------
+
+    def forget_user(self, user_id: str, *, tenant_id: str = "default", dry_run: bool = False,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Erase everything of one user (GDPR Art. 17) and return the receipt.
+
+        Destroys the user's data key first (crypto-shredding), then deletes every session,
+        version, token history and page of theirs on every tier, scrubs the catalog's free
+        space, verifies that nothing is left and records the receipt in the audit table.
+        Resumes an erasure a crash interrupted. ``dry_run=True`` returns the plan (counts
+        and bytes per tier) and changes nothing. Pages of the tenant's shared prefixes stay.
+        Raises ``ErasureIncomplete`` when verification finds anything left.
+        """
+        check_name("user_id", user_id)
+        check_name("tenant_id", tenant_id)
+        with self._reading():
+            if dry_run:
+                plan = self.eraser.plan(tenant_id, user_id)
+                user_ref = self.mirror.user_ref(tenant_id, user_id)
+                plan["tiers"]["host"] = dict(zip(("pages", "bytes"), self._host_usage(user_ref)))
+                return plan
+            return self.eraser.forget(tenant_id, user_id, progress)
+
+    def audit(self, *, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """Receipts of erasures (and other audited operations), oldest first."""
+        with self._reading():
+            with self.catalog.read() as conn:
+                rows = records.audit_rows(conn, tenant_id)
+        return [{"audit_id": r[0], "kind": r[1], "tenant_id": r[2], "user_id": r[3], "created_at": r[4].isoformat(),
+                 "receipt": json.loads(r[5])} for r in rows]
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -498,6 +530,103 @@ class Store:
             if state is not None and version_id in state.positions:
                 pinned.extend(state.page_ids(version_id))
         return pinned
+
+    def _match(self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None,
+               state: SessionState | None) -> ResumeResult:
+        """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
+        page_tokens = layout.page_tokens
+        total = len(buf) // 4 // page_tokens
+        code_of = self.index.code_of
+        spans: list[Span] = []
+        history = 0
+        own_ids: Sequence[PageId] | None = None
+        if state is not None:
+            match = state.trie.walk(buf)
+            history = match.num_tokens
+            spans = state.trie.available(match, state.ns.gen, code_of)
+        num_pages = sum(span.count for span in spans)
+        shared = self.mirror.shared(tenant_id, layout, f"{SHARED_PREFIX}{layout.digest.hex()[:16]}")
+        if shared is not None:
+            extra, own_ids = self._fill_from_shared(buf, state, shared, num_pages)
+            if extra is not None:
+                spans = [*spans, extra]
+                num_pages += extra.count
+        version_id = None
+        depth = min(num_pages * page_tokens, history)
+        if state is not None and depth:
+            node = next(n for n in match.path if n.start < depth <= n.depth)
+            version_id = state.trie.version_along(node, depth, state.head)
+        if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
+            key = self.mirror.keys(user_ref).hash_key
+            prev = self._user_page_id(buf, key, layout, own_ids, spans, num_pages)
+
+            def chain(prev_id: PageId, k: int) -> PageId:
+                return chain_ids(key, prev_id, buf, k, 1, page_tokens)[0]
+
+            if state is None:
+                self.mirror.namespace(user_ref)
+            extra = _chain_span(chain, prev, num_pages, total, code_of)
+            if extra is not None:
+                spans = [*spans, extra]
+                num_pages += extra.count
+        return ResumeResult(state.session_id if state is not None else None,
+                            VersionId(version_id) if version_id is not None else None, num_pages * page_tokens,
+                            len(buf) // 4, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates)
+
+    def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, shared: SessionState,
+                          first: int) -> tuple[Span | None, Sequence[PageId]]:
+        """Pages ``first, first+1, ...`` from the session's own trie or, where it lacks them,
+        from the shared prefixes; also the session trie's page ids of the prompt."""
+        code_of = self.index.code_of
+        own_ids: Sequence[PageId] = ()
+        own_codes = bytearray()
+        if state is not None:
+            own_ids, own_codes = state.trie.page_table(state.trie.walk(buf), state.ns.gen, code_of)
+        shared_ids, shared_codes = shared.trie.page_table(shared.trie.walk(buf), shared.ns.gen, code_of)
+        ids: list[PageId] = []
+        codes = bytearray()
+        k = first
+        while k < max(len(own_ids), len(shared_ids)):
+            if k < len(own_ids) and own_codes[k]:
+                ids.append(own_ids[k])
+                codes.append(own_codes[k])
+            elif k < len(shared_ids) and shared_codes[k]:
+                ids.append(shared_ids[k])
+                codes.append(shared_codes[k])
+            else:
+                break
+            k += 1
+        return (Span(first, tuple(ids), codes, len(ids)) if ids else None), own_ids
+
+    def _user_page_id(self, buf: bytes | memoryview, key: bytes, layout: Layout, own_ids: Sequence[PageId] | None,
+                      spans: list[Span], num_pages: int) -> PageId:
+        """The namespace's chain id of page ``num_pages - 1`` of the prompt (the root if none).
+
+        ``own_ids`` is ``None`` when no shared prefix was consulted: every span then holds
+        the namespace's own ids.
+        """
+        if num_pages == 0:
+            return chain_root(key, layout.digest)
+        if own_ids is None:
+            return spans[-1].page_ids[spans[-1].count - 1]
+        known = min(len(own_ids), num_pages)
+        prev = own_ids[known - 1] if known else chain_root(key, layout.digest)
+        if known < num_pages:
+            prev = chain_ids(key, prev, buf, known, num_pages - known, layout.page_tokens)[-1]
+        return prev
+
+    def _host_usage(self, user_ref: int | None) -> tuple[int, int]:
+        """Pages and bytes of a namespace in this process's host tier."""
+        if user_ref is None:
+            return 0, 0
+        held = [e.page_id for e in self.index.entries.values() if e.ns.user_ref == user_ref and e.page_id in self.host]
+        return len(held), sum(len(p) for p in self.host.get_many(held) if p is not None)
+
+    def _forget_cached(self, user_ref: int) -> tuple[int, int]:
+        """Drop every cached trace of a namespace in this process; return the host pages and bytes dropped."""
+        usage = self._host_usage(user_ref)
+        self.mirror.forget_user(user_ref)
+        return usage
 
     def _cache_session(self, tenant_id: str | None, user_id: str | None, layout: Layout | None) -> SessionState:
         """The session holding pages saved without a session, one per namespace and layout."""

@@ -57,6 +57,17 @@ def pack(tokens: TokenInput) -> bytes:
     raise InvalidTokens(f"tokens must be a sequence of ints or an integer array, not {type(tokens).__name__}")
 
 
+def view(tokens: TokenInput) -> bytes | memoryview:
+    """Packed tokens for reading: a zero-copy view of a contiguous little-endian uint32
+    array (numpy or ``array.array("I")``), else :func:`pack`'s bytes. Validates like ``pack``."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.ndim == 1 \
+            and tokens.flags.c_contiguous:
+        return memoryview(tokens).cast("B")
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and _LITTLE:
+        return memoryview(tokens).cast("B")
+    return pack(tokens)
+
+
 def unpack(buf: bytes) -> list[int]:
     """The token ids of a packed buffer, as a list of ints."""
     view = array.array("I")

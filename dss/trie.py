@@ -90,22 +90,29 @@ class Trie:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def walk(self, buf: bytes) -> Match:
-        """Follow the packed prompt ``buf`` as far as the trie holds it. Does not modify the trie."""
+    def walk(self, buf: bytes | memoryview) -> Match:
+        """Follow the packed prompt ``buf`` as far as the trie holds it. Does not modify the trie.
+
+        ``buf`` may be a memoryview (a zero-copy view of the caller's array): edges are
+        compared against slices of it, one ``memcmp`` each.
+        """
+        view = memoryview(buf)
         node = self.root
         pos = 0
-        end = len(buf)
+        end = len(view)
         path: list[Node] = []
         while pos < end:
-            child = node.children.get(int.from_bytes(buf[pos : pos + 4], "little"))
+            child = node.children.get(int.from_bytes(view[pos : pos + 4], "little"))
             if child is None:
                 break
             path.append(child)
-            if buf.startswith(child.tokens, pos):
-                pos += len(child.tokens)
+            edge = child.tokens
+            stop = pos + len(edge)
+            if stop <= end and edge.startswith(view[pos:stop]):
+                pos = stop
                 node = child
                 continue
-            pos += 4 * _common(child.tokens, buf, pos)
+            pos += 4 * _common(edge, view, pos)
             break
         return Match(pos // 4, path)
 
@@ -135,6 +142,22 @@ class Trie:
             if node.depth >= limit:
                 break
         return spans
+
+    def page_table(self, match: Match, gen: int, code_of: Callable[[PageId], int]) -> tuple[list[PageId], bytearray]:
+        """Ids and tier codes of every page within ``match``, holes included (code 0)."""
+        page_tokens = self.page_tokens
+        limit = match.num_tokens
+        ids: list[PageId] = []
+        codes = bytearray()
+        for node in match.path:
+            usable = min(node.depth, limit) // page_tokens - node.start // page_tokens
+            if usable > 0:
+                if node.gen != gen:
+                    node.codes = bytearray(map(code_of, node.page_ids))
+                    node.gen = gen
+                ids.extend(node.page_ids[:usable])
+                codes += node.codes[:usable]
+        return ids, codes
 
     def version_along(self, node: Node, depth: int, head: Position | None) -> VersionId | None:
         """A version whose history passes ``depth`` tokens deep on ``node``'s edge.
@@ -198,7 +221,7 @@ class Trie:
                 pos += len(child.tokens)
                 node = child
                 continue
-            common = _common(child.tokens, buf, pos)
+            common = _common(child.tokens, memoryview(buf), pos)
             if pos + 4 * common == end:
                 node = child
                 break
@@ -287,13 +310,12 @@ def _passes(position: Position, node: Node, depth: int) -> bool:
     return current is node
 
 
-def _common(edge: bytes, buf: bytes, pos: int) -> int:
-    """How many leading tokens ``edge`` shares with ``buf[pos:]`` (both packed, 4 bytes a token)."""
-    low, high = 0, min(len(edge), len(buf) - pos) // 4
-    view = memoryview(edge)
+def _common(edge: bytes, view: memoryview, pos: int) -> int:
+    """How many leading tokens ``edge`` shares with ``view[pos:]`` (both packed, 4 bytes a token)."""
+    low, high = 0, min(len(edge), len(view) - pos) // 4
     while low < high:
         mid = (low + high + 1) // 2
-        if buf.startswith(view[: 4 * mid], pos):
+        if edge.startswith(view[pos : pos + 4 * mid]):
             low = mid
         else:
             high = mid - 1

@@ -1,0 +1,163 @@
+"""forget_user: plan, receipt, audit, raw-byte canaries, shared prefixes, the key destroyed first."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import dss
+from dss.tokens import pack
+
+LAYOUT = dss.Layout(name="e", page_tokens=8, page_bytes=256)
+CANARY_TOKENS = [0xC0FFEE00 + i for i in range(64)]  # 8 pages; distinctive as packed bytes
+
+
+def canary_page(i: int) -> bytes:
+    return (b"CANARY-PAGE-%03d-" % i) * 16
+
+
+def other_page(i: int) -> bytes:
+    return (b"bob-page-%03d----" % i) * 16
+
+
+def populate(store: dss.Store) -> None:
+    """alice: 3 sessions on disk and host sharing an 8-page prefix (so 8 + 3 pages), one with a
+    rollback and a branch; bob: 2 sessions of 8 pages each."""
+    for n in range(3):
+        store.create_session(f"alice-{n}", user_id="alice", tenant_id="acme", layout=LAYOUT)
+        tokens = CANARY_TOKENS + [n] * 8
+        store.commit(f"alice-{n}", tokens, {i: canary_page(i + 8 * n) for i in range(9)})
+    v1 = store.versions("alice-0")[0].version_id
+    store.commit("alice-0", CANARY_TOKENS + [7] * 16)
+    store.rollback("alice-0", v1)
+    store.branch("alice-0", v1, "alice-fork")
+    for n in range(2):
+        store.create_session(f"bob-{n}", user_id="bob", tenant_id="acme", layout=LAYOUT)
+        tokens = [100 + n] * 64
+        store.commit(f"bob-{n}", tokens, {i: other_page(i + 8 * n) for i in range(8)})
+
+
+def raw_files(folder: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def found(folder: Path, needles: list[bytes]) -> list[str]:
+    return sorted({name for name, data in raw_files(folder).items() for needle in needles if needle in data})
+
+
+NEEDLES = [canary_page(i)[:32] for i in (*range(9), 16, 24)] + [pack(CANARY_TOKENS)[i : i + 32] for i in range(0, 224, 32)]
+
+
+def test_plan_receipt_and_audit(store: dss.Store) -> None:
+    populate(store)
+    plan = store.forget_user("alice", tenant_id="acme", dry_run=True)
+    assert {k: plan[k] for k in ("user_known", "key_present", "sessions", "versions", "pages")} == {
+        "user_known": True, "key_present": True, "sessions": 4, "versions": 5, "pages": 11}
+    assert plan["tiers"]["disk"]["pages"] == 11 and plan["tiers"]["disk"]["files"] == 3
+    assert plan["tiers"]["host"] == {"pages": 11, "bytes": 11 * 256}
+    assert len(store.sessions()) == 6  # a dry run changes nothing
+    receipt = store.forget_user("alice", tenant_id="acme")
+    assert {k: receipt[k] for k in ("kind", "tenant_id", "user_id", "user_known", "key_destroyed")} == {
+        "kind": "forget-user", "tenant_id": "acme", "user_id": "alice", "user_known": True, "key_destroyed": True}
+    assert receipt["removed"] == {"sessions": 4, "versions": 5, "pages": 11, "tiers": {
+        "disk": {"pages": 11, "bytes": plan["tiers"]["disk"]["bytes"], "files": 3},
+        "host": {"pages": 11, "bytes": 11 * 256}}}
+    assert receipt["verification"]["ok"] and [c["name"] for c in receipt["verification"]["checks"]] == [
+        "catalog rows", "page files", "host tier", "catalog files", "lsh index"]
+    assert len(receipt["page_ids_sha256"]) == 64
+    (entry,) = store.audit()
+    assert entry["receipt"] == receipt and entry["user_id"] == "alice"
+    assert [s.session_id for s in store.sessions()] == ["bob-0", "bob-1"]
+    assert store.resume("bob-1", [101] * 64).matched_tokens == 64
+    assert store.read_pages(store.resume("bob-1", [101] * 64).pages)[0] == other_page(8)
+    assert store.check() == []
+    again = store.forget_user("alice", tenant_id="acme")  # nothing left: a receipt that says so
+    assert (again["user_known"], again["removed"]["pages"], again["verification"]["ok"]) == (False, 0, True)
+    assert len(store.audit()) == 2
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "plaintext"])
+def test_canaries_leave_no_byte_in_the_store_folder(tmp_path: Path, encrypt: bool) -> None:
+    folder = tmp_path / "store"
+    with dss.open(folder, encrypt=encrypt) as store:
+        populate(store)
+        (wrapped,) = store.sql("SELECT k.wrapped FROM user_keys k JOIN users u ON u.id = k.user_ref "
+                               "WHERE u.user_id = 'alice'").rows[0]
+        alice_files = [folder / "segments" / name for (name,) in store.sql(
+            "SELECT g.name FROM segments g JOIN users u ON u.id = g.user_ref WHERE u.user_id = 'alice'").rows]
+        ciphertext = [f.read_bytes()[100:132] for f in alice_files]
+        if encrypt:
+            assert found(folder, NEEDLES) == []  # sealed at rest: no plaintext ever
+        else:
+            assert found(folder, NEEDLES)  # the scan does find plaintext where it is
+        store.forget_user("alice", tenant_id="acme")
+        assert found(folder, NEEDLES + ciphertext + [wrapped, b"alice-fork"]) == []
+        assert all(not f.exists() for f in alice_files)
+        assert store.resume("bob-0", [100] * 64).matched_tokens == 64
+        assert store.check() == []
+
+
+def test_shared_prefix_pages_stay_and_user_pages_go(store: dss.Store) -> None:
+    system = list(range(5000, 5032))  # 4 pages, registered by the operator
+    store.register_prefix(system, {i: other_page(90 + i) for i in range(4)}, layout=LAYOUT, tenant_id="acme")
+    store.create_session("a", user_id="alice", tenant_id="acme", layout=LAYOUT)
+    tokens = system + CANARY_TOKENS
+    assert store.resume("a", tokens).matched_tokens == 32  # the shared prefix
+    store.commit("a", tokens, {i: canary_page(i) for i in range(4, 12)})  # alice's own pages only
+    assert store.resume("a", tokens + [1]).matched_tokens == 96
+    receipt = store.forget_user("alice", tenant_id="acme")
+    assert receipt["removed"]["pages"] == 8
+    store.create_session("b", user_id="bob", tenant_id="acme", layout=LAYOUT)
+    result = store.resume("b", tokens)
+    assert result.matched_tokens == 32
+    assert store.read_pages(result.pages) == [other_page(90 + i) for i in range(4)]
+    assert store.check() == []
+
+
+def test_key_goes_first_and_blocks_the_user_until_done(store: dss.Store) -> None:
+    populate(store)
+    refs = store.resume("alice-1", CANARY_TOKENS).pages
+    other = dss.open(store.config.home, catalog_url=store.config.catalog_url)  # opening finishes open jobs
+    with store.catalog.write() as tx:
+        user_ref = dss.store.records.find_user(tx.conn, "acme", "alice")
+        job = dss.store.records.insert_erasure(tx.conn, "acme", "alice", user_ref,
+                                                json.dumps(store.eraser.plan_in(tx, "acme", "alice", user_ref)))
+    store.eraser._after_planned(store.eraser._job(job))  # only the first step: the key is gone
+    try:
+        assert other.read_pages(refs) == [None] * len(refs)  # nothing readable, though the files are there
+        with pytest.raises(dss.ErasureInProgress):
+            other.tokens("alice-1", tenant_id="acme")
+        with pytest.raises(dss.ErasureInProgress):
+            other.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)
+        assert store.read_pages(refs) == [None] * len(refs)
+    finally:
+        other.close()
+    receipt = store.eraser.run(job)
+    assert receipt["verification"]["ok"] and receipt["removed"]["sessions"] == 4
+    store.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)  # a new namespace, empty
+    assert store.resume("new", CANARY_TOKENS).matched_tokens == 0
+
+
+def test_other_processes_drop_their_caches(open_store) -> None:
+    a, b = open_store(), open_store()
+    populate(a)
+    refs = b.resume("alice-2", CANARY_TOKENS).pages
+    assert b.read_pages(refs)[0] == canary_page(0) and b.host.used_bytes > 0
+    a.forget_user("alice", tenant_id="acme")
+    assert b.read_pages(refs) == [None] * len(refs)
+    with pytest.raises(dss.UnknownSession):
+        b.resume("alice-2", CANARY_TOKENS, tenant_id="acme")
+    assert b.host.used_bytes == 0 or all(ref.page_id not in b.host for ref in refs)
+    assert b.check() == []
+
+
+def test_master_key_must_live_outside_and_match(tmp_path: Path) -> None:
+    with pytest.raises(dss.ConfigError, match="inside the store folder"):
+        dss.open(tmp_path / "s", master_key_file=tmp_path / "s" / "master.key")
+    dss.open(tmp_path / "s").close()
+    with pytest.raises(dss.ConfigError, match="another master key"):
+        dss.open(tmp_path / "s", master_key="ab" * 32)
+    assert oct(os.stat(os.environ["DSS_MASTER_KEY_FILE"]).st_mode & 0o777) == "0o600"
