@@ -104,6 +104,7 @@ def test_openapi_lists_every_endpoint_with_its_error_responses(service: Service)
         ("/v1/tokens", "get"), ("/v1/commit", "post"), ("/v1/pages", "post"), ("/v1/pages/read", "post"),
         ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
         ("/v1/pin", "post"), ("/v1/sql", "post"), ("/v1/check", "get"), ("/v1/stats", "get"),
+        ("/v1/forget_user", "post"), ("/v1/audit", "get"),
     }
     for path, item in doc["paths"].items():
         if path.startswith("/v1/"):
@@ -173,6 +174,20 @@ def test_bodies_over_the_limit_are_413_before_anything_runs(tmp_path: Path) -> N
         streamed = svc.call("POST", "/v1/commit", content=chunks(), headers={"content-type": "application/json"})
         expect_problem(streamed, "PayloadTooLarge", 413, "request bodies are limited to 4096 bytes (max_body_bytes)")
         assert svc.ok("GET", "/v1/versions", params={"session_id": "s"}) == []
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/commit", b'{"session_id": "s", "tokens": [1], "label": "\\ud800"}'),
+    ("/v1/sessions", b'{"session_id": "s", "user_id": "\\ud800", "layout": {"name": "x", "page_tokens": 1}}'),
+    ("/v1/sessions", b'{"session_id": "s", "layout": {"name": "x", "page_tokens": 1, "dtype": "\\udfff"}}'),
+    ("/v1/sql", b'{"query": "SELECT :p", "params": {"p": "\\ud800"}}'),
+])
+def test_text_that_is_not_unicode_is_400_not_500(service: Service, path: str, body: bytes) -> None:
+    """JSON can escape a lone surrogate; no catalog can store one and no response can carry it."""
+    response = service.call("POST", path, "admin", content=body, headers={"content-type": "application/json"})
+    expect_problem(response, "InvalidInput", 400,
+                   "invalid request: body: Value error, text must be valid Unicode (no lone surrogates)")
+    assert service.store.sessions() == []
 
 
 def test_an_unexpected_failure_is_a_500_problem_without_internals(service: Service,
@@ -283,8 +298,8 @@ def test_commit_returns_the_new_head_and_stores_pages(service: Service) -> None:
      "page index 2 is out of range: 10 tokens hold 2 full pages of 4 tokens"),
     ({"tokens": T, "pages": {"x": b64(page(1))}}, "InvalidInput",
      "invalid request: body.pages.x.[key]: Input should be a valid integer, unable to parse string as an integer"),
-    ({"tokens": T, "label": "x" * 257}, "InvalidInput", f"label must be a string of at most 256 characters, got "
-                                                         f"{'x' * 257!r}"),
+    ({"tokens": T, "label": "x" * 257}, "InvalidInput",
+     f"label must be a string of at most 256 characters, got {'x' * 257!r}"),
 ])
 def test_commit_refuses_bad_input_and_changes_nothing(service: Service, body: dict[str, Any], kind: str,
                                                       detail: str) -> None:
@@ -480,3 +495,35 @@ def test_check_and_stats_need_an_admin_key(service: Service) -> None:
     assert stats["host"] == {"pages": 1, "bytes": 16, "capacity": 1 << 30}
     for path, what in (("/v1/check", "check"), ("/v1/stats", "stats")):
         expect_problem(service.call("GET", path), "Forbidden", 403, f"{what} needs an admin API key")
+
+
+# -- erasure -----------------------------------------------------------------------------------
+
+
+def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> None:
+    service.create("a", user_id="gone")
+    service.create("b", user_id="stays")
+    service.commit(T, "a", pages={0: page(1), 1: page(2)})
+    service.commit(T, "b", pages={0: page(3)})
+    plan = service.ok("POST", "/v1/forget_user", json={"user_id": "gone", "dry_run": True})
+    assert (plan["tenant_id"], plan["user_id"], plan["sessions"], plan["versions"], plan["pages"]) == (
+        "t1", "gone", 1, 1, 2)
+    assert len(service.store.sessions(tenant_id="t1")) == 2  # a plan changes nothing
+    receipt = service.ok("POST", "/v1/forget_user", json={"user_id": "gone"})
+    assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["key_destroyed"]) == (
+        "forget-user", "t1", "gone", True)
+    assert receipt["removed"]["sessions"] == 1 and receipt["verification"]["ok"] is True
+    expect_problem(service.call("GET", "/v1/session", params={"session_id": "a"}), "UnknownSession", 404,
+                   "no session 'a' in tenant 't1'")
+    assert service.ok("GET", "/v1/session", params={"session_id": "b"})["head_id"] == 2
+    [row] = service.ok("GET", "/v1/audit")
+    assert (row["kind"], row["tenant_id"], row["user_id"], row["receipt"]) == ("forget-user", "t1", "gone", receipt)
+    assert service.ok("GET", "/v1/audit", "t2") == []
+    assert len(service.ok("GET", "/v1/audit", "admin", params={"all_tenants": "true"})) == 1
+    expect_problem(service.call("GET", "/v1/audit", params={"all_tenants": "true"}), "Forbidden", 403,
+                   "reading every tenant's audit needs an admin API key")
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "x", "tenant_id": "t2"}),
+                   "Forbidden", 403, "writes go to the API key's own tenant 't1', not 't2'")
+    expect_problem(service.call("POST", "/v1/forget_user", json={"user_id": ""}), "InvalidInput", 400,
+                   "user_id must be a printable string of 1 to 256 characters, got ''")
+    assert service.store.check() == []

@@ -13,7 +13,7 @@ import dss
 from dss.apikeys import KeyRing
 from dss.problems import problem
 from dss.server import create_app
-from tests.test_server import LAYOUT, T, Service, page
+from tests.test_server import LAYOUT, Service, T, page
 
 
 def scrape(svc: Service, who: str | None = "admin") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_server import LAYOUT_JSON, T, Service, b64, page
+from tests.test_server import LAYOUT_JSON, Service, T, b64, page
 
 X = [1, 2, 3, 4]  # one more page
 
@@ -161,3 +161,13 @@ def test_an_admin_key_reads_other_tenants_but_writes_only_its_own(twins: Service
         assert (answer.status_code, answer.json()["detail"]) == (
             403, "writes go to the API key's own tenant 't1', not 't2'"), name
     assert twins.ok("GET", "/v1/session", "t2", params={"session_id": "chat"})["num_versions"] == 1
+
+
+def test_forgetting_a_user_in_one_tenant_leaves_the_same_user_id_in_the_other(twins: Service) -> None:
+    receipt = twins.ok("POST", "/v1/forget_user", "t2", json={"user_id": "u"})
+    assert (receipt["tenant_id"], receipt["removed"]["sessions"]) == ("t2", 1)
+    assert twins.ok("GET", "/v1/sessions", "t2") == []
+    assert [s["session_id"] for s in twins.ok("GET", "/v1/sessions", "t1")] == ["chat", "only1"]
+    assert twins.ok("POST", "/v1/resume", "t1", json={"session_id": "chat", "tokens": T + X})["matched_tokens"] == 12
+    assert twins.ok("GET", "/v1/audit", "t1") == []
+    assert twins.store.check() == []

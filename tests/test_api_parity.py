@@ -1,0 +1,323 @@
+"""The same API-level tests against ``dss.open(...)`` and ``dss.connect(...)``.
+
+``api`` is an embedded :class:`dss.Store`, or a :class:`dss.client.Client` of a real
+``dss serve`` process on loopback (SQLite catalog, and PostgreSQL), so code can switch
+between them by one line. Every test acts in a fresh tenant (``tenant``): the client's
+admin key belongs to it, and the store is passed it explicitly, so both see exactly the
+same sessions. Version ids are compared relative to each other: the service's store is
+shared by all tests of the module.
+"""
+
+from __future__ import annotations
+
+import array
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dss
+from dss.service_process import ServiceProcess
+from tests.conftest import _pg_schema
+
+LAYOUT = dss.Layout(name="parity", page_tokens=4, page_bytes=32, model="tiny", dtype="int8")
+T = list(range(200, 210))  # two full pages and two tokens of tail
+
+
+def page(tag: int) -> bytes:
+    return bytes([tag]) * LAYOUT.page_bytes
+
+
+@pytest.fixture(scope="module")
+def sqlite_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ServiceProcess(tmp_path_factory.mktemp("service")) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def pg_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    for url in _pg_schema():
+        with ServiceProcess(tmp_path_factory.mktemp("pg-service"), env={"DSS_CATALOG_URL": url}) as service:
+            yield service
+
+
+@pytest.fixture
+def tenant() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(params=["store", "client", "client-postgresql"])
+def api(request: pytest.FixtureRequest, tmp_path: Path, tenant: str) -> Iterator[Any]:
+    if request.param == "store":
+        with dss.open(tmp_path / "store", fsync=False) as store:
+            yield store
+        return
+    service = request.getfixturevalue("pg_service" if request.param == "client-postgresql" else "sqlite_service")
+    with dss.connect(service.url, api_key=service.add_key(tenant, is_admin=True)) as client:
+        yield client
+
+
+def make(api: Any, tenant: str, session_id: str = "s", user_id: str = "u") -> dss.Session:
+    return api.create_session(session_id, user_id=user_id, tenant_id=tenant, layout=LAYOUT)
+
+
+# -- sessions ----------------------------------------------------------------------------------
+
+
+def test_create_session_returns_the_session_and_is_idempotent(api: Any, tenant: str) -> None:
+    s = make(api, tenant)
+    assert isinstance(s, dss.Session)
+    assert (s.session_id, s.tenant_id, s.user_id, s.layout, s.head_id, s.num_versions) == (
+        "s", tenant, "u", LAYOUT, None, 0)
+    assert s.created_at.tzinfo is not None
+    assert make(api, tenant) == s
+    assert api.session("s") == s
+    with pytest.raises(dss.SessionExists, match=f"session 's' exists in tenant '{tenant}' with another owner"):
+        make(api, tenant, user_id="v")
+
+
+@pytest.mark.parametrize(("session_id", "layout", "error", "message"), [
+    ("~x", LAYOUT, dss.InvalidInput, "session ids starting with '~' are reserved for dss"),
+    ("", LAYOUT, dss.InvalidInput, "session_id must be a printable string of 1 to 256 characters"),
+    ("x" * 257, LAYOUT, dss.InvalidInput, "session_id must be a printable string of 1 to 256 characters"),
+    ("s", {"name": "x", "page_tokens": 4, "page_bytes": 8}, dss.InvalidInput, "layout must be a dss.Layout, not dict"),
+])
+def test_create_session_refuses_bad_input(api: Any, tenant: str, session_id: str, layout: Any,
+                                          error: type[dss.DssError], message: str) -> None:
+    with pytest.raises(error, match=message):
+        api.create_session(session_id, user_id="u", tenant_id=tenant, layout=layout)
+    assert api.sessions(tenant_id=tenant) == []
+
+
+def test_sessions_list_filters_by_user_and_delete_releases_pages(api: Any, tenant: str) -> None:
+    make(api, tenant, "a", user_id="u1")
+    make(api, tenant, "b", user_id="u2")
+    api.commit("a", T, {0: page(1), 1: page(2)})
+    assert [s.session_id for s in api.sessions(tenant_id=tenant)] == ["a", "b"]
+    assert [s.session_id for s in api.sessions(tenant_id=tenant, user_id="u2")] == ["b"]
+    assert api.delete_session("a") == 2
+    with pytest.raises(dss.UnknownSession, match="no session 'a'"):
+        api.session("a")
+    with pytest.raises(dss.UnknownSession, match="no session 'a'"):
+        api.delete_session("a")
+    assert api.check() == []
+
+
+# -- versions ----------------------------------------------------------------------------------
+
+
+def test_commit_versions_and_tokens(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    v1 = api.commit("s", T, label="turn 1")
+    v2 = api.commit("s", T + [1, 2, 3])
+    assert isinstance(v1, dss.Version)
+    assert (v1.session_id, v1.parent_id, v1.num_tokens, v1.label, v1.is_head, v1.is_pinned) == (
+        "s", None, 10, "turn 1", True, False)
+    assert (v2.parent_id, v2.num_tokens, v2.label, v2.is_head) == (v1.version_id, 13, None, True)
+    assert api.versions("s") == [v1._replace(is_head=False), v2]
+    assert api.tokens("s") == T + [1, 2, 3]
+    assert api.tokens("s", v1.version_id) == T
+    assert api.session("s").head_id == v2.version_id
+    with pytest.raises(dss.UnknownVersion, match=f"version {v2.version_id + 1000} is not a version of session 's'"):
+        api.tokens("s", v2.version_id + 1000)
+    with pytest.raises(dss.UnknownSession, match="no session 'x'"):
+        api.commit("x", T)
+
+
+@pytest.mark.parametrize("tokens", [array.array("I", T), np.array(T, dtype=np.int64), tuple(T)])
+def test_commit_accepts_integer_buffers(api: Any, tenant: str, tokens: Any) -> None:
+    make(api, tenant)
+    assert api.commit("s", tokens).num_tokens == 10
+    assert api.tokens("s") == T
+
+
+@pytest.mark.parametrize(("tokens", "message"), [
+    ([], "commit needs at least one token"),
+    ([1, -1], r"token 1 is -1: ids must lie in \[0, 4294967295\]"),
+    ([2**32], r"token 0 is 4294967296: ids must lie in \[0, 4294967295\]"),
+    ([1, "2"], r"token 1 is '2' \(str\): ids must be integers"),
+    (np.array([1.5]), "tokens must have an integer dtype, got float64"),
+    ("abc", "tokens must be integer ids, not str"),
+])
+def test_commit_refuses_bad_tokens_and_changes_nothing(api: Any, tenant: str, tokens: Any, message: str) -> None:
+    make(api, tenant)
+    with pytest.raises(dss.InvalidTokens, match=message):
+        api.commit("s", tokens)
+    assert api.versions("s") == []
+
+
+@pytest.mark.parametrize(("pages", "message"), [
+    ({0: b"short"}, "page 0 has 5 bytes; layout 'parity' pages have 32"),
+    ({2: page(1)}, "page index 2 is out of range: 10 tokens hold 2 full pages of 4 tokens"),
+    ({0: "text"}, "page 0 must be bytes-like, not str"),
+    ([page(1)], "pages must be a mapping of page index to bytes, not list"),
+])
+def test_commit_refuses_bad_pages_and_changes_nothing(api: Any, tenant: str, pages: Any, message: str) -> None:
+    make(api, tenant)
+    with pytest.raises(dss.InvalidPage, match=message):
+        api.commit("s", T, pages)
+    assert api.versions("s") == []
+    assert api.check() == []
+
+
+def test_rollback_then_commit_forks_from_the_old_version(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    v1 = api.commit("s", T)
+    v2 = api.commit("s", T + [1])
+    back = api.rollback("s", v1.version_id)
+    assert back == v1._replace(is_head=True)
+    v3 = api.commit("s", T + [2])
+    assert v3.parent_id == v1.version_id
+    assert [v.is_head for v in api.versions("s")] == [False, False, True]
+    assert api.tokens("s", v2.version_id) == T + [1]
+    with pytest.raises(dss.UnknownVersion):
+        api.rollback("s", v3.version_id + 1000)
+    with pytest.raises(dss.InvalidInput, match="version_id must be an int"):
+        api.rollback("s", "1")
+
+
+def test_branch_shares_pages_and_refuses_taken_names(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    v1 = api.commit("s", T, {0: page(1), 1: page(2)})
+    b = api.branch("s", v1.version_id, "b", label="regenerate")
+    assert isinstance(b, dss.Session)
+    assert (b.session_id, b.tenant_id, b.user_id, b.layout, b.num_versions) == ("b", tenant, "u", LAYOUT, 1)
+    assert api.tokens("b") == T
+    assert api.versions("b")[0].label == "regenerate"
+    r = api.resume("b", T + [5])
+    assert (r.matched_tokens, r.tiers) == (8, {"host": 8})
+    assert api.read_pages(r.pages) == [page(1), page(2)]
+    with pytest.raises(dss.SessionExists, match=f"session 'b' already exists in tenant '{tenant}'"):
+        api.branch("s", v1.version_id, "b")
+    with pytest.raises(dss.InvalidInput, match="reserved"):
+        api.branch("s", v1.version_id, "~b")
+    assert api.check() == []
+
+
+def test_pin_and_unpin(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    v1 = api.commit("s", T)
+    assert api.pin("s", v1.version_id) == v1._replace(is_pinned=True)
+    assert api.versions("s")[0].is_pinned is True
+    assert api.pin("s", v1.version_id, pinned=False).is_pinned is False
+
+
+# -- resume and pages --------------------------------------------------------------------------
+
+
+def test_resume_reports_page_aligned_matches_on_their_tiers(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    v1 = api.commit("s", T, {0: page(1), 1: page(2)})
+    r = api.resume("s", T + [7, 8, 9])
+    assert isinstance(r, dss.ResumeResult)
+    assert (r.session_id, r.version_id, r.matched_tokens, r.num_prompt_tokens, r.num_history_tokens,
+            r.num_new_tokens, r.page_tokens, r.page_bytes) == ("s", v1.version_id, 8, 13, 10, 5, 4, 32)
+    assert [(p.index, p.tier, len(p.page_id)) for p in r.pages] == [(0, "host", 16), (1, "host", 16)]
+    assert r.tiers == {"host": 8}
+    assert (r.load_seconds, r.recompute_seconds, r.should_load) == (64 / 8e9, 8 / 4000, True)
+    assert api.read_pages(r.pages) == [page(1), page(2)]
+    assert api.read_pages([r.pages[1].page_id, bytes(16)]) == [page(2), None]
+    assert api.read_pages([]) == []
+    miss = api.resume("s", [1, 2, 3, 4, 5])
+    assert (miss.matched_tokens, miss.version_id, miss.pages, miss.tiers, miss.should_load) == (0, None, [], {}, False)
+    with pytest.raises(dss.UnknownSession):
+        api.resume("nope", T)
+    with pytest.raises(dss.InvalidTokens):
+        api.resume("s", [-5])
+
+
+def test_resume_stops_at_the_first_page_no_tier_holds(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1)})
+    r = api.resume("s", T)
+    assert (r.matched_tokens, r.num_history_tokens, [p.index for p in r.pages]) == (4, 10, [0])
+
+
+def test_save_pages_before_commit_and_lookup_without_session(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    assert api.save_pages("s", T, {0: page(1), 1: page(2)}) == 2
+    assert api.save_pages("s", T, {0: page(1)}) == 0
+    assert api.resume("s", T).matched_tokens == 8
+    assert api.save_pages(None, [9] * 8, {0: page(3), 1: page(4)}, tenant_id=tenant, user_id="w", layout=LAYOUT) == 2
+    found = api.lookup([9] * 8 + [1], layout=LAYOUT, user_id="w", tenant_id=tenant)
+    assert (found.session_id, found.version_id, found.matched_tokens, found.tiers) == (None, None, 8, {"host": 8})
+    assert api.read_pages(found.pages) == [page(3), page(4)]
+    assert api.lookup([9] * 8, layout=LAYOUT, user_id="nobody", tenant_id=tenant).matched_tokens == 0
+    with pytest.raises(dss.InvalidInput, match="save_pages without a session needs tenant_id, user_id and layout"):
+        api.save_pages(None, T, {0: page(1)}, tenant_id=tenant, user_id="w")
+    assert api.check() == []
+
+
+# -- inspection --------------------------------------------------------------------------------
+
+
+def test_sql_reads_the_catalog_views_and_refuses_writes(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    out = api.sql("SELECT session_id, num_versions, head_tokens, num_pages, page_bytes FROM session_summary "
+                  "WHERE tenant_id = :t", {"t": tenant})
+    assert out == dss.SqlResult(["session_id", "num_versions", "head_tokens", "num_pages", "page_bytes"],
+                                [("s", 1, 10, 2, 64)])
+    ids = api.sql("SELECT page_id FROM pages ORDER BY page_index", max_rows=1).rows
+    assert len(ids) == 1 and isinstance(ids[0][0], bytes) and len(ids[0][0]) == 16
+    with pytest.raises(dss.ReadOnlyViolation):
+        api.sql("DELETE FROM sessions")
+    with pytest.raises(dss.SqlError):
+        api.sql("SELEC 1")
+    assert [s.session_id for s in api.sessions(tenant_id=tenant)] == ["s"]
+
+
+def test_check_and_stats(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1)})
+    assert api.check() == []
+    stats = api.stats()
+    assert set(stats) == {"host", "disk"}
+    assert stats["host"]["pages"] >= 1 and stats["disk"]["bytes"] >= 32
+
+
+def test_a_multi_turn_conversation_with_undo_and_regenerate(api: Any, tenant: str) -> None:
+    """A chat backend's turn loop: resume, commit, undo (rollback), regenerate (branch)."""
+    make(api, tenant, "chat")
+    history: list[int] = []
+    heads = []
+    for turn in range(4):
+        prompt = history + [1000 + turn] * 6
+        assert api.resume("chat", prompt).matched_tokens == len(history) // 4 * 4
+        history = prompt + [2000 + turn] * 5
+        pages = {i: page(turn * 10 + i) for i in range(len(history) // 4)}
+        heads.append(api.commit("chat", history, pages))
+    api.rollback("chat", heads[1].version_id)
+    assert api.tokens("chat") == api.tokens("chat", heads[1].version_id)
+    regenerated = api.branch("chat", heads[2].version_id, "chat-regen")
+    assert api.tokens("chat-regen") == api.tokens("chat", heads[2].version_id)
+    r = api.resume("chat", api.tokens("chat", heads[3].version_id))
+    assert (r.matched_tokens, r.version_id) == (heads[3].num_tokens // 4 * 4, heads[3].version_id)
+    assert regenerated.head_id is not None
+    assert api.check() == []
+
+
+# -- erasure -----------------------------------------------------------------------------------
+
+
+def test_forget_user_erases_only_that_user_and_leaves_a_receipt(api: Any, tenant: str) -> None:
+    make(api, tenant, "a", user_id="gone")
+    make(api, tenant, "b", user_id="stays")
+    api.commit("a", T, {0: page(1), 1: page(2)})
+    api.commit("b", T, {0: page(3)})
+    plan = api.forget_user("gone", tenant_id=tenant, dry_run=True)
+    assert (plan["user_id"], plan["sessions"], plan["versions"], plan["pages"]) == ("gone", 1, 1, 2)
+    receipt = api.forget_user("gone", tenant_id=tenant)
+    assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["key_destroyed"]) == (
+        "forget-user", tenant, "gone", True)
+    assert receipt["removed"]["pages"] == 2 and receipt["verification"]["ok"] is True
+    assert [s.session_id for s in api.sessions(tenant_id=tenant)] == ["b"]
+    with pytest.raises(dss.UnknownSession):
+        api.resume("a", T)
+    assert api.resume("b", T).matched_tokens == 4
+    assert [(r["kind"], r["user_id"], r["receipt"]) for r in api.audit(tenant_id=tenant)] == [
+        ("forget-user", "gone", receipt)]
+    assert api.check() == []
