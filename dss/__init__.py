@@ -22,17 +22,22 @@ from dss.errors import (
     DssError,
     ErasureIncomplete,
     ErasureInProgress,
+    Forbidden,
+    InternalError,
     InvalidInput,
     InvalidLayout,
     InvalidPage,
     InvalidTokens,
     NotFound,
+    PayloadTooLarge,
     ReadOnlyViolation,
     SchemaOutdated,
     SchemaTooNew,
     SessionExists,
     SqlError,
     StoreClosed,
+    Unauthorized,
+    Unavailable,
     UnknownSession,
     UnknownVersion,
 )
@@ -44,7 +49,8 @@ from dss.types import Layout, Namespace, PageId, PageRef, Session, SessionId, Sq
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmbiguousSession", "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "InvalidInput", "InvalidLayout", "InvalidPage",
+    "AmbiguousSession", "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "Forbidden",
+    "InternalError", "PayloadTooLarge", "Unauthorized", "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage",
     "InvalidTokens", "Layout", "Namespace", "NotFound", "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult",
     "SchemaOutdated", "SchemaTooNew", "Session", "SessionExists", "SessionId", "SqlError", "SqlResult", "Store",
     "StoreClosed", "StoreConfig", "UnknownSession", "UnknownVersion", "Version", "VersionId", "configure", "connect",

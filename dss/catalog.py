@@ -199,7 +199,7 @@ class Catalog:
                 if "interrupted" in message:
                     raise SqlError(f"query ran longer than {self.sql_timeout_s}s") from None
                 raise SqlError(f"query failed: {message}") from None
-            except (sqlite3.Warning, sqlite3.ProgrammingError, ValueError) as exc:
+            except (sqlite3.Warning, sqlite3.ProgrammingError, ValueError, OverflowError) as exc:
                 raise SqlError(f"query failed: {exc}") from None
             columns = [d[0] for d in cursor.description or ()]
             return SqlResult(columns, [tuple(r) for r in rows])

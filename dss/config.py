@@ -95,6 +95,7 @@ def load_config(home: str | os.PathLike[str] | None = None, **overrides: Any) ->
                 file_values = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {file_path}: {exc}") from None
+    file_values.pop("server", None)  # the [server] table configures `dss serve`, not the store
     values = {**file_values, **env, **{k: v for k, v in overrides.items() if v is not None}}
     values["home"] = Path(chosen_home)
     try:

@@ -56,6 +56,7 @@ class Mirror:
         self._names: dict[tuple[str, str | None], int] = {}
         self._keys: dict[int, Keys] = {}
         self._no_shared: set[tuple[str, bytes]] = set()
+        self._tenants: dict[int, str] = {}
         self._own: set[int] = set()
         self._seq = catalog.latest_seq()
         self._epoch_seen = epoch.read()
@@ -243,6 +244,16 @@ class Mirror:
         for ref in [ref for ref, state in self.sessions.items() if state.record.user_ref == user_ref]:
             self.drop(ref)
         self.index.drop_namespace(user_ref)
+
+    def tenant_of(self, user_ref: int) -> str | None:
+        """The tenant a namespace belongs to (``None`` for an unknown one)."""
+        tenant = self._tenants.get(user_ref)
+        if tenant is None:
+            with self.catalog.read() as conn:
+                tenant = records.tenant_of(conn, user_ref)
+            if tenant is not None:
+                self._tenants[user_ref] = tenant
+        return tenant
 
     def user_ref(self, tenant_id: str, user_id: str) -> int | None:
         with self.catalog.read() as conn:

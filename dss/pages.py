@@ -237,6 +237,14 @@ class PageStore:
             self._quarantine([(wanted[f.index][1], f.reason) for f in failures], write)
         return out
 
+    def owned_by(self, ids: Sequence[PageId], allowed: Callable[[int], bool]) -> list[bool]:
+        """For each page id, whether this process knows it and ``allowed(owner's user_ref)``."""
+        entries = self.index.entries
+        unknown = [page_id for page_id in ids if page_id not in entries]
+        if unknown:
+            self._learn(unknown)
+        return [page_id in entries and allowed(entries[page_id].ns.user_ref) for page_id in ids]
+
     def _learn(self, page_ids: list[PageId]) -> None:
         """Load catalog rows of pages this process has not seen (another process wrote them)."""
         with self.catalog.read() as conn:

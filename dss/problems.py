@@ -15,46 +15,20 @@ from __future__ import annotations
 from typing import Any
 
 from dss import errors
-from dss.errors import DssError, InvalidInput, NotFound
+from dss.errors import (
+    DssError,
+    Forbidden,
+    InternalError,
+    InvalidInput,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+)
 
 PROBLEM_TYPE_PREFIX = "urn:dss:problem:"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-
-
-class Unauthorized(DssError):
-    """The request carries no API key, or one the service does not know."""
-
-    status = 401
-
-
-class Forbidden(DssError):
-    """The API key may not do this (another tenant's data, or an admin-only endpoint)."""
-
-    status = 403
-
-
-class MethodNotAllowed(DssError):
-    """The endpoint exists but not with this HTTP method."""
-
-    status = 405
-
-
-class PayloadTooLarge(InvalidInput):
-    """A request body (or the pages a read asks for) exceeds the service's size limit."""
-
-    status = 413
-
-
-class Unavailable(DssError):
-    """The service cannot be reached, or is shutting down; the request may be retried."""
-
-    status = 503
-
-
-class InternalError(DssError):
-    """The service failed on its own (a bug or a broken disk); nothing the client sent caused it."""
-
-    status = 500
 
 
 SERVICE_ERRORS: dict[str, type[DssError]] = {

@@ -67,6 +67,11 @@ def find_user(conn: Connection, tenant_id: str, user_id: str) -> int | None:
         tenants.c.tenant_id == tenant_id, users.c.user_id == user_id)).scalar()
 
 
+def tenant_of(conn: Connection, user_ref: int) -> str | None:
+    return conn.execute(select(tenants.c.tenant_id).join(users, users.c.tenant_ref == tenants.c.id)
+                        .where(users.c.id == user_ref)).scalar()
+
+
 def ensure_user(conn: Connection, tenant_ref: int, user_id: str) -> int:
     where = and_(users.c.tenant_ref == tenant_ref, users.c.user_id == user_id)
     ref = conn.execute(select(users.c.id).where(where)).scalar()

@@ -30,7 +30,7 @@ import dss
 from dss import api_models as m
 from dss.apikeys import KeyRing, Principal
 from dss.config import StoreConfig
-from dss.errors import DssError, InvalidInput, InvalidTokens, NotFound
+from dss.errors import DssError, InvalidInput, InvalidTokens, NotFound, StoreClosed
 from dss.problems import PROBLEM_MEDIA_TYPE, InternalError, MethodNotAllowed, error_class
 from dss.server_config import ServerConfig
 from dss.server_middleware import (
@@ -164,7 +164,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/healthz", response_model=m.HealthOut, tags=["service"], responses={503: _ERRORS[503]})
     def healthz(request: Request) -> dict[str, Any]:
         """Liveness and readiness: 200 while the store is open, 503 once it is closing."""
-        request.app.state.store._check_open()
+        if request.app.state.store.is_closed:
+            raise StoreClosed("this store is closed")
         return {"status": "ok", "version": dss.__version__}
 
     @app.get("/metrics", tags=["service"], response_class=Response,

@@ -101,6 +101,11 @@ class Store:
                 self.mirror.epoch.close()
                 self.catalog.close()
 
+    @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def __enter__(self) -> Store:
         return self
 
@@ -343,16 +348,22 @@ class Store:
                 out.extend(self.versions(info.session_id, tenant_id=tenant_id))
             return out
 
-    def read_pages(self, pages: Sequence[PageRef | bytes]) -> list[bytes | None]:
+    def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None) -> list[bytes | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
 
         ``None`` for a page no tier holds any more or whose bytes fail verification (that
-        page is quarantined: removed from the catalog, recorded in ``quarantine``).
-        Reads from disk are batched and promote the pages to host.
+        page is quarantined: removed from the catalog, recorded in ``quarantine``), and,
+        with ``tenant_id``, for a page of another tenant. Reads from disk are batched and
+        promote the pages to host.
         """
         ids = [PageId(p.page_id if isinstance(p, PageRef) else bytes(p)) for p in pages]
         with self._reading():
-            return self.pages.read(ids, self._write, self.mirror.sealer_of)
+            if tenant_id is None:
+                return self.pages.read(ids, self._write, self.mirror.sealer_of)
+            allowed = self.pages.owned_by(ids, lambda user_ref: self.mirror.tenant_of(user_ref) == tenant_id)
+            found = iter(self.pages.read([i for i, ok in zip(ids, allowed) if ok], self._write,
+                                         self.mirror.sealer_of))
+            return [next(found) if ok else None for ok in allowed]
 
     # -- erasure ---------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ class Layout:
     digest: bytes
 
     def __init__(self, name: str, page_tokens: int, page_bytes: int, **fields: Any) -> None:
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or not _utf8(name):
             raise InvalidLayout("layout name must be a non-empty string")
         for label, value, upper in (("page_tokens", page_tokens, 1 << 16), ("page_bytes", page_bytes, 1 << 30)):
             if type(value) is not int or not 1 <= value <= upper:
@@ -53,6 +53,8 @@ class Layout:
         for key, value in fields.items():
             if not isinstance(value, _FIELD_TYPES):
                 raise InvalidLayout(f"layout field {key!r} must be str, int, float or bool, got {type(value).__name__}")
+            if not _utf8(key) or isinstance(value, str) and not _utf8(value):
+                raise InvalidLayout(f"layout field {key!r} is not valid text")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "page_tokens", page_tokens)
         object.__setattr__(self, "page_bytes", page_bytes)
@@ -94,6 +96,14 @@ class Layout:
             return cls(data.pop("name"), data.pop("page_tokens"), data.pop("page_bytes"), **data)
         except KeyError as exc:
             raise InvalidLayout(f"layout lacks the field {exc.args[0]!r}") from None
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Namespace(NamedTuple):

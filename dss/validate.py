@@ -18,8 +18,17 @@ def check_name(label: str, value: Any) -> None:
 
 
 def check_label(label: Any) -> None:
-    if label is not None and (not isinstance(label, str) or len(label) > MAX_NAME):
+    if label is not None and (not isinstance(label, str) or len(label) > MAX_NAME or not is_text(label)):
         raise InvalidInput(f"label must be a string of at most {MAX_NAME} characters, got {label!r}")
+
+
+def is_text(value: str) -> bool:
+    """Whether a string can be stored (UTF-8 encodes it: no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_version_id(version_id: Any) -> int:
