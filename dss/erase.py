@@ -298,7 +298,7 @@ def _purge(tx: Tx, user_ref: int, host: dict[str, int]) -> dict[str, Any]:
         conn.execute(delete(records.refs).where(records.refs.c.page_id.in_(part)))
         conn.execute(delete(records.locations).where(records.locations.c.page_id.in_(part)))
     conn.execute(delete(p).where(p.c.user_ref == user_ref))
-    conn.execute(delete(seg).where(seg.c.user_ref == user_ref))
+    records.delete_segments(conn, seg.c.user_ref == user_ref)
     conn.execute(delete(s).where(s.c.user_ref == user_ref))
     for table in (records.quarantine, records.changes):
         conn.execute(delete(table).where(table.c.user_ref == user_ref))

@@ -53,7 +53,7 @@ def _sessions(store: Store, conn: object) -> list[str]:
         if any(p.startswith("version ") and name in p for p in problems):
             continue
         key = store.mirror.keys(record.user_ref, conn).hash_key
-        fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, set())
+        fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, {})
         contained: set[bytes] = set()
         for version_id in fresh.positions:
             contained.update(fresh.page_ids(version_id))
@@ -111,6 +111,9 @@ def _segments(store: Store, conn: object) -> list[str]:
         if name not in rows and store.disk.is_orphan(name):
             problems.append(f"page file {name} has no catalog row")
     used = sum(size for _, size in rows.values())
+    total = records.tier_bytes(conn, "disk")  # type: ignore[arg-type]
+    if total != used:
+        problems.append(f"the disk tier's running total says {total} bytes, its segments hold {used}")
     if used > store.config.disk_bytes:
         problems.append(f"disk tier holds {used} bytes, over its capacity {store.config.disk_bytes}")
     return problems

@@ -64,9 +64,18 @@ class Mirror:
     # -- catching up -----------------------------------------------------------------------
 
     def wrote(self, seq: int) -> None:
-        """This process committed transaction ``seq`` and applied it itself; tell the others."""
-        self._own.add(seq)
-        self.epoch.publish(seq)
+        """This process committed transaction ``seq`` and applied it itself; tell the others.
+
+        When ``seq`` directly follows the last one this process saw, nobody else wrote in
+        between, so this process is still current and needs no catch-up read.
+        """
+        stored = self.epoch.publish(seq)
+        if seq == self._seq + 1:
+            self._seq = seq
+            if stored == seq:
+                self._epoch_seen = seq
+        else:
+            self._own.add(seq)
 
     def sync(self) -> None:
         """Catch up with what other processes committed (a memory load when nothing changed)."""
@@ -157,7 +166,8 @@ class Mirror:
             return None
         return self.build(record, records.session_versions(conn, ref), records.session_refs(conn, ref), conn)
 
-    def build(self, record: SessionRecord, versions: list[VersionRecord], refs: set[bytes], conn: Any) -> SessionState:
+    def build(self, record: SessionRecord, versions: list[VersionRecord], refs: dict[bytes, int],
+              conn: Any) -> SessionState:
         """Make and cache the state of a session from its catalog rows."""
         self._no_shared.discard((record.tenant_id, record.layout.digest))
         keys = self.keys(record.user_ref, conn)

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, TypeVar
 
-from sqlalchemy import and_, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, and_, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog import aware, now
@@ -28,6 +28,7 @@ from dss.schema import (
     SessionRow,
     StoreMeta,
     Tenant,
+    TierTotal,
     User,
     UserKey,
     VersionRow,
@@ -40,6 +41,7 @@ pages, locations, refs = PageRow.__table__, PageLocation.__table__, PageRef.__ta
 segments, quarantine = Segment.__table__, Quarantine.__table__
 user_keys, store_meta = UserKey.__table__, StoreMeta.__table__
 erasures, audit, changes = Erasure.__table__, Audit.__table__, Change.__table__
+tier_totals = TierTotal.__table__
 
 CHUNK = 500
 """Largest ``IN (...)`` list sent in one statement."""
@@ -283,8 +285,27 @@ def existing_pages(conn: Connection, page_ids: Sequence[bytes]) -> set[bytes]:
 
 
 def insert_segment(conn: Connection, name: str, tier: str, user_ref: int, size: int) -> int:
-    return int(conn.execute(insert(segments).values(
+    ref = int(conn.execute(insert(segments).values(
         name=name, tier=tier, user_ref=user_ref, size=size, created_at=now())).inserted_primary_key[0])
+    _count(conn, tier, size, 1)
+    return ref
+
+
+def delete_segments(conn: Connection, where: ColumnElement[bool]) -> list[str]:
+    """Delete the segment rows matching ``where`` (keeping the tier totals); return their names."""
+    gone = conn.execute(select(segments.c.name, segments.c.tier, segments.c.size).where(where)).all()
+    conn.execute(delete(segments).where(where))
+    for tier in {row[1] for row in gone}:
+        rows = [row for row in gone if row[1] == tier]
+        _count(conn, tier, -sum(row[2] for row in rows), -len(rows))
+    return [row[0] for row in gone]
+
+
+def _count(conn: Connection, tier: str, size: int, num: int) -> None:
+    updated = conn.execute(update(tier_totals).where(tier_totals.c.tier == tier).values(
+        bytes=tier_totals.c.bytes + size, num_segments=tier_totals.c.num_segments + num)).rowcount
+    if not updated:
+        conn.execute(insert(tier_totals).values(tier=tier, bytes=size, num_segments=num))
 
 
 def insert_pages(conn: Connection, page_rows: list[dict], location_rows: list[dict]) -> None:
@@ -294,8 +315,10 @@ def insert_pages(conn: Connection, page_rows: list[dict], location_rows: list[di
         conn.execute(insert(locations), location_rows)
 
 
-def session_refs(conn: Connection, session_ref: int) -> set[bytes]:
-    return {bytes(r[0]) for r in conn.execute(select(refs.c.page_id).where(refs.c.session_ref == session_ref))}
+def session_refs(conn: Connection, session_ref: int) -> dict[bytes, int]:
+    """The pages a session holds, with the newest of its versions holding each (0: saved ahead)."""
+    return {bytes(r[0]): r[1] for r in conn.execute(
+        select(refs.c.page_id, refs.c.version_ref).where(refs.c.session_ref == session_ref))}
 
 
 def add_refs(conn: Connection, session_ref: int, page_ids: Iterable[bytes], version_id: int) -> None:
@@ -309,6 +332,12 @@ def touch_refs(conn: Connection, session_ref: int, page_ids: Sequence[bytes], ve
     for part in chunks(page_ids):
         conn.execute(update(refs).where(refs.c.session_ref == session_ref, refs.c.page_id.in_(part))
                      .values(version_ref=version_id))
+
+
+def retag_refs(conn: Connection, session_ref: int, old_version: int, version_id: int) -> None:
+    """Move every page of the session tagged ``old_version`` to ``version_id``."""
+    conn.execute(update(refs).where(refs.c.session_ref == session_ref, refs.c.version_ref == old_version)
+                 .values(version_ref=version_id))
 
 
 def drop_pages(conn: Connection, page_ids: Sequence[bytes]) -> list[str]:
@@ -332,8 +361,7 @@ def drop_empty_segments(conn: Connection, segment_refs: Sequence[int]) -> list[s
             select(locations.c.segment_ref).where(locations.c.segment_ref.in_(part)).distinct())}
         dead = [s for s in part if s not in live]
         if dead:
-            emptied.extend(r[0] for r in conn.execute(select(segments.c.name).where(segments.c.id.in_(dead))))
-            conn.execute(delete(segments).where(segments.c.id.in_(dead)))
+            emptied.extend(delete_segments(conn, segments.c.id.in_(dead)))
     return emptied
 
 
@@ -347,8 +375,8 @@ def add_quarantine(conn: Connection, page_id: bytes, user_ref: int, tier: str, s
 
 
 def tier_bytes(conn: Connection, tier: str) -> int:
-    """Bytes of every segment file of a tier, the space it occupies."""
-    return int(conn.execute(select(func.coalesce(func.sum(segments.c.size), 0)).where(segments.c.tier == tier)).scalar_one())
+    """Bytes of every segment file of a tier, the space it occupies (from the running total)."""
+    return int(conn.execute(select(tier_totals.c.bytes).where(tier_totals.c.tier == tier)).scalar() or 0)
 
 
 def eviction_order(conn: Connection, tier: str) -> list[tuple[int, str, int]]:

@@ -223,3 +223,13 @@ class Audit(Base):
     user_id: Mapped[str] = mapped_column(String(256))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     receipt: Mapped[str] = mapped_column(Text)
+
+
+class TierTotal(Base):
+    """Bytes and segments per durable tier, kept in step with ``segments`` (so placement
+    does not sum the whole table at every write; ``check()`` verifies it)."""
+
+    __tablename__ = "tier_totals"
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    num_segments: Mapped[int] = mapped_column(BigInteger)

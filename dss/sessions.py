@@ -24,7 +24,7 @@ class SessionState:
     __slots__ = ("record", "key", "ns", "trie", "versions", "positions", "head_id", "refs")
 
     def __init__(self, record: SessionRecord, key: bytes, ns: Namespace, versions: list[VersionRecord],
-                 refs: set[bytes]) -> None:
+                 refs: dict[bytes, int]) -> None:
         self.record = record
         self.key = key
         self.ns = ns
@@ -38,7 +38,8 @@ class SessionState:
         self.versions: dict[int, VersionRecord] = {}
         self.positions: dict[int, Position] = {}
         self.head_id: int | None = record.head_id
-        self.refs: set[bytes] = refs
+        self.refs: dict[bytes, int] = refs
+        """Pages the session holds, each with the newest of its versions holding it (0: saved ahead)."""
         packed: dict[int, bytes] = {}
         for version in versions:
             base = packed.get(version.base_id, b"") if version.base_id is not None else b""

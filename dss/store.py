@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -178,10 +179,10 @@ class Store:
             def record(tx: Tx, state: SessionState, held: set[bytes]) -> VersionRecord:
                 version = self._record_version(tx, state, buf, label)
                 records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], version.version_id)
-                records.touch_refs(tx.conn, state.ref, [p for p in held if p in state.refs], version.version_id)
+                self._retag(tx, state, [p for p in held if p in state.refs], version.version_id)
                 return version
 
-            state, version = self._store_pages(state, ids, payloads, ids, record)
+            state, version, _ = self._store_pages(state, ids, payloads, ids, record)
             state.add(version, buf)
             state.head_id = version.version_id
             return state.version(version.version_id)
@@ -207,13 +208,13 @@ class Store:
                 return 0
             ids = state.prompt_page_ids(buf)
 
-            def record(tx: Tx, state: SessionState, held: set[bytes]) -> int:
+            def record(tx: Tx, state: SessionState, held: set[bytes]) -> None:
                 records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], 0)
                 records.update_session(tx.conn, state.ref, tx.seq)
                 self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
-                return len(held - state.refs)
 
-            return self._store_pages(state, ids, payloads, [ids[i] for i in payloads], record)[1]
+            placement = self._store_pages(state, ids, payloads, [ids[i] for i in payloads], record)[2]
+            return len(placement.inserted)
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """Move the session's head to ``version_id``; the next commit's parent is that version.
@@ -261,10 +262,11 @@ class Store:
                 records.update_session(tx.conn, ref, tx.seq, head_id=vid)
                 held = records.existing_pages(tx.conn, state.page_ids(version_id))
                 records.add_refs(tx.conn, ref, held, vid)
+                held_tags = dict.fromkeys(held, vid)
                 self.catalog.note(tx, "session", session_ref=ref, user_ref=rec.user_ref)
                 new_record = records.session_by_ref(tx.conn, ref)
                 assert new_record is not None
-                branched = self.mirror.build(new_record, records.session_versions(tx.conn, ref), held, tx.conn)
+                branched = self.mirror.build(new_record, records.session_versions(tx.conn, ref), held_tags, tx.conn)
             return _session_info(branched)
 
     def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
@@ -464,14 +466,16 @@ class Store:
                 self.catalog.note(tx, "session", session_ref=ref, user_ref=user_ref)
                 record = records.session_by_ref(tx.conn, ref)
                 assert record is not None
-                state = self.mirror.build(record, [], set(), tx.conn)
+                state = self.mirror.build(record, [], {}, tx.conn)
             return _session_info(state)
 
     def _store_pages(self, state: SessionState, ids: list[PageId], payloads: dict[int, bytes],
                      wanted: Sequence[PageId], record: Callable[[Tx, SessionState, set[bytes]], Any]) -> Any:
-        """Place new pages and run ``record`` in one write transaction; settle afterwards.
+        """Place new pages and run ``record(tx, state, held)`` in one write transaction; settle afterwards.
 
-        Returns ``(state, record's result)``, ``state`` as of the transaction.
+        ``held`` is every page of ``wanted`` the session holds once the transaction commits
+        (only pages new to the session are looked up in the catalog). Returns ``(state,
+        record's result, placement)``, ``state`` as of the transaction.
         """
         placement = Placement()
         try:
@@ -480,16 +484,35 @@ class Store:
                 rec = state.record
                 fresh = self.pages.fresh(ids, payloads, self.mirror.keys(rec.user_ref, tx.conn).sealer)
                 self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref, fresh=fresh,
-                                 wanted=wanted)
-                result = record(tx, state, placement.held)
+                                 wanted=[p for p in wanted if p not in state.refs])
+                held = placement.held | {p for p in wanted if p in state.refs}
+                result = record(tx, state, held)
         except BaseException:
             self.pages.abort(placement)
             raise
-        head = result.version_id if isinstance(result, VersionRecord) else state.head_id
-        state.record = state.record._replace(head_id=head, seq=tx.seq)
-        state.refs |= placement.held
+        if isinstance(result, VersionRecord):
+            state.record = state.record._replace(head_id=result.version_id, seq=tx.seq)
+            state.refs.update(dict.fromkeys(held, result.version_id))
+        else:
+            state.record = state.record._replace(seq=tx.seq)
+            state.refs.update((p, 0) for p in held if p not in state.refs)
         self.pages.settle(placement, state.ns, ids, payloads)
-        return state, result
+        return state, result, placement
+
+    def _retag(self, tx: Tx, state: SessionState, pages: list[bytes], version_id: int) -> None:
+        """Mark ``version_id`` as the newest version holding these pages of the session: one
+        statement for each group of pages that carries the same tag and is held whole."""
+        groups: dict[int, list[bytes]] = {}
+        for page_id in pages:
+            groups.setdefault(state.refs[page_id], []).append(page_id)
+        sizes = Counter(state.refs.values())
+        for tag, group in groups.items():
+            if tag == version_id:
+                continue
+            if len(group) == sizes[tag]:
+                records.retag_refs(tx.conn, state.ref, tag, version_id)
+            else:
+                records.touch_refs(tx.conn, state.ref, group, version_id)
 
     def _record_version(self, tx: Tx, state: SessionState, buf: bytes, label: str | None) -> VersionRecord:
         """Insert a version of ``buf`` under the head, stored as a delta from the version it

@@ -1,4 +1,4 @@
-"""Crypto-shredding and erasure: data keys, store facts, erasure jobs, audit receipts.
+"""Crypto-shredding and erasure: data keys, store facts, erasure jobs, audit receipts; tier totals.
 
 From this revision every namespace has a data key (wrapped under the master key), pages and
 token histories are sealed under it, and page ids are hashed with a key derived from it.
@@ -45,6 +45,15 @@ def upgrade() -> None:
         sa.Column("started_at", TS, nullable=False),
         sa.Column("finished_at", TS, nullable=True),
     )
+    totals = op.create_table(
+        "tier_totals",
+        sa.Column("tier", sa.String(16), primary_key=True),
+        sa.Column("bytes", sa.BigInteger, nullable=False),
+        sa.Column("num_segments", sa.BigInteger, nullable=False),
+    )
+    op.bulk_insert(totals, [{"tier": "disk", "bytes": 0, "num_segments": 0}])
+    op.execute("UPDATE tier_totals SET bytes = (SELECT COALESCE(SUM(size), 0) FROM segments WHERE tier = 'disk'), "
+               "num_segments = (SELECT COUNT(*) FROM segments WHERE tier = 'disk') WHERE tier = 'disk'")
     op.create_table(
         "audit",
         sa.Column("id", sa.Integer, primary_key=True),
@@ -57,6 +66,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for table in ("audit", "erasures", "store_meta", "user_keys"):
+    for table in ("audit", "tier_totals", "erasures", "store_meta", "user_keys"):
         op.drop_table(table)
     op.execute("ALTER TABLE versions DROP COLUMN sealed")
