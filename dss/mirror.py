@@ -18,6 +18,7 @@ from dss.catalog import Catalog, Tx
 from dss.crypto import Sealer, namespace_hash_key, unwrap
 from dss.epoch import Epoch
 from dss.errors import AmbiguousSession, ErasureInProgress, UnknownSession
+from dss.keys import owner_tag, tokens_aad
 from dss.pageindex import Namespace, PageIndex
 from dss.records import SessionRecord, VersionRecord
 from dss.sessions import SessionState
@@ -31,16 +32,6 @@ class Keys(NamedTuple):
 
     hash_key: bytes
     sealer: Sealer | None
-
-
-def owner_tag(user_ref: int) -> bytes:
-    """What a wrapped data key is bound to."""
-    return b"user:%d" % user_ref
-
-
-def tokens_aad(session_ref: int) -> bytes:
-    """What a sealed token history is bound to."""
-    return b"dss-tokens v1\0session:%d" % session_ref
 
 
 class Mirror:
@@ -240,6 +231,14 @@ class Mirror:
         if wrapped is None:
             raise ErasureInProgress("this user's data key is destroyed: their data is being (or was) erased")
         return unwrap(self._master, wrapped, owner_tag(user_ref))
+
+    def seal_tokens(self, tx: Tx, user_ref: int, session_ref: int, buf: bytes) -> tuple[bytes, bool]:
+        """A token history as stored: sealed under the owner's data key, bound to its session
+        (``(buf, False)`` when the store does not encrypt)."""
+        sealer = self.keys(user_ref, tx.conn).sealer
+        if sealer is None:
+            return buf, False
+        return sealer.seal(buf, tokens_aad(session_ref)), True
 
     def sealer_of(self, user_ref: int) -> Sealer | None:
         """The sealer of a namespace, or ``None`` if its key is gone (its pages are then unreadable)."""

@@ -34,10 +34,11 @@ from dss.catalog import Catalog, Tx
 from dss.config import StoreConfig
 from dss.epoch import Epoch
 from dss.erase import Eraser
-from dss.crypto import load_master_key, master_check, new_data_key, wrap
-from dss.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed
-from dss.hashing import chain_ids, chain_root
-from dss.mirror import Mirror, owner_tag, tokens_aad
+from dss.crypto import load_master_key
+from dss.errors import InvalidInput, InvalidTokens, SessionExists, StoreClosed
+from dss.matcher import SHARED_USER, Matcher, shared_session_id
+from dss.keys import adopt_master_key, ensure_key
+from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.pages import PageStore, Placement
 from dss.records import SessionRecord, VersionRecord
@@ -46,7 +47,6 @@ from dss.sessions import SessionState
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tokens import TokenInput, pack, unpack, view
-from dss.trie import Span
 from dss.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
 from dss.validate import check_label, check_name, check_pages
 
@@ -54,10 +54,6 @@ log = logging.getLogger("dss.store")
 
 CACHE_PREFIX = "~cache-"
 """Session ids of the sessions holding pages saved without a session (one per namespace and layout)."""
-SHARED_PREFIX = "~shared-"
-"""Session ids of a tenant's registered shared prefixes (one session per layout)."""
-SHARED_USER = "~shared"
-"""The owner of a tenant's shared prefixes: the tenant, not any user."""
 
 
 class Store:
@@ -72,7 +68,7 @@ class Store:
             self._master = load_master_key(config.master_key_file, home, hex_key)
             self.catalog = Catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s)
             self.catalog.ensure_schema()
-            self._adopt_master_key()
+            adopt_master_key(self.catalog, self._master)
             epoch = Epoch(home / "epoch")
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
@@ -82,6 +78,7 @@ class Store:
                                segment_bytes=config.segment_bytes, pinned_pages=self._pinned_pages)
         self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
                            config.recompute_tokens_per_s)
+        self.matcher = Matcher(self.mirror, self.index, self.rates)
         self.eraser = Eraser(self.catalog, self.disk, self.host, write=self._write, forget_cached=self._forget_cached)
         self._lock = threading.RLock()
         self._closed = False
@@ -256,7 +253,7 @@ class Store:
                 ref = records.insert_session(tx.conn, new_session_id, rec.tenant_ref, rec.user_ref, rec.layout_ref,
                                              tx.seq)
                 buf = state.tokens(version_id)
-                stored, sealed = self._seal_tokens(tx, rec.user_ref, ref, buf)
+                stored, sealed = self.mirror.seal_tokens(tx, rec.user_ref, ref, buf)
                 vid = records.insert_version(tx.conn, ref, source.version_id, None, 0, len(buf) // 4, stored, label,
                                              sealed)
                 records.update_session(tx.conn, ref, tx.seq, head_id=vid)
@@ -315,7 +312,7 @@ class Store:
         with self._reading():
             state = self.mirror.state(session_id, tenant_id)
             record = state.record
-            return self._match(buf, record.layout, record.tenant_id, record.user_ref, state)
+            return self.matcher.match(buf, record.layout, record.tenant_id, record.user_ref, state)
 
     def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
                tenant_id: str = "default") -> ResumeResult:
@@ -327,7 +324,7 @@ class Store:
         if not isinstance(layout, Layout):
             raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
         with self._reading():
-            return self._match(buf, layout, tenant_id, self.mirror.user_ref(tenant_id, user_id), None)
+            return self.matcher.match(buf, layout, tenant_id, self.mirror.user_ref(tenant_id, user_id), None)
 
     def register_prefix(self, tokens: TokenInput, pages: Mapping[int, bytes], *, layout: Layout,
                         tenant_id: str = "default", label: str | None = None) -> Version:
@@ -337,7 +334,7 @@ class Store:
         the same layout resumes them, erasing a user leaves them, and they are pinned.
         """
         with self._reading():
-            session_id = f"{SHARED_PREFIX}{layout.digest.hex()[:16]}"
+            session_id = shared_session_id(layout)
             self._create(session_id, SHARED_USER, tenant_id, layout)
             version = self.commit(session_id, tokens, pages, label=label, tenant_id=tenant_id)
             return self.pin(session_id, version.version_id, tenant_id=tenant_id)
@@ -460,7 +457,7 @@ class Store:
                     return _session_info(state)
                 tenant_ref = records.ensure_tenant(tx.conn, tenant_id)
                 user_ref = records.ensure_user(tx.conn, tenant_ref, user_id)
-                self._ensure_key(tx, user_ref)
+                ensure_key(tx, user_ref, self._master)
                 layout_ref = records.ensure_layout(tx.conn, layout)
                 ref = records.insert_session(tx.conn, session_id, tenant_ref, user_ref, layout_ref, tx.seq)
                 self.catalog.note(tx, "session", session_ref=ref, user_ref=user_ref)
@@ -521,7 +518,7 @@ class Store:
         match = state.trie.walk(buf)
         base_id = state.trie.version_along(match.path[-1], match.num_tokens, state.head) if match.num_tokens else None
         suffix = buf[4 * match.num_tokens:]
-        stored, sealed = self._seal_tokens(tx, rec.user_ref, rec.ref, suffix)
+        stored, sealed = self.mirror.seal_tokens(tx, rec.user_ref, rec.ref, suffix)
         vid = records.insert_version(tx.conn, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4,
                                      stored, label, sealed)
         records.update_session(tx.conn, rec.ref, tx.seq, head_id=vid)
@@ -529,32 +526,6 @@ class Store:
         return VersionRecord(vid, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4, suffix, label,
                              False, records.now())
 
-    def _seal_tokens(self, tx: Tx, user_ref: int, session_ref: int, buf: bytes) -> tuple[bytes, bool]:
-        """Token history as stored: sealed under the owner's data key, bound to its session."""
-        sealer = self.mirror.keys(user_ref, tx.conn).sealer
-        if sealer is None:
-            return buf, False
-        return sealer.seal(buf, tokens_aad(session_ref)), True
-
-    def _ensure_key(self, tx: Tx, user_ref: int) -> None:
-        """Give a namespace its data key (refused while the user is being erased)."""
-        if records.erasure_of(tx.conn, user_ref) is not None:
-            raise ErasureInProgress("this user's data is being erased; try again when the erasure has finished")
-        if records.wrapped_key(tx.conn, user_ref) is None:
-            records.insert_key(tx.conn, user_ref, wrap(self._master, new_data_key(), owner_tag(user_ref)))
-
-    def _adopt_master_key(self) -> None:
-        """Check the master key against the catalog (record it on first use); give keys to
-        users made before revision 0002."""
-        with self.catalog.write() as tx:
-            check = records.meta(tx.conn, "master_check")
-            if check is None:
-                records.set_meta(tx.conn, "master_check", master_check(self._master))
-            elif check != master_check(self._master):
-                raise ConfigError("this store was made with another master key (master_key_file / "
-                                  "DSS_MASTER_KEY_FILE / DSS_MASTER_KEY): without it no page or history is readable")
-            for user_ref in records.users_without_key(tx.conn):
-                records.insert_key(tx.conn, user_ref, wrap(self._master, new_data_key(), owner_tag(user_ref)))
 
     def _pinned_pages(self, tx: Tx) -> list[bytes]:
         """Every page of every pinned version (disk eviction never drops them)."""
@@ -564,90 +535,6 @@ class Store:
             if state is not None and version_id in state.positions:
                 pinned.extend(state.page_ids(version_id))
         return pinned
-
-    def _match(self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None,
-               state: SessionState | None) -> ResumeResult:
-        """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
-        page_tokens = layout.page_tokens
-        total = len(buf) // 4 // page_tokens
-        code_of = self.index.code_of
-        spans: list[Span] = []
-        history = 0
-        own_ids: Sequence[PageId] | None = None
-        if state is not None:
-            match = state.trie.walk(buf)
-            history = match.num_tokens
-            spans = state.trie.available(match, state.ns.gen, code_of)
-        num_pages = sum(span.count for span in spans)
-        shared = self.mirror.shared(tenant_id, layout, f"{SHARED_PREFIX}{layout.digest.hex()[:16]}")
-        if shared is not None:
-            extra, own_ids = self._fill_from_shared(buf, state, shared, num_pages)
-            if extra is not None:
-                spans = [*spans, extra]
-                num_pages += extra.count
-        version_id = None
-        depth = min(num_pages * page_tokens, history)
-        if state is not None and depth:
-            node = next(n for n in match.path if n.start < depth <= n.depth)
-            version_id = state.trie.version_along(node, depth, state.head)
-        if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
-            key = self.mirror.keys(user_ref).hash_key
-            prev = self._user_page_id(buf, key, layout, own_ids, spans, num_pages)
-
-            def chain(prev_id: PageId, k: int) -> PageId:
-                return chain_ids(key, prev_id, buf, k, 1, page_tokens)[0]
-
-            if state is None:
-                self.mirror.namespace(user_ref)
-            extra = _chain_span(chain, prev, num_pages, total, code_of)
-            if extra is not None:
-                spans = [*spans, extra]
-                num_pages += extra.count
-        return ResumeResult(state.session_id if state is not None else None,
-                            VersionId(version_id) if version_id is not None else None, num_pages * page_tokens,
-                            len(buf) // 4, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates)
-
-    def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, shared: SessionState,
-                          first: int) -> tuple[Span | None, Sequence[PageId]]:
-        """Pages ``first, first+1, ...`` from the session's own trie or, where it lacks them,
-        from the shared prefixes; also the session trie's page ids of the prompt."""
-        code_of = self.index.code_of
-        own_ids: Sequence[PageId] = ()
-        own_codes = bytearray()
-        if state is not None:
-            own_ids, own_codes = state.trie.page_table(state.trie.walk(buf), state.ns.gen, code_of)
-        shared_ids, shared_codes = shared.trie.page_table(shared.trie.walk(buf), shared.ns.gen, code_of)
-        ids: list[PageId] = []
-        codes = bytearray()
-        k = first
-        while k < max(len(own_ids), len(shared_ids)):
-            if k < len(own_ids) and own_codes[k]:
-                ids.append(own_ids[k])
-                codes.append(own_codes[k])
-            elif k < len(shared_ids) and shared_codes[k]:
-                ids.append(shared_ids[k])
-                codes.append(shared_codes[k])
-            else:
-                break
-            k += 1
-        return (Span(first, tuple(ids), codes, len(ids)) if ids else None), own_ids
-
-    def _user_page_id(self, buf: bytes | memoryview, key: bytes, layout: Layout, own_ids: Sequence[PageId] | None,
-                      spans: list[Span], num_pages: int) -> PageId:
-        """The namespace's chain id of page ``num_pages - 1`` of the prompt (the root if none).
-
-        ``own_ids`` is ``None`` when no shared prefix was consulted: every span then holds
-        the namespace's own ids.
-        """
-        if num_pages == 0:
-            return chain_root(key, layout.digest)
-        if own_ids is None:
-            return spans[-1].page_ids[spans[-1].count - 1]
-        known = min(len(own_ids), num_pages)
-        prev = own_ids[known - 1] if known else chain_root(key, layout.digest)
-        if known < num_pages:
-            prev = chain_ids(key, prev, buf, known, num_pages - known, layout.page_tokens)[-1]
-        return prev
 
     def _host_usage(self, user_ref: int | None) -> tuple[int, int]:
         """Pages and bytes of a namespace in this process's host tier."""
@@ -676,22 +563,6 @@ class Store:
 
 def _short(value: str) -> str:
     return hashlib.blake2b(value.encode(), digest_size=8).hexdigest()
-
-
-def _chain_span(chain: Callable[[PageId, int], PageId], prev: PageId, first: int, end: int,
-                code_of: Callable[[PageId], int]) -> Span | None:
-    """Pages ``first, first+1, ... < end`` whose chain-hash ids some tier holds, as one span."""
-    ids: list[PageId] = []
-    codes = bytearray()
-    for k in range(first, end):
-        page_id = chain(prev, k)
-        code = code_of(page_id)
-        if not code:
-            break
-        ids.append(page_id)
-        codes.append(code)
-        prev = page_id
-    return Span(first, tuple(ids), codes, len(ids)) if ids else None
 
 
 def _session_info(state: SessionState) -> Session:
