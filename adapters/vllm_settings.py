@@ -1,0 +1,138 @@
+"""Settings of the vLLM connector (``kv_connector_extra_config``) and the dss scope of one request.
+
+All configuration is read and validated here, once, when a connector is built; the
+scheduler and worker sides receive a frozen :class:`Settings`. Keys of
+``kv_connector_extra_config``:
+
+``store`` (required)
+    The dss store: a folder (``/var/lib/dss``) or a catalog URL, as for ``dss.open``.
+``store_options``
+    Keyword arguments for ``dss.open`` (``{"host_bytes": "4GiB", "disk_bytes": "200GiB"}``).
+``namespace_source``
+    ``"request"`` (default): ``tenant_id``/``user_id`` come from the request's
+    ``kv_transfer_params["dss"]`` (the operator's gateway must set them and strip what
+    clients send); ``"config"``: every request is in ``default_tenant_id``/``default_user_id``
+    and namespace fields in requests are ignored.
+``default_tenant_id``, ``default_user_id``
+    The namespace of requests that name none (``"default"``, ``"anonymous"``).
+``model_revision``
+    Recorded in the page layout; default: vLLM's ``revision``, else a fingerprint of the
+    model folder's weight files (name, size, mtime), so new weights never load old KV.
+``page_bytes``
+    If set, the size a page must have (the bytes of one block over all layers); the
+    connector refuses to start when the model's pages differ (a guard for deployments
+    that share a store).
+``load``, ``save``
+    Turn loading or saving off (both default ``true``): e.g. a read-only replica.
+``max_pending_bytes``
+    Page bytes copied out of the KV cache and not yet written before a step waits for
+    the writer (default 1 GiB).
+``session_wait_s``
+    How long a new request of a session waits for the previous request's pages to be
+    written before it runs without them (default 5 s; 0 disables the wait).
+
+Per request, ``SamplingParams(extra_args={"kv_transfer_params": {"dss": {...}}})`` (or the
+same under ``kv_transfer_params`` of the OpenAI API) carries ``session_id`` (optional),
+``tenant_id`` and ``user_id`` (when ``namespace_source="request"``), ``label`` (of the
+version committed at the end) and ``commit`` (``false`` to leave the session unchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dss import ConfigError, InvalidInput
+
+PARAMS_KEY = "dss"
+"""The key of ``kv_transfer_params`` that holds this connector's per-request fields."""
+
+_KEYS = {"store", "store_options", "namespace_source", "default_tenant_id", "default_user_id", "model_revision",
+         "page_bytes", "load", "save", "max_pending_bytes", "session_wait_s"}
+_REQUEST_KEYS = {"session_id", "tenant_id", "user_id", "label", "commit"}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The validated ``kv_connector_extra_config`` (see the module docstring)."""
+
+    store: str
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+    namespace_source: Literal["request", "config"] = "request"
+    default_tenant_id: str = "default"
+    default_user_id: str = "anonymous"
+    model_revision: str | None = None
+    page_bytes: int | None = None
+    load: bool = True
+    save: bool = True
+    max_pending_bytes: int = 1 << 30
+    session_wait_s: float = 5.0
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
+        """Validate ``kv_connector_extra_config``; raises ``dss.ConfigError`` naming the bad key."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ConfigError(f"unknown dss connector option(s) {unknown}; known: {sorted(_KEYS)}")
+        store = extra.get("store")
+        if not isinstance(store, str) or not store:
+            raise ConfigError("kv_connector_extra_config needs 'store': the dss store folder or catalog URL")
+        options = extra.get("store_options", {})
+        if not isinstance(options, Mapping):
+            raise ConfigError("'store_options' must be a mapping of dss.open keyword arguments")
+        source = extra.get("namespace_source", "request")
+        if source not in ("request", "config"):
+            raise ConfigError(f"'namespace_source' must be 'request' or 'config', not {source!r}")
+        for key in ("default_tenant_id", "default_user_id", "model_revision"):
+            if key in extra and (not isinstance(extra[key], str) or not extra[key]):
+                raise ConfigError(f"{key!r} must be a non-empty string")
+        for key in ("page_bytes", "max_pending_bytes"):
+            if key in extra and (type(extra[key]) is not int or extra[key] <= 0):
+                raise ConfigError(f"{key!r} must be a positive integer")
+        for key in ("load", "save"):
+            if key in extra and not isinstance(extra[key], bool):
+                raise ConfigError(f"{key!r} must be true or false")
+        wait = extra.get("session_wait_s", 5.0)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
+            raise ConfigError("'session_wait_s' must be a number of seconds >= 0")
+        return cls(store=store, store_options=dict(options), namespace_source=source,
+                   default_tenant_id=extra.get("default_tenant_id", "default"),
+                   default_user_id=extra.get("default_user_id", "anonymous"),
+                   model_revision=extra.get("model_revision"), page_bytes=extra.get("page_bytes"),
+                   load=extra.get("load", True), save=extra.get("save", True),
+                   max_pending_bytes=extra.get("max_pending_bytes", 1 << 30), session_wait_s=float(wait))
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Where a request's pages live: its namespace and, optionally, its session."""
+
+    tenant_id: str
+    user_id: str
+    session_id: str | None
+    label: str | None = None
+    commit: bool = True
+
+
+def request_scope(settings: Settings, params: Mapping[str, Any] | None) -> Scope:
+    """The scope of a request from its ``kv_transfer_params`` (``None`` or without ``"dss"``: the
+    default namespace, no session). Raises ``dss.InvalidInput`` for malformed fields."""
+    fields = (params or {}).get(PARAMS_KEY) or {}
+    if not isinstance(fields, Mapping):
+        raise InvalidInput(f"kv_transfer_params[{PARAMS_KEY!r}] must be a mapping, not {type(fields).__name__}")
+    unknown = sorted(set(fields) - _REQUEST_KEYS)
+    if unknown:
+        raise InvalidInput(f"unknown dss request field(s) {unknown}; known: {sorted(_REQUEST_KEYS)}")
+    for key in ("session_id", "tenant_id", "user_id", "label"):
+        if fields.get(key) is not None and not isinstance(fields[key], str):
+            raise InvalidInput(f"dss request field {key!r} must be a string")
+    if not isinstance(fields.get("commit", True), bool):
+        raise InvalidInput("dss request field 'commit' must be true or false")
+    if settings.namespace_source == "config":
+        tenant, user = settings.default_tenant_id, settings.default_user_id
+    else:
+        tenant = fields.get("tenant_id") or settings.default_tenant_id
+        user = fields.get("user_id") or settings.default_user_id
+    return Scope(tenant, user, fields.get("session_id") or None, fields.get("label"), fields.get("commit", True))

@@ -1,0 +1,124 @@
+"""The transformers adapter: a ``past_key_values`` cache saved as dss pages and built back.
+
+A tiny random Llama (the one of :mod:`engines`, run by transformers itself) continues a
+conversation from a cache restored out of the store, and must generate exactly what it
+generates from scratch, token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dss_adapters.transformers_cache import cache_from_pages, cache_pages, layout_for, load_cache, save_cache
+
+import dss
+from tests.engines import make_tiny_llama, prompt
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import LlamaForCausalLM
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def store(store_path: Path) -> Iterator[dss.Store]:
+    handle = dss.open(store_path)
+    yield handle
+    handle.close()
+
+
+def greedy(model: Any, tokens: list[int], n: int, cache: Any = None) -> Any:
+    with torch.no_grad():
+        return model.generate(torch.tensor([tokens]), past_key_values=cache, max_new_tokens=n, do_sample=False,
+                              return_dict_in_generate=True, pad_token_id=0)
+
+
+def test_generation_from_a_restored_cache_equals_generation_from_scratch(model: Any, store: dss.Store,
+                                                                         store_path: Path) -> None:
+    layout = layout_for(model, page_tokens=32)
+    store.create_session("chat-1", user_id="u", tenant_id="t", layout=layout)
+    turn1 = greedy(model, prompt(1, 100), 20)
+    history = turn1.sequences[0].tolist()  # 120 tokens; the cache holds the first 119
+    assert save_cache(store, turn1.past_key_values, history, layout, session_id="chat-1", tenant_id="t") == 3
+    store.commit("chat-1", history, tenant_id="t")
+
+    turn2 = history + prompt(2, 30)
+    with dss.open(store_path) as fresh:  # another handle: its host tier is empty, pages come from disk
+        result = fresh.resume("chat-1", turn2, tenant_id="t")
+        assert (result.matched_tokens, result.tiers) == (96, {"disk": 96})
+        cache, num_cached = load_cache(fresh, result, layout, limit=len(turn2) - 1)
+    assert num_cached == 96
+    assert cache.get_seq_length() == 96
+    restored = greedy(model, turn2, 24, cache=cache).sequences[0].tolist()
+    scratch = greedy(model, turn2, 24).sequences[0].tolist()
+    assert restored == scratch
+    assert len(restored) == len(turn2) + 24
+
+
+def test_a_cache_of_wrong_values_changes_the_output(model: Any) -> None:
+    """The control that shows the test above can fail: zero KV for the same 96 tokens."""
+    layout = layout_for(model, page_tokens=32)
+    tokens = prompt(1, 100) + prompt(2, 30)
+    zeros = cache_from_pages([bytes(layout.page_bytes)] * 3, layout)
+    assert greedy(model, tokens, 24, cache=zeros).sequences[0].tolist() != greedy(model, tokens, 24).sequences[0].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_round_trip_bit_for_bit(model: Any, dtype: torch.dtype) -> None:
+    from transformers import DynamicCache
+
+    layout = layout_for(model, page_tokens=32, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(1, 2, 70, 32, generator=generator).to(dtype),
+                torch.randn(1, 2, 70, 32, generator=generator).to(dtype)) for _ in range(2)]
+    pages = cache_pages(DynamicCache(tensors), layout)
+    assert sorted(pages) == [0, 1]
+    assert all(len(p) == layout.page_bytes == 2 * 2 * 2 * 32 * 32 * dtype.itemsize for p in pages.values())
+    rebuilt = cache_from_pages([pages[0], pages[1]], layout)
+    for (k, v), layer in zip(tensors, rebuilt.layers):
+        assert torch.equal(layer.keys, k[:, :, :64]) and torch.equal(layer.values, v[:, :, :64])
+    # page 1 holds tokens 32-63 of layer 0's keys first: [layers][k, v] x [heads, tokens, head_dim]
+    first = torch.frombuffer(bytearray(pages[1][: 2 * 32 * 32 * dtype.itemsize]), dtype=dtype).view(2, 32, 32)
+    assert torch.equal(first, tensors[0][0][0, :, 32:64])
+
+
+def test_layouts_of_other_precisions_page_sizes_or_revisions_never_match(model: Any, store: dss.Store) -> None:
+    base = layout_for(model, page_tokens=32)
+    assert base.page_bytes == 2 * 2 * 2 * 32 * 32 * 4
+    assert (base.dtype, base.num_layers, base.num_kv_heads, base.head_dim) == ("float32", 2, 2, 32)
+    others = [layout_for(model, page_tokens=32, dtype=torch.bfloat16), layout_for(model, page_tokens=64),
+              layout_for(model, page_tokens=32, revision="v2")]
+    assert len({base.digest, *(o.digest for o in others)}) == 4
+    tokens = prompt(5, 64)
+    store.save_pages(None, tokens, {0: bytes(base.page_bytes), 1: bytes(base.page_bytes)}, tenant_id="t",
+                     user_id="u", layout=base)
+    assert store.lookup(tokens, layout=base, user_id="u", tenant_id="t").matched_tokens == 64
+    assert [store.lookup(tokens, layout=o, user_id="u", tenant_id="t").matched_tokens for o in others] == [0, 0, 0]
+
+
+def test_caches_that_do_not_fit_the_layout_are_refused(model: Any) -> None:
+    from transformers import DynamicCache
+
+    layout = layout_for(model, page_tokens=32)
+    batch = DynamicCache([(torch.zeros(2, 2, 32, 32), torch.zeros(2, 2, 32, 32))] * 2)
+    with pytest.raises(dss.InvalidInput, match=r"cache tensors must be \[1, 2, tokens, 32\]"):
+        cache_pages(batch, layout)
+    half = DynamicCache([(torch.zeros(1, 2, 32, 32, dtype=torch.float16),) * 2] * 2)
+    with pytest.raises(dss.InvalidInput, match="cache dtype torch.float16 is not the layout's float32"):
+        cache_pages(half, layout)
+    with pytest.raises(dss.InvalidInput, match="the cache has 1 layers; the layout 2"):
+        cache_pages(DynamicCache([(torch.zeros(1, 2, 32, 32),) * 2]), layout)
+    with pytest.raises(dss.InvalidInput, match="page 0 has 3 bytes"):
+        cache_from_pages([b"abc"], layout)
