@@ -1,16 +1,19 @@
 """Page storage: writing new pages to the tiers and the catalog, reading them back verified.
 
 :class:`PageStore` carries out the placement policy (:mod:`dss.placement`) for the store.
-A write happens inside the caller's catalog transaction in three steps:
+A write takes four steps:
 
-1. :meth:`PageStore.place` — drop disk segments if the new pages would not fit, write the
-   new pages as segment files (published atomically), insert their catalog rows;
-2. the caller commits the transaction (or, if anything raised, calls :meth:`PageStore.abort`,
+1. :meth:`PageStore.write` — outside any lock and transaction, write the new pages as segment
+   files (each published atomically: temp file, fsync, rename, fsync of the folder);
+2. :meth:`PageStore.place`, inside the caller's catalog transaction — drop disk segments if
+   the new ones do not fit, and insert the rows of the pages no one stored meanwhile;
+3. the caller commits the transaction (or, if anything raised, calls :meth:`PageStore.abort`,
    which deletes the files written);
-3. :meth:`PageStore.settle` — delete the files of dropped segments and bring this process's
-   page index and host tier up to date.
+4. :meth:`PageStore.settle` — delete the files of dropped or unused segments and bring this
+   process's page index and host tier up to date.
 
-Files are deleted only after the transaction that stopped referring to them committed.
+Files are deleted only after the transaction that stopped referring to them committed. A
+file written by a process that died before step 3 is an orphan; the next opener removes it.
 """
 
 from __future__ import annotations
@@ -52,11 +55,20 @@ SEALED = 1
 """Record flag: the payload on disk is sealed under the owner's data key."""
 
 
+class Written(NamedTuple):
+    """A segment file written for new pages, and where each page lies in it."""
+
+    segment: str
+    size: int
+    pages: list[tuple[NewPage, Located]]
+
+
 @dataclass
 class Placement:
-    """What :meth:`PageStore.place` did inside a transaction, for settling or undoing it."""
+    """What a page write did, for settling or undoing it."""
 
     written: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
     emptied: list[str] = field(default_factory=list)
     evicted: list[PageId] = field(default_factory=list)
     inserted: dict[PageId, tuple[NewPage, Located]] = field(default_factory=dict)
@@ -91,18 +103,35 @@ class PageStore:
             out.append(NewPage(page_id, i, payload, stored, checksum(stored), SEALED if sealer is not None else 0))
         return out
 
-    def place(self, tx: Tx, placement: Placement, *, user_ref: int, layout_ref: int, fresh: list[NewPage],
+    def write(self, placement: Placement, fresh: list[NewPage]) -> list[Written]:
+        """Write ``fresh`` as segment files of at most ``segment_bytes`` each; no catalog, no lock.
+
+        Writes nothing when the pages could never fit the tier.
+        """
+        out: list[Written] = []
+        if not fresh or _segment_size(fresh) > self.disk_bytes:
+            return out
+        for batch in self._batches(fresh):
+            segment, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
+            placement.written.append(segment)
+            out.append(Written(segment, size, list(zip(batch, located))))
+        return out
+
+    def place(self, tx: Tx, placement: Placement, *, user_ref: int, layout_ref: int, written: list[Written],
               wanted: Sequence[PageId]) -> None:
-        """Store ``fresh`` on disk and in the catalog; fill ``placement``.
+        """Record the written segments in the catalog, making room first; fill ``placement``.
 
         ``placement.held`` becomes every page of ``wanted`` (plus the new ones) that the
-        catalog holds once the transaction commits. Pages another process stored since
-        this one last looked are not written again.
+        catalog holds once the transaction commits. Pages someone stored since they were
+        written are not recorded twice; a segment left with no page of its own is unused.
         """
-        if fresh:
-            self._make_room(tx, placement, _segment_size(fresh))
-            if self._fits(tx, fresh):
-                self._write(tx, placement, user_ref, layout_ref, fresh)
+        if written:
+            need = sum(w.size for w in written)
+            self._make_room(tx, placement, need)
+            if self._fits(tx, need):
+                self._record(tx, placement, user_ref, layout_ref, written)
+            else:
+                placement.unused += [w.segment for w in written]
         existing = records.existing_pages(tx.conn, [p for p in wanted if p not in placement.inserted])
         placement.held = existing | set(placement.inserted)
         if placement.inserted:
@@ -114,7 +143,7 @@ class PageStore:
 
     def settle(self, placement: Placement, ns: Namespace, ids: Sequence[PageId], payloads: Mapping[int, bytes]) -> None:
         """After the transaction committed: delete dead files, update the index and host tier."""
-        self.disk.remove(placement.emptied)
+        self.disk.remove([*placement.emptied, *placement.unused])
         self.index.lose_durable(placement.evicted)
         entries = self.index.entries
         for page_id, (page, where) in placement.inserted.items():
@@ -155,22 +184,23 @@ class PageStore:
                 select(records.locations.c.segment_ref).where(records.locations.c.page_id.in_(part))))
         return segments
 
-    def _fits(self, tx: Tx, fresh: list[NewPage]) -> bool:
+    def _fits(self, tx: Tx, need: int) -> bool:
         used = records.tier_bytes(tx.conn, "disk")
-        if used + _segment_size(fresh) <= self.disk_bytes:
+        if used + need <= self.disk_bytes:
             return True
-        log.warning("disk tier full (%d of %d bytes held by pinned versions, or the batch is too large): "
-                    "%d pages stay in host only", used, self.disk_bytes, len(fresh))
+        log.warning("disk tier full (%d of %d bytes held by pinned versions): %d new bytes stay in host only",
+                    used, self.disk_bytes, need)
         return False
 
-    def _write(self, tx: Tx, placement: Placement, user_ref: int, layout_ref: int, fresh: list[NewPage]) -> None:
-        existing = records.existing_pages(tx.conn, [p.page_id for p in fresh])
+    def _record(self, tx: Tx, placement: Placement, user_ref: int, layout_ref: int, written: list[Written]) -> None:
+        existing = records.existing_pages(tx.conn, [p.page_id for w in written for p, _ in w.pages])
         stamp = records.now()
-        for batch in self._batches([p for p in fresh if p.page_id not in existing]):
-            segment, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
-            placement.written.append(segment)
-            placed = list(zip(batch, located))
-            segment_ref = records.insert_segment(tx.conn, segment, "disk", user_ref, size)
+        for segment in written:
+            placed = [(p, where) for p, where in segment.pages if p.page_id not in existing]
+            if not placed:
+                placement.unused.append(segment.segment)
+                continue
+            segment_ref = records.insert_segment(tx.conn, segment.segment, "disk", user_ref, segment.size)
             records.insert_pages(
                 tx.conn,
                 [{"page_id": p.page_id, "user_ref": user_ref, "layout_ref": layout_ref, "page_index": p.index,

@@ -40,7 +40,7 @@ from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.keys import adopt_master_key, ensure_key
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
-from dss.pages import PageStore, Placement
+from dss.pages import NewPage, PageStore, Placement
 from dss.records import SessionRecord, VersionRecord
 from dss.resume import Rates, ResumeResult
 from dss.sessions import SessionState
@@ -172,17 +172,20 @@ class Store:
             state = self.mirror.state(session_id, tenant_id)
             payloads = check_pages(pages, len(buf) // 4, state.record.layout)
             ids = state.prompt_page_ids(buf)
+            fresh = self.pages.fresh(ids, payloads, self.mirror.keys(state.record.user_ref).sealer)
 
-            def record(tx: Tx, state: SessionState, held: set[bytes]) -> VersionRecord:
-                version = self._record_version(tx, state, buf, label)
-                records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], version.version_id)
-                self._retag(tx, state, [p for p in held if p in state.refs], version.version_id)
-                return version
+        def record(tx: Tx, state: SessionState, held: set[bytes]) -> VersionRecord:
+            version = self._record_version(tx, state, buf, label)
+            records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], version.version_id)
+            self._retag(tx, state, [p for p in held if p in state.refs], version.version_id)
+            return version
 
-            state, version, _ = self._store_pages(state, ids, payloads, ids, record)
+        def applied(state: SessionState, version: VersionRecord) -> Version:
             state.add(version, buf)
             state.head_id = version.version_id
             return state.version(version.version_id)
+
+        return self._store_pages(state, ids, payloads, fresh, ids, record, applied)
 
     def save_pages(self, session_id: str | None, tokens: TokenInput, pages: Mapping[int, bytes], *,
                    tenant_id: str | None = None, user_id: str | None = None, layout: Layout | None = None) -> int:
@@ -204,14 +207,17 @@ class Store:
             if not payloads:
                 return 0
             ids = state.prompt_page_ids(buf)
+            fresh = self.pages.fresh(ids, payloads, self.mirror.keys(state.record.user_ref).sealer)
 
-            def record(tx: Tx, state: SessionState, held: set[bytes]) -> None:
-                records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], 0)
-                records.update_session(tx.conn, state.ref, tx.seq)
-                self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
+        def record(tx: Tx, state: SessionState, held: set[bytes]) -> None:
+            records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], 0)
+            records.update_session(tx.conn, state.ref, tx.seq)
+            self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
 
-            placement = self._store_pages(state, ids, payloads, [ids[i] for i in payloads], record)[2]
+        def applied(state: SessionState, placement: Placement) -> int:
             return len(placement.inserted)
+
+        return self._store_pages(state, ids, payloads, fresh, [ids[i] for i in payloads], record, applied)
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """Move the session's head to ``version_id``; the next commit's parent is that version.
@@ -466,35 +472,42 @@ class Store:
                 state = self.mirror.build(record, [], {}, tx.conn)
             return _session_info(state)
 
-    def _store_pages(self, state: SessionState, ids: list[PageId], payloads: dict[int, bytes],
-                     wanted: Sequence[PageId], record: Callable[[Tx, SessionState, set[bytes]], Any]) -> Any:
-        """Place new pages and run ``record(tx, state, held)`` in one write transaction; settle afterwards.
+    def _store_pages(self, state: SessionState, ids: list[PageId], payloads: dict[int, bytes], fresh: list[NewPage],
+                     wanted: Sequence[PageId], record: Callable[[Tx, SessionState, set[bytes]], Any],
+                     applied: Callable[[SessionState, Any], Any]) -> Any:
+        """Write the new pages' files (outside the store lock), then record them and run
+        ``record(tx, state, held)`` in one catalog transaction, then settle.
 
         ``held`` is every page of ``wanted`` the session holds once the transaction commits
-        (only pages new to the session are looked up in the catalog). Returns ``(state,
-        record's result, placement)``, ``state`` as of the transaction.
+        (only pages new to the session are looked up in the catalog). Returns what
+        ``applied(state, result)`` returns — ``result`` being ``record``'s, or the placement
+        when ``record`` returns ``None`` — run under the lock right after the commit.
         """
         placement = Placement()
+        committed = False
         try:
-            with self._write() as tx:
-                state = self.mirror.fresh(tx, state)
-                rec = state.record
-                fresh = self.pages.fresh(ids, payloads, self.mirror.keys(rec.user_ref, tx.conn).sealer)
-                self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref, fresh=fresh,
-                                 wanted=[p for p in wanted if p not in state.refs])
-                held = placement.held | {p for p in wanted if p in state.refs}
-                result = record(tx, state, held)
+            written = self.pages.write(placement, fresh)
+            with self._reading():
+                with self._write() as tx:
+                    state = self.mirror.fresh(tx, state)
+                    rec = state.record
+                    self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref,
+                                     written=written, wanted=[p for p in wanted if p not in state.refs])
+                    held = placement.held | {p for p in wanted if p in state.refs}
+                    result = record(tx, state, held)
+                committed = True
+                if isinstance(result, VersionRecord):
+                    state.record = state.record._replace(head_id=result.version_id, seq=tx.seq)
+                    state.refs.update(dict.fromkeys(held, result.version_id))
+                else:
+                    state.record = state.record._replace(seq=tx.seq)
+                    state.refs.update((p, 0) for p in held if p not in state.refs)
+                self.pages.settle(placement, state.ns, ids, payloads)
+                return applied(state, result if result is not None else placement)
         except BaseException:
-            self.pages.abort(placement)
+            if not committed:
+                self.pages.abort(placement)
             raise
-        if isinstance(result, VersionRecord):
-            state.record = state.record._replace(head_id=result.version_id, seq=tx.seq)
-            state.refs.update(dict.fromkeys(held, result.version_id))
-        else:
-            state.record = state.record._replace(seq=tx.seq)
-            state.refs.update((p, 0) for p in held if p not in state.refs)
-        self.pages.settle(placement, state.ns, ids, payloads)
-        return state, result, placement
 
     def _retag(self, tx: Tx, state: SessionState, pages: list[bytes], version_id: int) -> None:
         """Mark ``version_id`` as the newest version holding these pages of the session: one
