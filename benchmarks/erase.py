@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import dss
 from dss.crypto import Sealer, new_data_key

@@ -155,11 +155,11 @@ def main() -> None:
         expected = {"full match + 200 new": TOTAL, "divergence at 16,000": 16_000, "no match": 0}[case]
         assert result.matched_tokens == expected, (case, result)
         assert all(chain.lookup(prompt) == expected for chain in chains.values())
-        fast = interleaved_us({"list": lambda: store.resume("big", prompt),
-                               "buffer": lambda: store.resume("big", buffer),
-                               "floor": lambda: floor(prompt)}, rounds=1500)
-        slow = interleaved_us({"list": lambda: store.resume("big", prompt),
-                               **{name: (lambda c=chain: c.lookup(prompt)) for name, chain in chains.items()}},
+        fast = interleaved_us({"list": lambda p=prompt: store.resume("big", p),
+                               "buffer": lambda b=buffer: store.resume("big", b),
+                               "floor": lambda p=prompt: floor(p)}, rounds=1500)
+        slow = interleaved_us({"list": lambda p=prompt: store.resume("big", p),
+                               **{name: (lambda c=chain, p=prompt: c.lookup(p)) for name, chain in chains.items()}},
                               rounds=40)
         row: dict = {"case": case, **{k: statistics.median(v) for k, v in fast.items()},
                      "list/floor": statistics.median(a / b for a, b in zip(fast["list"], fast["floor"]))}

@@ -27,10 +27,10 @@ from sqlalchemy import select
 
 from dss import records
 from dss.catalog import Catalog, Tx
+from dss.crypto import Sealer, SealError
 from dss.hashing import checksum
 from dss.pageindex import Namespace, PageEntry, PageIndex
 from dss.placement import pick_segments, room_needed
-from dss.crypto import Sealer, SealError
 from dss.tiers.base import Located, ReadFailure, ReadRequest
 from dss.tiers.disk import HEADER_BYTES, RECORD, DiskTier
 from dss.tiers.host import HostTier

@@ -13,7 +13,6 @@ import datetime as dt
 
 from sqlalchemy import (
     BigInteger,
-    false,
     Boolean,
     DateTime,
     ForeignKey,
@@ -23,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 

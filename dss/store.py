@@ -32,12 +32,12 @@ from typing import Any
 from dss import integrity, records
 from dss.catalog import Catalog, Tx
 from dss.config import StoreConfig
+from dss.crypto import load_master_key
 from dss.epoch import Epoch
 from dss.erase import Eraser
-from dss.crypto import load_master_key
 from dss.errors import InvalidInput, InvalidTokens, SessionExists, StoreClosed
-from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.keys import adopt_master_key, ensure_key
+from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.pages import NewPage, PageStore, Placement

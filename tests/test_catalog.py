@@ -9,8 +9,8 @@ from sqlalchemy import text
 
 import dss
 import dss.catalog as catalog_module
-from dss.crypto import OVERHEAD
 from dss.catalog import Catalog
+from dss.crypto import OVERHEAD
 from dss.schema import Base
 from tests.conftest import LAYOUT, pages_for
 

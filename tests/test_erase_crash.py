@@ -8,8 +8,8 @@ one receipt, its verification passed, nothing of alice is left and bob is untouc
 from __future__ import annotations
 
 import shutil
-import sqlite3
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
