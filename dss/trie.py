@@ -130,10 +130,7 @@ class Trie:
         for node in match.path:
             usable = min(node.depth, limit) // page_tokens - node.start // page_tokens
             if usable > 0:
-                if node.gen != gen:
-                    node.codes = bytearray(map(code_of, node.page_ids))
-                    node.gen = gen
-                hole = node.codes.find(0, 0, usable)
+                hole = _codes(node, gen, code_of).find(0, 0, usable)
                 if hole >= 0:
                     if hole:
                         spans.append(Span(node.start // page_tokens, node.page_ids, node.codes, hole))
@@ -152,11 +149,8 @@ class Trie:
         for node in match.path:
             usable = min(node.depth, limit) // page_tokens - node.start // page_tokens
             if usable > 0:
-                if node.gen != gen:
-                    node.codes = bytearray(map(code_of, node.page_ids))
-                    node.gen = gen
                 ids.extend(node.page_ids[:usable])
-                codes += node.codes[:usable]
+                codes += _codes(node, gen, code_of)[:usable]
         return ids, codes
 
     def version_along(self, node: Node, depth: int, head: Position | None) -> VersionId | None:
@@ -298,6 +292,14 @@ class Trie:
                 return current.page_ids[-1]
             current = current.parent
         return self.root_id
+
+
+def _codes(node: Node, gen: int, code_of: Callable[[PageId], int]) -> bytearray:
+    """The node's tier codes, recomputed if the namespace's generation moved on."""
+    if node.gen != gen:
+        node.codes = bytearray(map(code_of, node.page_ids))
+        node.gen = gen
+    return node.codes
 
 
 def _passes(position: Position, node: Node, depth: int) -> bool:

@@ -72,9 +72,15 @@ def store(open_store: Callable[..., dss.Store]) -> dss.Store:
 
 
 @pytest.fixture
-def sqlite_store(tmp_path: Path) -> Iterator[dss.Store]:
-    """A store on the embedded default only (for tests about files and SQLite itself)."""
-    store = dss.open(tmp_path / "store")
+def store_path(tmp_path: Path) -> Path:
+    """The folder of a test's embedded store."""
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def sqlite_store(store_path: Path) -> Iterator[dss.Store]:
+    """A store on the embedded default only (for tests about files, SQLite and engines)."""
+    store = dss.open(store_path)
     yield store
     store.close()
 

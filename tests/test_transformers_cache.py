@@ -7,7 +7,6 @@ generates from scratch, token for token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture
-def store_path(tmp_path: Path) -> Path:
-    return tmp_path / "store"
-
-
-@pytest.fixture
-def store(store_path: Path) -> Iterator[dss.Store]:
-    handle = dss.open(store_path)
-    yield handle
-    handle.close()
+def store(sqlite_store: dss.Store) -> dss.Store:
+    """The test's own handle on the store (SQLite: the engines open the same folder)."""
+    return sqlite_store
 
 
 def greedy(model: Any, tokens: list[int], n: int, cache: Any = None) -> Any:

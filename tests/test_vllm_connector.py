@@ -17,7 +17,6 @@ The conversation used throughout (block = page = 32 tokens)::
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +47,9 @@ def ref(model: Path) -> dict[str, list[int]]:
 
 
 @pytest.fixture
-def store_path(tmp_path: Path) -> Path:
-    return tmp_path / "store"
-
-
-@pytest.fixture
-def store(store_path: Path) -> Iterator[dss.Store]:
-    """The test's own handle on the store the engines use."""
-    handle = dss.open(store_path)
-    yield handle
-    handle.close()
+def store(sqlite_store: dss.Store) -> dss.Store:
+    """The test's own handle on the store (SQLite: the engines open the same folder)."""
+    return sqlite_store
 
 
 def run(llm: Any, tokens: list[int], fields: dict[str, Any] | None, max_tokens: int = 8) -> Any:
