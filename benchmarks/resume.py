@@ -16,7 +16,8 @@ next to three baselines on the same prompt in the same run:
 * vllm: vLLM's own ``hash_block_tokens`` with its default ``sha256`` (when vLLM is installed).
 
 The contenders run interleaved (one call of each per round, rounds repeated), so drift of this
-shared machine hits them alike; a ratio is the median of the per-round ratios. Medians of
+shared machine hits them alike: list/floor is the median of per-round ratios; a chain's
+speed-up is its median over dss's median in the same (slower, cache-polluting) rounds. Medians of
 per-call times in microseconds. Rerun with::
 
     .venv/bin/python benchmarks/resume.py
@@ -165,7 +166,7 @@ def main() -> None:
                      "list/floor": statistics.median(a / b for a, b in zip(fast["list"], fast["floor"]))}
         for name in chains:
             row[name] = statistics.median(slow[name])
-            row[f"x {name}"] = statistics.median(b / a for a, b in zip(slow["list"], slow[name]))
+            row[f"x {name}"] = row[name] / statistics.median(slow["list"])
         rows.append(row)
     store.close()
     report(rows, list(chains))
@@ -180,7 +181,8 @@ def report(rows: list[dict], chains: list[str]) -> None:
                       *[f"{r[c]:.0f}" for c in chains], f"{r['list/floor']:.2f}",
                       *[f"{r[f'x {c}']:.1f}x" for c in chains]])
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
-    print("median microseconds per call; list/floor and x vs chain are medians of per-round ratios")
+    print("median microseconds per call; list/floor is the median of per-round ratios; x vs chain is the chain's "
+          "median over dss's (list) in the same interleaved rounds")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for t in table:
