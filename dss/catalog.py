@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from dss.errors import ReadOnlyViolation, SchemaOutdated, SchemaTooNew, SqlError
-from dss.schema import SCHEMA_REVISION, Base, CatalogSeq, Change
+from dss.schema import SCHEMA_REVISION, CatalogSeq, Change
 from dss.types import SqlResult
 
 UTC = dt.timezone.utc
@@ -34,6 +34,8 @@ _changes = Change.__table__
 
 CHANGES_KEPT = 100_000
 """How many change rows survive pruning; a process further behind reloads everything."""
+PRUNE_EVERY = 1000
+"""Every this many write transactions, the change feed is pruned (in that transaction)."""
 
 
 def now() -> dt.datetime:
@@ -111,14 +113,20 @@ class Catalog:
 
     @contextmanager
     def write(self) -> Iterator[Tx]:
-        """A write transaction; commits when the block ends, rolls back if it raises."""
+        """A write transaction; commits when the block ends, rolls back if it raises.
+
+        Every :data:`PRUNE_EVERY`-th one also prunes the change feed.
+        """
         with self.engine.connect() as conn:
             conn = conn.execution_options(sqlite_begin="IMMEDIATE")
             with conn.begin():
                 seq = conn.execute(
                     update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
                 ).scalar_one()
-                yield Tx(conn, seq)
+                tx = Tx(conn, seq)
+                yield tx
+                if seq % PRUNE_EVERY == 0:
+                    self.prune_changes(tx)
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -161,7 +169,7 @@ class Catalog:
 
     @staticmethod
     def prune_changes(tx: Tx) -> None:
-        """Keep the newest :data:`CHANGES_KEPT` change rows; record the new floor."""
+        """Keep the newest :data:`CHANGES_KEPT` change rows (whole transactions); record the new floor."""
         count = tx.conn.execute(select(func.count()).select_from(_changes)).scalar_one()
         if count <= CHANGES_KEPT:
             return
@@ -266,9 +274,3 @@ def _scripts() -> Any:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(_alembic_config())
-
-
-def metadata_tables() -> list[str]:
-    """Names of the tables the models define (for the schema test)."""
-    return sorted(Base.metadata.tables)
-

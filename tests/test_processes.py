@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import dss
 from tests.conftest import LAYOUT, page, pages_for
 
@@ -80,3 +82,33 @@ def test_a_second_process_sees_commits_at_once(tmp_path: Path, catalog_url) -> N
         assert child.stdout.readline() == f"20 {version.version_id}\n"
         child.stdin.close()
         assert child.wait(30) == 0
+
+
+def test_a_handle_behind_the_pruned_change_feed_reloads_everything(open_store, monkeypatch) -> None:
+    import dss.catalog
+
+    monkeypatch.setattr(dss.catalog, "CHANGES_KEPT", 3)
+    monkeypatch.setattr(dss.catalog, "PRUNE_EVERY", 2)
+    a, b = open_store(), open_store()
+    a.create_session("s", user_id="u", layout=LAYOUT)
+    a.create_session("gone", user_id="u", layout=LAYOUT)
+    g = [t + 100 for t in T]  # its own tokens: its pages are its own
+    a.commit("gone", g, pages_for(g, tag=3))
+    gone = b.resume("gone", g).pages
+    assert len(gone) == 5
+    b.read_pages(gone)  # b holds those pages in its host tier
+    assert all(ref.page_id in b.host for ref in gone)
+    v1 = a.commit("s", T, pages_for(T))
+    for n in range(6):  # many more writes than the feed keeps
+        a.commit("s", T + [n] * 4, {5: page(50 + n)})
+    a.rollback("s", v1.version_id)
+    a.delete_session("gone")
+    floor = a.sql("SELECT floor FROM catalog_seq").rows[0][0]
+    assert floor > 0 and a.sql("SELECT COUNT(*) FROM changes WHERE seq <= :f", {"f": floor}).rows == [(0,)]
+    r = b.resume("s", T + [5] * 4)
+    assert (r.matched_tokens, b.session("s").head_id, len(b.versions("s"))) == (24, v1.version_id, 7)
+    assert b.read_pages(r.pages)[5] == page(55)
+    with pytest.raises(dss.UnknownSession):
+        b.resume("gone", g)
+    assert not any(ref.page_id in b.host for ref in gone)  # released pages left b's host tier too
+    assert b.check() == []
