@@ -43,14 +43,9 @@ def _sessions(store: Store, conn: object) -> list[str]:
             problems.append(f"{name} has versions but no head")
         if record.head_id is not None and record.head_id not in by_id:
             problems.append(f"{name} has head {record.head_id}, which is not one of its versions")
-        for v in versions:
-            if v.base_id is not None and (v.base_id not in by_id or v.base_id >= v.version_id):
-                problems.append(f"version {v.version_id} of {name} builds on version {v.base_id} outside its session")
-            elif v.base_id is not None and v.base_len > by_id[v.base_id].num_tokens:
-                problems.append(f"version {v.version_id} of {name} takes {v.base_len} tokens of a shorter base")
-            if (v.base_len if v.base_id is not None else 0) + len(v.suffix) // 4 != v.num_tokens:
-                problems.append(f"version {v.version_id} of {name} does not hold {v.num_tokens} tokens")
-        if any(p.startswith("version ") and name in p for p in problems):
+        broken = _broken_versions(versions, by_id, name)
+        problems += broken
+        if broken:  # the trie cannot be rebuilt from them; the checks below would only repeat it
             continue
         key = store.mirror.keys(record.user_ref, conn).hash_key
         fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, {})
@@ -70,6 +65,20 @@ def _sessions(store: Store, conn: object) -> list[str]:
             for version_id in by_id:
                 if version_id in cached.positions and cached.tokens(version_id) != fresh.tokens(version_id):
                     problems.append(f"{name}: cached tokens of version {version_id} differ from the catalog")
+    return problems
+
+
+def _broken_versions(versions: list[records.VersionRecord], by_id: dict[int, records.VersionRecord],
+                     name: str) -> list[str]:
+    """Versions whose stored delta does not rebuild their token history."""
+    problems = []
+    for v in versions:
+        if v.base_id is not None and (v.base_id not in by_id or v.base_id >= v.version_id):
+            problems.append(f"version {v.version_id} of {name} builds on version {v.base_id} outside its session")
+        elif v.base_id is not None and v.base_len > by_id[v.base_id].num_tokens:
+            problems.append(f"version {v.version_id} of {name} takes {v.base_len} tokens of a shorter base")
+        if (v.base_len if v.base_id is not None else 0) + len(v.suffix) // 4 != v.num_tokens:
+            problems.append(f"version {v.version_id} of {name} does not hold {v.num_tokens} tokens")
     return problems
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dss.records import PageRecord
 from dss.tiers.base import Located
 from dss.tiers.host import HostTier
-from dss.types import TIER_CODE, TIERS, PageId
+from dss.types import TIER_CODE, PageId
 
 HOST = TIER_CODE["host"]
 DISK = TIER_CODE["disk"]
@@ -77,10 +77,6 @@ class PageIndex:
             return DISK if entry is not None and entry.disk is not None else 0
 
         return code_of
-
-    def tier_of(self, page_id: PageId) -> str | None:
-        code = self.code_of(page_id)
-        return TIERS[code - 1] if code else None
 
     def namespace(self, user_ref: int) -> Namespace:
         ns = self.namespaces.get(user_ref)

@@ -3,7 +3,7 @@
 This is the small first policy; the store calls it and carries out its decisions.
 
 * New pages go to host and disk.
-* Host: least recently used unpinned pages leave first (they stay on disk) — the host
+* Host: least recently used pages leave first (they stay on disk) — the host
   tier does this itself.
 * Disk: when a write would overflow the tier, whole segments are dropped, oldest first by
   the newest version that contains any of their pages (so pages only old versions hold go

@@ -14,7 +14,7 @@ codes from the ``code_of`` callback given to :meth:`Trie.available`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -182,14 +182,6 @@ class Trie:
     def chain(self, prev: PageId, buf: bytes, first: int, count: int) -> list[PageId]:
         """Ids of pages ``first .. first+count-1`` of ``buf`` given the id of page ``first-1``."""
         return self._page_ids(prev, buf, first, count)
-
-    def nodes(self) -> Iterator[Node]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
 
     # -- growing ---------------------------------------------------------------------------
 

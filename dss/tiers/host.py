@@ -1,7 +1,8 @@
 """The host tier: page payloads in this process's RAM, bounded in bytes, LRU.
 
-Pages in use by a read in progress are pinned and never evicted. Thread safety is the
-caller's (the store serialises access).
+Payloads are immutable ``bytes``, so a reader keeps what it got even when the page is
+evicted right after; nothing needs pinning. Thread safety is the caller's (the store
+serialises access).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ class HostTier:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._pages: OrderedDict[PageId, bytes] = OrderedDict()
-        self._pins: dict[PageId, int] = {}
 
     def __contains__(self, page_id: object) -> bool:
         return page_id in self._pages
@@ -43,8 +43,8 @@ class HostTier:
     def put(self, page_id: PageId, payload: bytes) -> list[PageId] | None:
         """Store ``payload``; return the ids evicted for it (oldest first).
 
-        Returns ``None`` and changes nothing when the page cannot fit even after evicting
-        every unpinned page. Putting a page already present only refreshes its recency.
+        Returns ``None`` and changes nothing when the page is larger than the tier.
+        Putting a page already present only refreshes its recency.
         """
         if page_id in self._pages:
             self._pages.move_to_end(page_id)
@@ -56,21 +56,17 @@ class HostTier:
         victims: list[PageId] = []
         if need > 0:
             for victim, data in self._pages.items():
-                if victim in self._pins:
-                    continue
                 victims.append(victim)
                 need -= len(data)
                 if need <= 0:
                     break
-            if need > 0:
-                return None
             self.discard(victims)
         self._pages[page_id] = payload
         self.used_bytes += size
         return victims
 
     def discard(self, page_ids: Iterable[PageId]) -> int:
-        """Drop these pages (pinned ones too); return the bytes freed."""
+        """Drop these pages; return the bytes freed."""
         freed = 0
         for page_id in page_ids:
             payload = self._pages.pop(page_id, None)
@@ -78,20 +74,6 @@ class HostTier:
                 freed += len(payload)
         self.used_bytes -= freed
         return freed
-
-    def pin(self, page_ids: Iterable[PageId]) -> None:
-        """Keep these pages from eviction until :meth:`unpin`; pins nest."""
-        for page_id in page_ids:
-            self._pins[page_id] = self._pins.get(page_id, 0) + 1
-
-    def unpin(self, page_ids: Iterable[PageId]) -> None:
-        """Undo one :meth:`pin` of each page."""
-        for page_id in page_ids:
-            count = self._pins.get(page_id, 0) - 1
-            if count > 0:
-                self._pins[page_id] = count
-            else:
-                self._pins.pop(page_id, None)
 
     def ids(self) -> list[PageId]:
         """Every page id held, least recently used first."""
