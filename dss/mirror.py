@@ -48,6 +48,7 @@ class Mirror:
         self._keys: dict[int, Keys] = {}
         self._no_shared: set[tuple[str, bytes]] = set()
         self._tenants: dict[int, str] = {}
+        self._users: dict[tuple[str, str], int] = {}
         self._own: set[int] = set()
         self._seq = catalog.latest_seq()
         self._epoch_seen = epoch.read()
@@ -79,6 +80,8 @@ class Mirror:
             self.sessions.clear()
             self._names.clear()
             self._keys.clear()
+            self._users.clear()
+            self._tenants.clear()
             self._no_shared.clear()
             for user_ref in list(self.index.namespaces):
                 self.index.drop_namespace(user_ref)
@@ -118,7 +121,8 @@ class Mirror:
                 return state
             with self.catalog.read() as conn:
                 loaded = self.loaded(ref, conn)
-            if loaded is not None:
+            # a deleted session's row number may now belong to another session (SQLite reuses it)
+            if loaded is not None and loaded.session_id == session_id and tenant_id in (None, loaded.record.tenant_id):
                 return loaded
             del self._names[(session_id, tenant_id)]
         check_name("session_id", session_id)
@@ -250,6 +254,8 @@ class Mirror:
     def forget_user(self, user_ref: int) -> None:
         """Drop every cached trace of a namespace: key, sessions, page entries, host copies."""
         self._keys.pop(user_ref, None)
+        self._tenants.pop(user_ref, None)
+        self._users = {k: v for k, v in self._users.items() if v != user_ref}
         for ref in [ref for ref, state in self.sessions.items() if state.record.user_ref == user_ref]:
             self.drop(ref)
         self.index.drop_namespace(user_ref)
@@ -265,5 +271,12 @@ class Mirror:
         return tenant
 
     def user_ref(self, tenant_id: str, user_id: str) -> int | None:
-        with self.catalog.read() as conn:
-            return records.find_user(conn, tenant_id, user_id)
+        """The namespace's row number, or ``None`` if it has none (found ones are remembered
+        until the user is forgotten)."""
+        ref = self._users.get((tenant_id, user_id))
+        if ref is None:
+            with self.catalog.read() as conn:
+                ref = records.find_user(conn, tenant_id, user_id)
+            if ref is not None:
+                self._users[(tenant_id, user_id)] = ref
+        return ref

@@ -35,7 +35,7 @@ from dss.config import StoreConfig
 from dss.crypto import load_master_key
 from dss.epoch import Epoch
 from dss.erase import Eraser
-from dss.errors import InvalidInput, InvalidTokens, SessionExists, StoreClosed
+from dss.errors import InvalidInput, InvalidTokens, SessionExists, StoreClosed, UnknownSession
 from dss.keys import adopt_master_key, ensure_key
 from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.mirror import Mirror
@@ -566,9 +566,16 @@ class Store:
         """The session holding pages saved without a session, one per namespace and layout."""
         if tenant_id is None or user_id is None or not isinstance(layout, Layout):
             raise InvalidInput("save_pages without a session needs tenant_id, user_id and layout")
+        check_name("user_id", user_id)
         session_id = f"{CACHE_PREFIX}{layout.digest.hex()[:16]}-{_short(user_id)}"
-        self._create(session_id, user_id, tenant_id, layout)
-        return self.mirror.state(session_id, tenant_id)
+        try:
+            state = self.mirror.state(session_id, tenant_id)
+        except UnknownSession:
+            self._create(session_id, user_id, tenant_id, layout)
+            state = self.mirror.state(session_id, tenant_id)
+        if state.record.user_id != user_id or state.record.layout != layout:
+            raise SessionExists(f"the page cache {session_id!r} of tenant {tenant_id!r} belongs to another user")
+        return state
 
 
 # -- helpers ---------------------------------------------------------------------------------

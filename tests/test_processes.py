@@ -112,3 +112,18 @@ def test_a_handle_behind_the_pruned_change_feed_reloads_everything(open_store, m
         b.resume("gone", g)
     assert not any(ref.page_id in b.host for ref in gone)  # released pages left b's host tier too
     assert b.check() == []
+
+
+def test_a_reused_row_id_never_answers_for_a_deleted_session(open_store) -> None:
+    """SQLite hands a deleted row's id to the next insert: a cached name must not follow it."""
+    a, b = open_store(), open_store()
+    a.create_session("old", user_id="alice", layout=LAYOUT)
+    a.commit("old", T, pages_for(T))
+    assert b.resume("old", T, tenant_id="default").matched_tokens == 20  # b caches ("old", "default") -> row
+    a.delete_session("old")
+    a.create_session("new", user_id="mallory", layout=LAYOUT)
+    a.commit("new", T, pages_for(T, tag=9))
+    assert a.sql("SELECT COUNT(*) FROM sessions").rows == [(1,)]
+    with pytest.raises(dss.UnknownSession):
+        b.resume("old", T, tenant_id="default")
+    assert b.session("new").user_id == "mallory"
