@@ -14,7 +14,7 @@ from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.resume import Rates, ResumeResult
 from dss.sessions import SessionState
-from dss.trie import Span
+from dss.trie import Match, Span
 from dss.types import Layout, PageId, VersionId
 
 SHARED_PREFIX = "~shared-"
@@ -45,6 +45,7 @@ class Matcher:
         spans: list[Span] = []
         history = 0
         own_ids: Sequence[PageId] | None = None
+        match = None
         if state is not None:
             match = state.trie.walk(buf)
             history = match.num_tokens
@@ -52,13 +53,13 @@ class Matcher:
         num_pages = sum(span.count for span in spans)
         shared = self.mirror.shared(tenant_id, layout, shared_session_id(layout))
         if shared is not None:
-            extra, own_ids = self._fill_from_shared(buf, state, shared, num_pages)
+            extra, own_ids = self._fill_from_shared(buf, state, match, shared, num_pages)
             if extra is not None:
                 spans = [*spans, extra]
                 num_pages += extra.count
         version_id = None
         depth = min(num_pages * page_tokens, history)
-        if state is not None and depth:
+        if state is not None and match is not None and depth:
             node = next(n for n in match.path if n.start < depth <= n.depth)
             version_id = state.trie.version_along(node, depth, state.head)
         if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
@@ -78,15 +79,16 @@ class Matcher:
                             VersionId(version_id) if version_id is not None else None, num_pages * page_tokens,
                             len(buf) // 4, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates)
 
-    def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, shared: SessionState,
-                          first: int) -> tuple[Span | None, Sequence[PageId]]:
+    def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, match: Match | None,
+                          shared: SessionState, first: int) -> tuple[Span | None, Sequence[PageId]]:
         """Pages ``first, first+1, ...`` from the session's own trie or, where it lacks them,
         from the shared prefixes; also the session trie's page ids of the prompt."""
         code_of = self.index.code_of
         own_ids: Sequence[PageId] = ()
         own_codes = bytearray()
         if state is not None:
-            own_ids, own_codes = state.trie.page_table(state.trie.walk(buf), state.ns.gen, code_of)
+            assert match is not None
+            own_ids, own_codes = state.trie.page_table(match, state.ns.gen, code_of)
         shared_ids, shared_codes = shared.trie.page_table(shared.trie.walk(buf), shared.ns.gen, code_of)
         ids: list[PageId] = []
         codes = bytearray()
