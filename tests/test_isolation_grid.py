@@ -74,9 +74,9 @@ def test_isolation_grid(open_store, path: str, tier: str) -> None:
 def test_page_ids_and_rows_are_keyed_per_namespace(store: dss.Store) -> None:
     """Same tokens in four namespaces: four sets of page ids, four files, no shared row."""
     for tenant, user in itertools.product(["acme", "globex"], ["alice", "bob"]):
-        store.create_session("same-id", user_id=user, tenant_id=tenant, layout=L1) if user == "alice" else \
-            store.create_session(f"same-id-{user}", user_id=user, tenant_id=tenant, layout=L1)
-        store.commit("same-id" if user == "alice" else f"same-id-{user}", TOKENS, PAGES, tenant_id=tenant)
+        session = "same-id" if user == "alice" else f"same-id-{user}"  # alice's id is the same in both tenants
+        store.create_session(session, user_id=user, tenant_id=tenant, layout=L1)
+        store.commit(session, TOKENS, PAGES, tenant_id=tenant)
     rows = store.sql("SELECT user_ref, COUNT(*) FROM pages GROUP BY user_ref ORDER BY user_ref").rows
     assert [n for _, n in rows] == [8, 8, 8, 8]
     assert store.sql("SELECT COUNT(DISTINCT page_id) FROM pages").rows == [(32,)]
