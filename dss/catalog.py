@@ -98,15 +98,28 @@ class Catalog:
                 f"the catalog at {self.url} is at schema revision {current}, unknown to this dss "
                 f"(it needs {SCHEMA_REVISION}): it was made by a newer dss; upgrade dss")
 
-    def upgrade(self) -> tuple[str | None, str]:
-        """Apply every pending migration; return ``(from_revision, to_revision)``."""
+    def upgrade(self, master_key: bytes | None = None) -> tuple[str | None, str]:
+        """Apply every pending migration in one transaction; return ``(from_revision, to_revision)``.
+
+        ``master_key`` is needed by migrations that seal rows already there (revision 0003).
+        """
         from alembic import command
 
         before = self.revision()
-        with self.engine.begin() as conn:
-            config = _alembic_config()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
+        with self.engine.connect() as conn:
+            if self.is_sqlite:  # rebuilding tables needs this off, which SQLite allows only outside a transaction
+                conn.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")  # type: ignore[union-attr]
+            try:
+                with conn.begin():
+                    config = _alembic_config()
+                    config.attributes["connection"] = conn
+                    config.attributes["master_key"] = master_key
+                    command.upgrade(config, "head")
+                    if self.is_sqlite and conn.exec_driver_sql("PRAGMA foreign_key_check").first() is not None:
+                        raise SchemaOutdated("the catalog's migration broke a foreign key; nothing was changed")
+            finally:
+                if self.is_sqlite:
+                    conn.connection.driver_connection.execute("PRAGMA foreign_keys = ON")  # type: ignore[union-attr]
         return before, SCHEMA_REVISION
 
     # -- transactions ----------------------------------------------------------------------

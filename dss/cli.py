@@ -18,6 +18,7 @@ from sqlalchemy.exc import OperationalError
 import dss
 from dss.catalog import Catalog
 from dss.config import load_config
+from dss.crypto import load_master_key
 from dss.errors import DssError
 from dss.store import Store
 
@@ -222,7 +223,8 @@ def upgrade(ctx: Context) -> None:
     config.home.mkdir(parents=True, exist_ok=True)
     catalog = Catalog(config.url, fsync=config.fsync)
     try:
-        before, after = catalog.upgrade()
+        hex_key = config.master_key.get_secret_value() if config.master_key else None
+        before, after = catalog.upgrade(load_master_key(config.master_key_file, config.home, hex_key))
     finally:
         catalog.close()
     if before == after:

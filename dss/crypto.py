@@ -9,6 +9,9 @@ outside the store folder (config ``master_key_file``, ``DSS_MASTER_KEY_FILE``, o
 every copy of their data that could not be deleted at once — unreclaimed file space, a
 backup, a replica — unreadable, and their page ids unlinkable to any tokens.
 
+Session ids and version labels are sealed the same way; the catalog finds a session by a
+keyed hash of its id (:func:`session_key`, keyed by a key derived from the master key).
+
 Sealed format: 12-byte random nonce, then ciphertext and 16-byte tag; the associated data
 binds a sealed blob to where it belongs (a page id, a session), so blobs cannot be swapped.
 """
@@ -79,6 +82,20 @@ def unwrap(master: bytes, wrapped: bytes, owner: bytes) -> bytes:
 def namespace_hash_key(data_key: bytes) -> bytes:
     """The key of a namespace's page-id chain, derived from its data key (HMAC-SHA256)."""
     return hmac.new(data_key, b"dss-namespace-hash v1", hashlib.sha256).digest()
+
+
+def session_lookup_key(master: bytes) -> bytes:
+    """The key of session-id hashes, derived from the master key (HMAC-SHA256)."""
+    return hmac.new(master, b"dss-session-lookup v1", hashlib.sha256).digest()
+
+
+def session_key(lookup_key: bytes, session_id: str) -> bytes:
+    """What the catalog finds a session by: a keyed hash of its id (16 bytes, BLAKE2b).
+
+    The id itself is stored only sealed under the owner's data key; this hash reveals
+    nothing about it without the master key.
+    """
+    return hashlib.blake2b(session_id.encode(), key=lookup_key, digest_size=16).digest()
 
 
 def master_check(master: bytes) -> bytes:

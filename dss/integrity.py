@@ -32,11 +32,17 @@ def check(store: Store) -> list[str]:
 def _sessions(store: Store, conn: object) -> list[str]:
     problems: list[str] = []
     for record, _ in records.list_sessions(conn):  # type: ignore[arg-type]
+        name = f"session {record.session_key.hex()} (tenant {record.tenant_id!r})"
+        try:
+            record = store.mirror.opened(record, conn)
+        except SealError:
+            problems.append(f"{name} has a sealed id that does not authenticate")
+            continue
         name = f"session {record.session_id!r} (tenant {record.tenant_id!r})"
         try:
             versions = store.mirror.unsealed(record, records.session_versions(conn, record.ref), conn)  # type: ignore[arg-type]
         except SealError:
-            problems.append(f"{name} has a token history that does not authenticate")
+            problems.append(f"{name} has a token history or label that does not authenticate")
             continue
         by_id = {v.version_id: v for v in versions}
         if record.head_id is None and versions:

@@ -22,6 +22,16 @@ def tokens_aad(session_ref: int) -> bytes:
     return b"dss-tokens v1\0session:%d" % session_ref
 
 
+def name_aad(session_key: bytes) -> bytes:
+    """What a sealed session id is bound to (its keyed hash, so names cannot be swapped)."""
+    return b"dss-session-id v1\0" + session_key
+
+
+def label_aad(session_ref: int) -> bytes:
+    """What a sealed version label is bound to."""
+    return b"dss-label v1\0session:%d" % session_ref
+
+
 def ensure_key(tx: Tx, user_ref: int, master: bytes) -> None:
     """Give a namespace its data key; raises ``ErasureInProgress`` while the user is being erased."""
     if records.erasure_of(tx.conn, user_ref) is not None:

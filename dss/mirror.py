@@ -15,10 +15,10 @@ from sqlalchemy import select
 
 from dss import records
 from dss.catalog import Catalog, Tx
-from dss.crypto import Sealer, namespace_hash_key, unwrap
+from dss.crypto import Sealer, namespace_hash_key, session_key, session_lookup_key, unwrap
 from dss.epoch import Epoch
 from dss.errors import AmbiguousSession, ErasureInProgress, UnknownSession
-from dss.keys import owner_tag, tokens_aad
+from dss.keys import label_aad, name_aad, owner_tag, tokens_aad
 from dss.pageindex import Namespace, PageIndex
 from dss.records import SessionRecord, VersionRecord
 from dss.sessions import SessionState
@@ -27,11 +27,13 @@ from dss.validate import check_name
 
 
 class Keys(NamedTuple):
-    """What a namespace's data key yields: the page-id hashing key and the sealer (``None``
-    when the store does not encrypt)."""
+    """What a namespace's data key yields: the page-id hashing key, the sealer of pages and
+    token histories (``None`` when the store does not encrypt), and the sealer of session ids
+    and labels (always)."""
 
     hash_key: bytes
     sealer: Sealer | None
+    names: Sealer
 
 
 class Mirror:
@@ -42,6 +44,7 @@ class Mirror:
         self.epoch = epoch
         self.index = index
         self._master = master
+        self._lookup = session_lookup_key(master)
         self._encrypt = encrypt
         self.sessions: dict[int, SessionState] = {}
         self._names: dict[tuple[str, str | None], int] = {}
@@ -129,7 +132,7 @@ class Mirror:
         if tenant_id is not None:
             check_name("tenant_id", tenant_id)
         with self.catalog.read() as conn:
-            found = records.find_sessions(conn, session_id, tenant_id)
+            found = records.find_sessions(conn, self.session_key(session_id), tenant_id)
             if not found:
                 where = f" in tenant {tenant_id!r}" if tenant_id is not None else ""
                 raise UnknownSession(f"no session {session_id!r}{where}")
@@ -166,20 +169,34 @@ class Mirror:
         """Make and cache the state of a session from its catalog rows."""
         self._no_shared.discard((record.tenant_id, record.layout.digest))
         keys = self.keys(record.user_ref, conn)
+        record = self.opened(record, conn)
         state = SessionState(record, keys.hash_key, self.namespace(record.user_ref, conn),
                              self.unsealed(record, versions, conn), refs)
         self.sessions[record.ref] = state
         return state
 
+    def session_key(self, session_id: str) -> bytes:
+        """The keyed hash the catalog finds a session id by."""
+        return session_key(self._lookup, session_id)
+
+    def opened(self, record: SessionRecord, conn: Any = None) -> SessionRecord:
+        """``record`` with its session id unsealed. Raises ``ErasureInProgress`` when the
+        owner's key is destroyed, ``SealError`` when the sealed id does not authenticate."""
+        if record.session_id:
+            return record
+        name = self.keys(record.user_ref, conn).names.open(record.sealed_name, name_aad(record.session_key))
+        return record._replace(session_id=name.decode())
+
     def unsealed(self, record: SessionRecord, versions: list[VersionRecord], conn: Any = None) -> list[VersionRecord]:
-        """The version rows with their token histories in clear."""
-        if not any(v.sealed for v in versions):
+        """The version rows with their token histories and labels in clear."""
+        if not any(v.sealed or v.sealed_label is not None for v in versions):
             return versions
-        sealer = self.keys(record.user_ref, conn).sealer
-        if sealer is None:
-            sealer = Sealer(self._data_key(record.user_ref, conn))
-        aad = tokens_aad(record.ref)
-        return [v._replace(suffix=sealer.open(v.suffix, aad), sealed=False) if v.sealed else v for v in versions]
+        keys = self.keys(record.user_ref, conn)
+        tokens = keys.sealer or keys.names
+        aad, labels = tokens_aad(record.ref), label_aad(record.ref)
+        return [v._replace(suffix=tokens.open(v.suffix, aad) if v.sealed else v.suffix, sealed=False,
+                           label=keys.names.open(v.sealed_label, labels).decode() if v.sealed_label is not None
+                           else None, sealed_label=None) for v in versions]
 
     def fresh(self, tx: Tx, state: SessionState) -> SessionState:
         """``state`` as of write transaction ``tx``, reloaded if another process changed it."""
@@ -223,7 +240,8 @@ class Mirror:
         if keys is not None:
             return keys
         data_key = self._data_key(user_ref, conn)
-        keys = self._keys[user_ref] = Keys(namespace_hash_key(data_key), Sealer(data_key) if self._encrypt else None)
+        names = Sealer(data_key)
+        keys = self._keys[user_ref] = Keys(namespace_hash_key(data_key), names if self._encrypt else None, names)
         return keys
 
     def _data_key(self, user_ref: int, conn: Any) -> bytes:
@@ -243,6 +261,16 @@ class Mirror:
         if sealer is None:
             return buf, False
         return sealer.seal(buf, tokens_aad(session_ref)), True
+
+    def seal_name(self, tx: Tx, user_ref: int, session_key: bytes, session_id: str) -> bytes:
+        """A session id as stored: sealed under the owner's data key, bound to its keyed hash."""
+        return self.keys(user_ref, tx.conn).names.seal(session_id.encode(), name_aad(session_key))
+
+    def seal_label(self, tx: Tx, user_ref: int, session_ref: int, label: str | None) -> bytes | None:
+        """A version label as stored: sealed under the owner's data key, bound to its session."""
+        if label is None:
+            return None
+        return self.keys(user_ref, tx.conn).names.seal(label.encode(), label_aad(session_ref))
 
     def sealer_of(self, user_ref: int) -> Sealer | None:
         """The sealer of a namespace, or ``None`` if its key is gone (its pages are then unreadable)."""

@@ -98,6 +98,9 @@ def ensure_layout(conn: Connection, layout: Layout) -> int:
 
 
 class SessionRecord(NamedTuple):
+    """A session row. ``session_id`` is ``""`` as read: the id is stored only sealed
+    (``sealed_name``), and :meth:`dss.mirror.Mirror.opened` fills it in."""
+
     ref: int
     session_id: str
     tenant_id: str
@@ -110,12 +113,14 @@ class SessionRecord(NamedTuple):
     created_at: dt.datetime
     last_access: dt.datetime
     seq: int
+    session_key: bytes
+    sealed_name: bytes
 
 
 _session_select = (
-    select(sessions.c.id, sessions.c.session_id, tenants.c.tenant_id, users.c.user_id, sessions.c.tenant_ref,
+    select(sessions.c.id, tenants.c.tenant_id, users.c.user_id, sessions.c.tenant_ref,
            sessions.c.user_ref, sessions.c.layout_ref, layouts.c.spec, sessions.c.head_id, sessions.c.created_at,
-           sessions.c.last_access, sessions.c.seq)
+           sessions.c.last_access, sessions.c.seq, sessions.c.session_key, sessions.c.name)
     .join(tenants, tenants.c.id == sessions.c.tenant_ref)
     .join(users, users.c.id == sessions.c.user_ref)
     .join(layouts, layouts.c.id == sessions.c.layout_ref)
@@ -123,14 +128,15 @@ _session_select = (
 
 
 def _session_record(row: tuple) -> SessionRecord:
-    ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, spec, head, created, last, seq = row
-    return SessionRecord(ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, Layout.from_dict(json.loads(spec)),
-                         head, aware(created), aware(last), seq)
+    ref, tenant, user, tenant_ref, user_ref, layout_ref, spec, head, created, last, seq, key, name = row
+    return SessionRecord(ref, "", tenant, user, tenant_ref, user_ref, layout_ref, Layout.from_dict(json.loads(spec)),
+                         head, aware(created), aware(last), seq, bytes(key), bytes(name))
 
 
-def find_sessions(conn: Connection, session_id: str, tenant_id: str | None) -> list[SessionRecord]:
-    """Sessions named ``session_id`` (in ``tenant_id`` if given; several tenants may reuse an id)."""
-    query = _session_select.where(sessions.c.session_id == session_id)
+def find_sessions(conn: Connection, session_key: bytes, tenant_id: str | None) -> list[SessionRecord]:
+    """Sessions whose id has the keyed hash ``session_key`` (in ``tenant_id`` if given; several
+    tenants may reuse an id)."""
+    query = _session_select.where(sessions.c.session_key == session_key)
     if tenant_id is not None:
         query = query.where(tenants.c.tenant_id == tenant_id)
     return [_session_record(r) for r in conn.execute(query)]
@@ -153,10 +159,11 @@ def list_sessions(conn: Connection, tenant_id: str | None = None, user_id: str |
     return [(_session_record(r[:-1]), int(r[-1])) for r in conn.execute(query)]
 
 
-def insert_session(conn: Connection, session_id: str, tenant_ref: int, user_ref: int, layout_ref: int, seq: int) -> int:
+def insert_session(conn: Connection, session_key: bytes, sealed_name: bytes, tenant_ref: int, user_ref: int,
+                   layout_ref: int, seq: int) -> int:
     stamp = now()
     return int(conn.execute(insert(sessions).values(
-        session_id=session_id, tenant_ref=tenant_ref, user_ref=user_ref, layout_ref=layout_ref,
+        session_key=session_key, name=sealed_name, tenant_ref=tenant_ref, user_ref=user_ref, layout_ref=layout_ref,
         head_id=None, created_at=stamp, last_access=stamp, seq=seq,
     )).inserted_primary_key[0])
 
@@ -186,7 +193,9 @@ def delete_session(conn: Connection, session_ref: int) -> list[bytes]:
 
 
 class VersionRecord(NamedTuple):
-    """A version row; ``suffix`` is sealed when ``sealed`` (see :mod:`dss.crypto`)."""
+    """A version row; ``suffix`` is sealed when ``sealed`` (see :mod:`dss.crypto`). As read,
+    ``label`` is ``None`` and ``sealed_label`` holds the stored label; :meth:`dss.mirror.Mirror.unsealed`
+    opens both."""
 
     version_id: int
     session_ref: int
@@ -199,12 +208,13 @@ class VersionRecord(NamedTuple):
     pinned: bool
     created_at: dt.datetime
     sealed: bool = False
+    sealed_label: bytes | None = None
 
 
 def _version_record(row: tuple) -> VersionRecord:
     vid, sref, parent, base, base_len, num, suffix, label, pinned, created, sealed = row
-    return VersionRecord(vid, sref, parent, base, base_len, num, bytes(suffix), label, bool(pinned), aware(created),
-                         bool(sealed))
+    return VersionRecord(vid, sref, parent, base, base_len, num, bytes(suffix), None, bool(pinned), aware(created),
+                         bool(sealed), bytes(label) if label is not None else None)
 
 
 _version_columns = (versions.c.id, versions.c.session_ref, versions.c.parent_id, versions.c.base_id,
@@ -219,10 +229,10 @@ def session_versions(conn: Connection, session_ref: int) -> list[VersionRecord]:
 
 
 def insert_version(conn: Connection, session_ref: int, parent_id: int | None, base_id: int | None, base_len: int,
-                   num_tokens: int, suffix: bytes, label: str | None, sealed: bool) -> int:
+                   num_tokens: int, suffix: bytes, sealed_label: bytes | None, sealed: bool) -> int:
     return int(conn.execute(insert(versions).values(
         session_ref=session_ref, parent_id=parent_id, base_id=base_id, base_len=base_len, num_tokens=num_tokens,
-        suffix=suffix, label=label, pinned=False, created_at=now(), sealed=sealed,
+        suffix=suffix, label=sealed_label, pinned=False, created_at=now(), sealed=sealed,
     )).inserted_primary_key[0])
 
 

@@ -5,6 +5,12 @@ them); the read-only views operators query are defined in the migrations, as SQL
 
 Token histories are stored compactly: a version keeps only the tokens it adds to a base
 version (``base_id``, first ``base_len`` tokens), packed as little-endian uint32 bytes.
+
+Nothing a user wrote is stored in clear where the catalog need not search it: token
+histories, session ids and version labels are sealed under the owner's data key (so an
+erasure leaves them unreadable even in a database's dead rows); a session is found by a
+keyed hash of its id. Surrogate ids are never handed out twice (SQLite: ``AUTOINCREMENT``;
+PostgreSQL: sequences), so an old id can never name someone else's row.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003"
 """The Alembic revision this code expects the catalog to be at."""
+
+
+NEVER_REUSED = {"sqlite_autoincrement": True}
+"""Table options of every table with a surrogate integer key: SQLite never hands an id out twice."""
 
 
 class Base(DeclarativeBase):
@@ -36,6 +46,7 @@ class Base(DeclarativeBase):
 
 class Tenant(Base):
     __tablename__ = "tenants"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(256), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
@@ -45,7 +56,7 @@ class User(Base):
     """A namespace: one user of one tenant."""
 
     __tablename__ = "users"
-    __table_args__ = (UniqueConstraint("tenant_ref", "user_id"),)
+    __table_args__ = (UniqueConstraint("tenant_ref", "user_id"), NEVER_REUSED)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_ref: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
     user_id: Mapped[str] = mapped_column(String(256))
@@ -54,6 +65,7 @@ class User(Base):
 
 class LayoutRow(Base):
     __tablename__ = "layouts"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     digest: Mapped[bytes] = mapped_column(LargeBinary(16), unique=True)
     name: Mapped[str] = mapped_column(String(256))
@@ -64,9 +76,12 @@ class LayoutRow(Base):
 
 class SessionRow(Base):
     __tablename__ = "sessions"
-    __table_args__ = (UniqueConstraint("tenant_ref", "session_id"), Index("ix_sessions_seq", "seq"))
+    __table_args__ = (UniqueConstraint("tenant_ref", "session_key"), Index("ix_sessions_seq", "seq"), NEVER_REUSED)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(256))
+    session_key: Mapped[bytes] = mapped_column(LargeBinary(16))
+    """A keyed hash of the session id (:func:`dss.crypto.session_key`): how a session is found by id."""
+    name: Mapped[bytes] = mapped_column(LargeBinary)
+    """The session id, sealed under the owner's data key."""
     tenant_ref: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
     user_ref: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
     layout_ref: Mapped[int] = mapped_column(ForeignKey("layouts.id"))
@@ -78,6 +93,7 @@ class SessionRow(Base):
 
 class VersionRow(Base):
     __tablename__ = "versions"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     session_ref: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
     parent_id: Mapped[int | None] = mapped_column(BigInteger)
@@ -85,17 +101,19 @@ class VersionRow(Base):
     base_len: Mapped[int] = mapped_column(Integer)
     num_tokens: Mapped[int] = mapped_column(Integer)
     suffix: Mapped[bytes] = mapped_column(LargeBinary)
-    label: Mapped[str | None] = mapped_column(String(256))
+    label: Mapped[bytes | None] = mapped_column(LargeBinary)
+    """The version's label, sealed under the owner's data key (``None``: no label)."""
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     sealed: Mapped[bool] = mapped_column(Boolean, server_default=false())
-    """Whether ``suffix`` is sealed under the owner's data key (always, since revision 0002)."""
+    """Whether ``suffix`` is sealed under the owner's data key (always, since revision 0002; labels always are)."""
 
 
 class Segment(Base):
     """A page file on a durable tier: one batch of pages of one namespace."""
 
     __tablename__ = "segments"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     tier: Mapped[str] = mapped_column(String(16))
@@ -146,6 +164,7 @@ class Quarantine(Base):
     """A page found corrupt on read: never served again, kept here for the operator."""
 
     __tablename__ = "quarantine"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     page_id: Mapped[bytes] = mapped_column(LargeBinary(16))
     user_ref: Mapped[int] = mapped_column(Integer)
@@ -164,6 +183,7 @@ class Change(Base):
     """
 
     __tablename__ = "changes"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, index=True)
     kind: Mapped[str] = mapped_column(String(16))
@@ -203,6 +223,7 @@ class Erasure(Base):
     """A forget-user job: its plan and how far it got, so a crash can be resumed."""
 
     __tablename__ = "erasures"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(256))
     user_id: Mapped[str] = mapped_column(String(256))
@@ -217,6 +238,7 @@ class Audit(Base):
     """Receipts of what dss did on request (erasures), kept for the operator."""
 
     __tablename__ = "audit"
+    __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     kind: Mapped[str] = mapped_column(String(32))
     tenant_id: Mapped[str] = mapped_column(String(256))

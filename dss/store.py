@@ -18,11 +18,9 @@ Contracts that hold for every method:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,7 +33,8 @@ from dss.config import StoreConfig
 from dss.crypto import load_master_key
 from dss.epoch import Epoch
 from dss.erase import Eraser
-from dss.errors import InvalidInput, InvalidTokens, SessionExists, StoreClosed, UnknownSession
+from dss.folder import adopt_folder, folder_lock
+from dss.errors import ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed, UnknownSession
 from dss.keys import adopt_master_key, ensure_key
 from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.mirror import Mirror
@@ -63,12 +62,13 @@ class Store:
         self.config = config
         home = config.home
         home.mkdir(parents=True, exist_ok=True)
-        with _folder_lock(home):
+        with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             self._master = load_master_key(config.master_key_file, home, hex_key)
             self.catalog = Catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s)
             self.catalog.ensure_schema()
             adopt_master_key(self.catalog, self._master)
+            adopt_folder(self.catalog, home)
             epoch = Epoch(home / "epoch")
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
@@ -135,7 +135,13 @@ class Store:
         with self._reading():
             with self.catalog.read() as conn:
                 rows = records.list_sessions(conn, tenant_id, user_id)
-            return [_session_of(rec, count) for rec, count in rows]
+                out = []
+                for rec, count in rows:
+                    try:
+                        out.append(_session_of(self.mirror.opened(rec, conn), count))
+                    except ErasureInProgress:  # the owner's key is gone: the erasure deletes the row next
+                        continue
+            return out
 
     def delete_session(self, session_id: str, *, tenant_id: str | None = None) -> int:
         """Delete a session and its versions; release the pages no other session references.
@@ -254,14 +260,15 @@ class Store:
                 state = self.mirror.fresh(tx, state)
                 source = state.version_record(version_id)
                 rec = state.record
-                if records.find_sessions(tx.conn, new_session_id, rec.tenant_id):
+                key = self.mirror.session_key(new_session_id)
+                if records.find_sessions(tx.conn, key, rec.tenant_id):
                     raise SessionExists(f"session {new_session_id!r} already exists in tenant {rec.tenant_id!r}")
-                ref = records.insert_session(tx.conn, new_session_id, rec.tenant_ref, rec.user_ref, rec.layout_ref,
-                                             tx.seq)
+                ref = records.insert_session(tx.conn, key, self.mirror.seal_name(tx, rec.user_ref, key, new_session_id),
+                                             rec.tenant_ref, rec.user_ref, rec.layout_ref, tx.seq)
                 buf = state.tokens(version_id)
                 stored, sealed = self.mirror.seal_tokens(tx, rec.user_ref, ref, buf)
-                vid = records.insert_version(tx.conn, ref, source.version_id, None, 0, len(buf) // 4, stored, label,
-                                             sealed)
+                vid = records.insert_version(tx.conn, ref, source.version_id, None, 0, len(buf) // 4, stored,
+                                             self.mirror.seal_label(tx, rec.user_ref, ref, label), sealed)
                 records.update_session(tx.conn, ref, tx.seq, head_id=vid)
                 held = records.existing_pages(tx.conn, state.page_ids(version_id))
                 records.add_refs(tx.conn, ref, held, vid)
@@ -452,7 +459,8 @@ class Store:
             raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
         with self._reading():
             with self._write() as tx:
-                found = records.find_sessions(tx.conn, session_id, tenant_id)
+                key = self.mirror.session_key(session_id)
+                found = records.find_sessions(tx.conn, key, tenant_id)
                 if found:
                     rec = found[0]
                     if rec.user_id != user_id or rec.layout != layout:
@@ -465,7 +473,8 @@ class Store:
                 user_ref = records.ensure_user(tx.conn, tenant_ref, user_id)
                 ensure_key(tx, user_ref, self._master)
                 layout_ref = records.ensure_layout(tx.conn, layout)
-                ref = records.insert_session(tx.conn, session_id, tenant_ref, user_ref, layout_ref, tx.seq)
+                ref = records.insert_session(tx.conn, key, self.mirror.seal_name(tx, user_ref, key, session_id),
+                                             tenant_ref, user_ref, layout_ref, tx.seq)
                 self.catalog.note(tx, "session", session_ref=ref, user_ref=user_ref)
                 record = records.session_by_ref(tx.conn, ref)
                 assert record is not None
@@ -533,7 +542,7 @@ class Store:
         suffix = buf[4 * match.num_tokens:]
         stored, sealed = self.mirror.seal_tokens(tx, rec.user_ref, rec.ref, suffix)
         vid = records.insert_version(tx.conn, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4,
-                                     stored, label, sealed)
+                                     stored, self.mirror.seal_label(tx, rec.user_ref, rec.ref, label), sealed)
         records.update_session(tx.conn, rec.ref, tx.seq, head_id=vid)
         self.catalog.note(tx, "session", session_ref=rec.ref, user_ref=rec.user_ref)
         return VersionRecord(vid, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4, suffix, label,
@@ -596,14 +605,3 @@ def _session_of(rec: SessionRecord, num_versions: int) -> Session:
     return Session(rec.session_id, rec.tenant_id, rec.user_id, rec.layout,
                    VersionId(rec.head_id) if rec.head_id is not None else None, num_versions, rec.created_at,
                    rec.last_access)
-
-
-@contextmanager
-def _folder_lock(home: os.PathLike[str]) -> Iterator[None]:
-    """Serialise store initialisation (schema creation, master key check) between processes."""
-    fd = os.open(os.path.join(home, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

@@ -257,10 +257,10 @@ def test_save_pages_before_commit_and_lookup_without_session(api: Any, tenant: s
 def test_sql_reads_the_catalog_views_and_refuses_writes(api: Any, tenant: str) -> None:
     make(api, tenant)
     api.commit("s", T, {0: page(1), 1: page(2)})
-    out = api.sql("SELECT session_id, num_versions, head_tokens, num_pages, page_bytes FROM session_summary "
+    out = api.sql("SELECT user_id, num_versions, head_tokens, num_pages, page_bytes FROM session_summary "
                   "WHERE tenant_id = :t", {"t": tenant})
-    assert out == dss.SqlResult(["session_id", "num_versions", "head_tokens", "num_pages", "page_bytes"],
-                                [("s", 1, 10, 2, 64)])
+    assert out == dss.SqlResult(["user_id", "num_versions", "head_tokens", "num_pages", "page_bytes"],
+                                [("u", 1, 10, 2, 64)])
     ids = api.sql("SELECT page_id FROM pages ORDER BY page_index", max_rows=1).rows
     assert len(ids) == 1 and isinstance(ids[0][0], bytes) and len(ids[0][0]) == 16
     with pytest.raises(dss.ReadOnlyViolation):

@@ -37,10 +37,10 @@ def test_older_schema_is_refused_then_upgraded(tmp_path) -> None:
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
     old.close()
-    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0002: run `dss db upgrade`"):
+    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0003: run `dss db upgrade`"):
         dss.open(tmp_path)
     upgraded = Catalog(url)
-    assert upgraded.upgrade() == ("0001", "0002")
+    assert upgraded.upgrade() == ("0001", "0003")
     upgraded.close()
     with dss.open(tmp_path) as store:
         store.create_session("s", layout=LAYOUT)
@@ -59,8 +59,8 @@ def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
 def test_upgrade_of_an_empty_database(tmp_path) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     assert catalog.revision() is None
-    assert catalog.upgrade() == (None, "0002")
-    assert catalog.upgrade() == ("0002", "0002")
+    assert catalog.upgrade() == (None, "0003")
+    assert catalog.upgrade() == ("0003", "0003")
     catalog.close()
 
 
@@ -107,15 +107,16 @@ def test_views_summarise_sessions_and_users(store: dss.Store) -> None:
     v1 = store.commit("s", T, pages_for(T))  # 3 pages of 16 bytes
     store.commit("s", T + [1, 2, 3, 4], {3: b"z" * 16})
     store.branch("s", v1.version_id, "s2")
-    rows = store.sql("SELECT session_id, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
-                     "page_bytes, disk_bytes FROM session_summary ORDER BY session_id").rows
+    key = {store.mirror.session_key(name).hex(): name for name in ("s", "s2")}  # views name sessions by key
+    rows = store.sql("SELECT session_key, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
+                     "page_bytes, disk_bytes FROM session_summary").rows
     record = 32 + OVERHEAD + 16  # record header, nonce and tag, payload
-    assert rows == [("s", "acme", "alice", "test", 2, 16, 4, 64, 4 * record),
-                    ("s2", "acme", "alice", "test", 1, 12, 3, 48, 3 * record)]
+    assert sorted((key[r[0]], *r[1:]) for r in rows) == [("s", "acme", "alice", "test", 2, 16, 4, 64, 4 * record),
+                                                       ("s2", "acme", "alice", "test", 1, 12, 3, 48, 3 * record)]
     users = store.sql("SELECT tenant_id, user_id, num_sessions, num_versions, num_pages, page_bytes, disk_bytes "
                       "FROM user_summary").rows
     assert users == [("acme", "alice", 2, 3, 4, 64, 2 * 32 + 4 * record)]
     tiers = store.sql("SELECT tier, num_segments, num_pages, bytes, live_bytes FROM tier_usage").rows
     assert tiers == [("disk", 2, 4, 2 * 32 + 4 * record, 4 * record)]
-    heads = store.sql("SELECT session_id, version_id FROM version_summary WHERE is_head = 1 ORDER BY session_id").rows
-    assert heads == [("s", v1.version_id + 1), ("s2", v1.version_id + 2)]
+    heads = store.sql("SELECT session_key, version_id FROM version_summary WHERE is_head = 1").rows
+    assert sorted((key[k], v) for k, v in heads) == [("s", v1.version_id + 1), ("s2", v1.version_id + 2)]

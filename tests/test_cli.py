@@ -54,8 +54,8 @@ def test_versions(home: str) -> None:
 
 
 def test_sql_and_its_refusals(home: str) -> None:
-    code, out = run("--home", home, "sql", "SELECT session_id, num_versions FROM session_summary", "--json")
-    assert (code, json.loads(out)) == (0, [{"session_id": "chat", "num_versions": 2}])
+    code, out = run("--home", home, "sql", "SELECT tenant_id, num_versions FROM session_summary", "--json")
+    assert (code, json.loads(out)) == (0, [{"tenant_id": "acme", "num_versions": 2}])
     code, out = run("--home", home, "sql", "DELETE FROM sessions")
     assert code == 1
     assert out == "error: ReadOnlyViolation: sql() runs read-only queries only: not authorized\n"
@@ -77,9 +77,9 @@ def test_check(home: str) -> None:
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     home = str(tmp_path / "new")
     assert run("--home", home, "db", "current") == (0, "empty\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0002\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0002\n")
-    assert run("--home", home, "db", "current") == (0, "0002\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0003\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0003\n")
+    assert run("--home", home, "db", "current") == (0, "0003\n")
 
 
 def test_demo_reuses_and_verifies(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ LAYERS = [
     {"trie", "tiers", "schema", "server_config", "apikeys"},
     {"catalog"},
     {"records"},
-    {"keys"},
+    {"keys", "folder"},
     {"pageindex", "resume", "placement"},
     {"sessions", "pages", "api_models"},
     {"mirror", "integrity", "erase"},

@@ -1,0 +1,184 @@
+"""Session ids and version labels sealed; surrogate ids never handed out twice.
+
+* ``sessions.session_id`` (clear) becomes ``session_key`` (a keyed hash of the id, which the
+  catalog finds sessions by) and ``name`` (the id sealed under the owner's data key);
+  ``versions.label`` becomes the label sealed the same way. An erasure then leaves neither
+  readable anywhere, not even in a database's dead rows.
+* On SQLite every table with a surrogate integer key is rebuilt with ``AUTOINCREMENT`` and
+  its counter set above any id the table may ever have handed out (PostgreSQL's sequences
+  never go back already).
+
+Sealing existing rows needs the master key: ``dss db upgrade`` passes it in. The views name
+sessions by ``session_key`` (hex) from now on.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-12-01
+"""
+
+import sqlalchemy as sa
+from alembic import context, op
+
+from dss.crypto import Sealer, master_check, session_key, session_lookup_key, unwrap
+from dss.errors import ConfigError
+from dss.keys import label_aad, name_aad, owner_tag
+
+revision = "0003"
+down_revision = "0002"
+branch_labels = None
+depends_on = None
+
+NEVER_REUSED = ("tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "changes",
+                "erasures", "audit")
+"""Tables whose ids must never be handed out twice."""
+
+
+def upgrade() -> None:
+    conn = op.get_bind()
+    sqlite = conn.dialect.name == "sqlite"
+    for name in VIEW_NAMES:
+        op.execute(f"DROP VIEW IF EXISTS {name}")
+    with op.batch_alter_table("sessions", recreate="always" if sqlite else "auto") as batch:
+        batch.add_column(sa.Column("session_key", sa.LargeBinary(16), nullable=True))
+        batch.add_column(sa.Column("name", sa.LargeBinary, nullable=True))
+    with op.batch_alter_table("versions", recreate="always" if sqlite else "auto") as batch:
+        batch.add_column(sa.Column("sealed_label", sa.LargeBinary, nullable=True))
+    _seal_existing(conn)
+    with op.batch_alter_table("sessions", recreate="always" if sqlite else "auto",
+                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+        batch.drop_column("session_id")
+        batch.alter_column("session_key", nullable=False)
+        batch.alter_column("name", nullable=False)
+        batch.create_unique_constraint("uq_sessions_tenant_ref_session_key", ["tenant_ref", "session_key"])
+    with op.batch_alter_table("versions", recreate="always" if sqlite else "auto",
+                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+        batch.drop_column("label")
+        batch.alter_column("sealed_label", new_column_name="label")
+    if sqlite:
+        for table in NEVER_REUSED:
+            if table not in ("sessions", "versions"):
+                with op.batch_alter_table(table, recreate="always", table_kwargs={"sqlite_autoincrement": True}):
+                    pass
+        _raise_counters(conn)
+    for statement in views(sqlite):
+        op.execute(statement)
+
+
+def downgrade() -> None:
+    raise NotImplementedError("revision 0003 seals session ids and labels; it cannot be undone")
+
+
+def _seal_existing(conn: sa.Connection) -> None:
+    """Give every session its key and sealed name, and seal every label, under the master key."""
+    sessions = conn.execute(sa.text("SELECT s.id, s.session_id, s.user_ref, k.wrapped FROM sessions s "
+                                    "LEFT JOIN user_keys k ON k.user_ref = s.user_ref")).all()
+    labels = conn.execute(sa.text("SELECT v.id, v.session_ref, v.label, s.user_ref, k.wrapped FROM versions v "
+                                  "JOIN sessions s ON s.id = v.session_ref LEFT JOIN user_keys k "
+                                  "ON k.user_ref = s.user_ref WHERE v.label IS NOT NULL")).all()
+    if not sessions and not labels:
+        return
+    master = context.config.attributes.get("master_key")
+    check = conn.execute(sa.text("SELECT value FROM store_meta WHERE key = 'master_check'")).scalar()
+    if master is None or check is None or bytes(check) != master_check(master):
+        raise ConfigError("upgrading this catalog to revision 0003 seals its session ids and labels and needs the "
+                          "store's master key: run `dss db upgrade` with the store's configuration")
+    lookup = session_lookup_key(master)
+    for ref, session_id, user_ref, wrapped in sessions:
+        key = session_key(lookup, session_id)
+        sealer = _sealer(master, user_ref, wrapped)
+        # a user under erasure has no key: the erasure deletes the row, so any unreadable name will do
+        name = sealer.seal(session_id.encode(), name_aad(key)) if sealer else b""
+        conn.execute(sa.text("UPDATE sessions SET session_key = :key, name = :name WHERE id = :ref"),
+                     {"key": key, "name": name, "ref": ref})
+    for version_id, session_ref, label, user_ref, wrapped in labels:
+        sealer = _sealer(master, user_ref, wrapped)
+        sealed = sealer.seal(label.encode(), label_aad(session_ref)) if sealer else None
+        conn.execute(sa.text("UPDATE versions SET sealed_label = :label WHERE id = :id"),
+                     {"label": sealed, "id": version_id})
+
+
+def _sealer(master: bytes, user_ref: int, wrapped: bytes | None) -> Sealer | None:
+    return Sealer(unwrap(master, bytes(wrapped), owner_tag(user_ref))) if wrapped is not None else None
+
+
+def _raise_counters(conn: sa.Connection) -> None:
+    """Set each table's AUTOINCREMENT counter above any id it may have handed out before.
+
+    Without AUTOINCREMENT SQLite gave a new row the largest id present plus one, so no id
+    ever exceeded the number of rows ever inserted; each write transaction (counted by
+    ``catalog_seq``) inserts at most one row into these tables, except segments, changes
+    and quarantine, whose ids nothing outside the catalog names.
+    """
+    seq = conn.execute(sa.text("SELECT seq FROM catalog_seq WHERE id = 1")).scalar() or 0
+    for table in NEVER_REUSED:
+        top = conn.execute(sa.text(f"SELECT COALESCE(MAX(id), 0) FROM {table}")).scalar()
+        floor = max(top, seq)
+        conn.execute(sa.text("DELETE FROM sqlite_sequence WHERE name = :t"), {"t": table})
+        conn.execute(sa.text("INSERT INTO sqlite_sequence (name, seq) VALUES (:t, :s)"), {"t": table, "s": floor})
+
+
+VIEW_NAMES = ("session_summary", "user_summary", "tier_usage", "version_summary")
+
+
+def _tier_bytes(owner: str, tier: str) -> str:
+    return (f"(SELECT COALESCE(SUM(loc.length), 0) FROM page_refs r JOIN page_locations loc "
+            f"ON loc.page_id = r.page_id AND loc.tier = '{tier}' WHERE r.session_ref = {owner})")
+
+
+def views(sqlite: bool) -> list[str]:
+    """The operators' views; sessions are named by ``session_key`` in lowercase hex."""
+    key = "lower(hex(s.session_key))" if sqlite else "encode(s.session_key, 'hex')"
+    return [
+        f"""
+        CREATE VIEW session_summary AS
+        SELECT {key} AS session_key, t.tenant_id, u.user_id, l.name AS layout,
+               (SELECT COUNT(*) FROM versions v WHERE v.session_ref = s.id) AS num_versions,
+               s.head_id AS head_version,
+               (SELECT v.num_tokens FROM versions v WHERE v.id = s.head_id) AS head_tokens,
+               (SELECT COUNT(*) FROM page_refs r WHERE r.session_ref = s.id) AS num_pages,
+               (SELECT COALESCE(SUM(p.size), 0) FROM page_refs r JOIN pages p ON p.page_id = r.page_id
+                 WHERE r.session_ref = s.id) AS page_bytes,
+               {_tier_bytes("s.id", "disk")} AS disk_bytes,
+               {_tier_bytes("s.id", "remote")} AS remote_bytes,
+               s.created_at, s.last_access
+        FROM sessions s
+        JOIN tenants t ON t.id = s.tenant_ref
+        JOIN users u ON u.id = s.user_ref
+        JOIN layouts l ON l.id = s.layout_ref
+        """,
+        """
+        CREATE VIEW user_summary AS
+        SELECT t.tenant_id, u.user_id,
+               (SELECT COUNT(*) FROM sessions s WHERE s.user_ref = u.id) AS num_sessions,
+               (SELECT COUNT(*) FROM versions v JOIN sessions s ON s.id = v.session_ref
+                 WHERE s.user_ref = u.id) AS num_versions,
+               (SELECT COUNT(*) FROM pages p WHERE p.user_ref = u.id) AS num_pages,
+               (SELECT COALESCE(SUM(p.size), 0) FROM pages p WHERE p.user_ref = u.id) AS page_bytes,
+               (SELECT COALESCE(SUM(g.size), 0) FROM segments g WHERE g.user_ref = u.id AND g.tier = 'disk')
+                 AS disk_bytes,
+               (SELECT COALESCE(SUM(g.size), 0) FROM segments g WHERE g.user_ref = u.id AND g.tier = 'remote')
+                 AS remote_bytes,
+               (SELECT MAX(s.last_access) FROM sessions s WHERE s.user_ref = u.id) AS last_access
+        FROM users u
+        JOIN tenants t ON t.id = u.tenant_ref
+        """,
+        """
+        CREATE VIEW tier_usage AS
+        SELECT g.tier,
+               COUNT(*) AS num_segments,
+               COALESCE(SUM(g.size), 0) AS bytes,
+               (SELECT COUNT(*) FROM page_locations loc WHERE loc.tier = g.tier) AS num_pages,
+               (SELECT COALESCE(SUM(loc.length), 0) FROM page_locations loc WHERE loc.tier = g.tier) AS live_bytes
+        FROM segments g
+        GROUP BY g.tier
+        """,
+        f"""
+        CREATE VIEW version_summary AS
+        SELECT {key} AS session_key, t.tenant_id, v.id AS version_id, v.parent_id, v.num_tokens,
+               v.label IS NOT NULL AS has_label, v.pinned,
+               CASE WHEN s.head_id = v.id THEN 1 ELSE 0 END AS is_head, v.created_at
+        FROM versions v
+        JOIN sessions s ON s.id = v.session_ref
+        JOIN tenants t ON t.id = s.tenant_ref
+        """,
+    ]
