@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -487,6 +488,36 @@ def test_sql_cells_json_cannot_carry_are_tagged(service: Service) -> None:
     assert (nested.status_code, nested.json()["kind"]) == (400, "InvalidInput")
 
 
+def admin_only_endpoints() -> set[tuple[str, str]]:
+    """The README's list of admin-only endpoints: ``{(method, path)}``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = readme.split("**Admin-only endpoints.**", 1)[1].split("\n\n", 1)[0]
+    return set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[\w/.]*)`", paragraph))
+
+
+def test_exactly_the_documented_endpoints_need_an_admin_key(service: Service) -> None:
+    """Every route of the app (a new one is walked automatically), asked by a non-admin key with an
+    empty body and no parameters: exactly the README's admin-only endpoints answer "needs an admin
+    API key", and the admin key is refused by none."""
+    routes = sorted({(method, route.path) for route in service.app.routes
+                     for method in getattr(route, "methods", None) or () if method != "HEAD"})
+    assert {path for _, path in routes} >= set(service.app.openapi()["paths"])
+
+    def refused_for_admin(who: str) -> set[tuple[str, str]]:
+        out = set()
+        for method, path in routes:
+            answer = service.call(method, path, who, **({"json": {}} if method in ("POST", "PUT", "PATCH") else {}))
+            is_problem = answer.headers.get("content-type") == "application/problem+json"
+            if is_problem and answer.status_code == 403 and answer.json()["detail"].endswith("needs an admin API key"):
+                out.add((method, path))
+        return out
+
+    assert refused_for_admin("t1") == admin_only_endpoints()
+    assert ("POST", "/v1/forget_user") in admin_only_endpoints()
+    assert refused_for_admin("admin") == set()
+    assert service.store.sessions() == [] and service.store.audit() == []
+
+
 def test_check_and_stats_need_an_admin_key(service: Service) -> None:
     service.create()
     service.commit(T, pages={0: page(1)})
@@ -505,11 +536,15 @@ def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> Non
     service.create("b", user_id="stays")
     service.commit(T, "a", pages={0: page(1), 1: page(2)})
     service.commit(T, "b", pages={0: page(3)})
-    plan = service.ok("POST", "/v1/forget_user", json={"user_id": "gone", "dry_run": True})
+    for body in ({"user_id": "gone", "dry_run": True}, {"user_id": "gone"}, {}):
+        expect_problem(service.call("POST", "/v1/forget_user", json=body), "Forbidden", 403,
+                       "forget_user needs an admin API key")
+    assert len(service.store.sessions(tenant_id="t1")) == 2 and service.store.audit() == []
+    plan = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "dry_run": True})
     assert (plan["tenant_id"], plan["user_id"], plan["sessions"], plan["versions"], plan["pages"]) == (
         "t1", "gone", 1, 1, 2)
     assert len(service.store.sessions(tenant_id="t1")) == 2  # a plan changes nothing
-    receipt = service.ok("POST", "/v1/forget_user", json={"user_id": "gone"})
+    receipt = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone"})
     assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["key_destroyed"]) == (
         "forget-user", "t1", "gone", True)
     assert receipt["removed"]["sessions"] == 1 and receipt["verification"]["ok"] is True
@@ -524,6 +559,6 @@ def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> Non
                    "reading every tenant's audit needs an admin API key")
     expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "x", "tenant_id": "t2"}),
                    "Forbidden", 403, "writes go to the API key's own tenant 't1', not 't2'")
-    expect_problem(service.call("POST", "/v1/forget_user", json={"user_id": ""}), "InvalidInput", 400,
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": ""}), "InvalidInput", 400,
                    "user_id must be a printable string of 1 to 256 characters, got ''")
     assert service.store.check() == []
