@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from dss.apikeys import KeyRing, add_key
 from dss.problems import problem
 from dss.server import create_app
 from dss.server_config import load_server_config
+from tests.test_readonly_sql import ATTACKS, snapshot
 
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny")
 LAYOUT_JSON = {"name": "test", "page_tokens": 4, "page_bytes": 16, "model": "tiny"}
@@ -36,12 +38,12 @@ def b64(data: bytes) -> str:
 class Service:
     """The app on a fresh store, with keys: ``admin`` (tenant t1, admin), ``t1`` and ``t2``."""
 
-    def __init__(self, home: Path, **config: Any) -> None:
+    def __init__(self, home: Path, catalog_url: str | None = None, **config: Any) -> None:
         self.home = home
         self.keys = {"admin": add_key(home / "api-keys.json", "t1", is_admin=True)[0],
                      "t1": add_key(home / "api-keys.json", "t1")[0],
                      "t2": add_key(home / "api-keys.json", "t2")[0]}
-        self.store = dss.open(home, fsync=False)
+        self.store = dss.open(home, fsync=False, catalog_url=catalog_url)
         self.config = load_server_config(home, **config)
         self.app = create_app(self.store, self.config, KeyRing(self.config.keys_file, reload_interval_s=0),
                               close_store=True)
@@ -486,6 +488,28 @@ def test_sql_cells_json_cannot_carry_are_tagged(service: Service) -> None:
     assert big == {"columns": ["p"], "rows": [[float(2**63)]]}  # past int64: bound as a float, as SQLite would
     nested = service.call("POST", "/v1/sql", "admin", json={"query": "SELECT :p", "params": {"p": [1]}})
     assert (nested.status_code, nested.json()["kind"]) == (400, "InvalidInput")
+
+
+def test_sql_answers_every_attack_with_its_4xx_and_changes_nothing(tmp_path: Path, catalog_url: str | None) -> None:
+    svc = Service(tmp_path / "home", catalog_url=catalog_url)
+    with svc.http:
+        svc.create()
+        svc.commit(T, pages={0: page(1), 1: page(2)})
+        svc.ok("POST", "/v1/sql", "admin", json={"query": "SELECT 1 AS warm"})  # the PostgreSQL role exists now
+        before = snapshot(svc.store)
+        wrong = []
+        for text, on_sqlite, on_pg in ATTACKS:
+            expected = on_sqlite if catalog_url is None else on_pg
+            body = json.dumps({"query": text.format(marker=tmp_path / "marker") if "{marker}" in text else text})
+            answer = svc.call("POST", "/v1/sql", "admin", content=body, headers={"content-type": "application/json"})
+            kind = answer.json().get("kind") if answer.headers["content-type"] == "application/problem+json" else None
+            name = "InvalidInput" if "\ud800" in text else expected.__name__  # the API refuses it before the store
+            if (answer.status_code, kind) != (expected.status, name):
+                wrong.append((text, expected.__name__, answer.status_code, answer.text[:200]))
+        assert wrong == []
+        assert snapshot(svc.store) == before
+        assert not (tmp_path / "marker").exists()
+        assert svc.store.check() == []
 
 
 def admin_only_endpoints() -> set[tuple[str, str]]:
