@@ -9,8 +9,8 @@ the two are inverse (``session_from(session_out(s)) == s``).
 Binary data travels as standard base64 (page payloads) or lowercase hex (page ids). SQL
 result cells that JSON cannot carry exactly are tagged: ``{"type": "bytes", "value":
 <base64>}``, ``{"type": "float", "value": "nan" | "inf" | "-inf"}``, ``{"type": "datetime" |
-"date" | "time" | "decimal", "value": <ISO text>}``, and ``{"type": "text", ...}`` for
-anything else.
+"date" | "time" | "decimal", "value": <ISO text>}``, ``{"type": "json", "value": <JSON text>}``
+(PostgreSQL json and arrays), and ``{"type": "text", ...}`` for anything else.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import base64
 import binascii
 import datetime as dt
 import decimal
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -75,7 +76,7 @@ class LayoutModel(BaseModel):
 class TaggedValue(_Out):
     """An SQL cell JSON cannot carry as is (see the module docstring)."""
 
-    type: Literal["bytes", "float", "datetime", "date", "time", "decimal", "text"]
+    type: Literal["bytes", "float", "datetime", "date", "time", "decimal", "json", "text"]
     value: str
 
 
@@ -377,12 +378,17 @@ def _cell_out(value: Any) -> Any:
             return {"type": kind, "value": value.isoformat()}
     if isinstance(value, decimal.Decimal):
         return {"type": "decimal", "value": str(value)}
+    if isinstance(value, (dict, list)):  # PostgreSQL json, jsonb and arrays
+        try:
+            return {"type": "json", "value": json.dumps(value, allow_nan=False)}
+        except (TypeError, ValueError):
+            pass  # it holds what JSON cannot carry (dates, NaN): as text, below
     return {"type": "text", "value": str(value)}
 
 
 _CELL_DECODERS: dict[str, Any] = {
     "bytes": base64.b64decode, "float": float, "datetime": dt.datetime.fromisoformat, "date": dt.date.fromisoformat,
-    "time": dt.time.fromisoformat, "decimal": decimal.Decimal, "text": str,
+    "time": dt.time.fromisoformat, "decimal": decimal.Decimal, "text": str, "json": json.loads,
 }
 
 

@@ -1,4 +1,5 @@
-"""The catalog connection: engine, schema revision, transactions, change feed, read-only SQL.
+"""The catalog connection: engine, schema revision, transactions, change feed; read-only SQL
+is :mod:`dss.readonly_sql`.
 
 Every write goes through :meth:`Catalog.write`, which starts the transaction by bumping the
 one-row ``catalog_seq`` counter. That serialises writers (SQLite: ``BEGIN IMMEDIATE``;
@@ -14,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sqlite3
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import create_engine, event, func, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
 
-from dss.errors import ReadOnlyViolation, SchemaOutdated, SchemaTooNew, SqlError
+from dss.errors import SchemaOutdated, SchemaTooNew
+from dss.readonly_sql import ReadOnlySql
 from dss.schema import SCHEMA_REVISION, CatalogSeq, Change
 from dss.types import SqlResult
 
@@ -58,15 +58,16 @@ class Tx(NamedTuple):
 class Catalog:
     """One catalog database, reached through SQLAlchemy. Thread-safe (a connection pool)."""
 
-    def __init__(self, url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0,
+                 sql_url: str | None = None) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
-        self.sql_timeout_s = sql_timeout_s
         if self.is_sqlite:
             self.engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
             _configure_sqlite(self.engine, fsync)
         else:
             self.engine = create_engine(url, pool_pre_ping=True)
+        self.readonly = ReadOnlySql(self.engine, timeout_s=sql_timeout_s, reader_url=sql_url)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -195,67 +196,9 @@ class Catalog:
     # -- read-only SQL ---------------------------------------------------------------------
 
     def sql(self, query: str, params: dict[str, Any] | None = None, max_rows: int = 10_000) -> SqlResult:
-        """Run one read-only statement; raises ``ReadOnlyViolation`` for anything that writes."""
-        if not isinstance(query, str) or not query.strip():
-            raise SqlError("sql() needs a non-empty SQL string")
-        if self.is_sqlite:
-            return self._sql_sqlite(query, params or {}, max_rows)
-        return self._sql_server(query, params or {}, max_rows)
-
-    def _sql_sqlite(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
-        path = self.engine.url.database
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-        try:
-            conn.execute("PRAGMA query_only = ON")
-            conn.set_authorizer(_sqlite_read_only)
-            deadline = time.monotonic() + self.sql_timeout_s
-            conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
-            try:
-                cursor = conn.execute(query, params)
-                rows = cursor.fetchmany(max_rows)
-            except sqlite3.DatabaseError as exc:
-                message = str(exc)
-                if "not authorized" in message or "readonly" in message:
-                    raise ReadOnlyViolation(f"sql() runs read-only queries only: {message}") from None
-                if "interrupted" in message:
-                    raise SqlError(f"query ran longer than {self.sql_timeout_s}s") from None
-                raise SqlError(f"query failed: {message}") from None
-            except (sqlite3.Warning, sqlite3.ProgrammingError, ValueError, OverflowError) as exc:
-                raise SqlError(f"query failed: {exc}") from None
-            columns = [d[0] for d in cursor.description or ()]
-            return SqlResult(columns, [tuple(r) for r in rows])
-        finally:
-            conn.close()
-
-    def _sql_server(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
-        with self.engine.connect() as conn:
-            try:
-                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-                conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
-                conn.exec_driver_sql(f"SET statement_timeout = {int(self.sql_timeout_s * 1000)}")
-                result = conn.execute(text(query), params)
-                columns = list(result.keys()) if result.returns_rows else []
-                rows = [tuple(r) for r in result.fetchmany(max_rows)] if result.returns_rows else []
-            except DBAPIError as exc:
-                message = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-                if getattr(exc.orig, "sqlstate", None) == "25006" or "read-only" in message:
-                    raise ReadOnlyViolation(f"sql() runs read-only queries only: {message}") from None
-                raise SqlError(f"query failed: {message}") from None
-            finally:
-                conn.rollback()
-                conn.invalidate()
-            return SqlResult(columns, rows)
-
-
-_SQLITE_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
-
-
-def _sqlite_read_only(action: int, arg1: Any, arg2: Any, dbname: Any, source: Any) -> int:
-    if action in _SQLITE_ALLOWED:
-        return sqlite3.SQLITE_OK
-    if action == sqlite3.SQLITE_PRAGMA and arg1 in {"table_info", "table_xinfo", "index_list", "index_info"}:
-        return sqlite3.SQLITE_OK
-    return sqlite3.SQLITE_DENY
+        """Run one read-only statement (see :mod:`dss.readonly_sql`); raises ``SqlError`` or
+        ``ReadOnlyViolation``, and changes nothing."""
+        return self.readonly.run(query, params, max_rows)
 
 
 def _configure_sqlite(engine: Any, fsync: bool) -> None:

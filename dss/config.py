@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from dss.errors import ConfigError
 
@@ -53,11 +53,19 @@ class StoreConfig(BaseModel):
     disk_read_gbps: float = Field(1.0, description="Estimated disk-tier load bandwidth, GB/s.")
     recompute_tokens_per_s: float = Field(4000.0, description="Estimated prefill speed, for load-or-recompute.")
     sql_timeout_s: float = Field(10.0, description="Time limit of one read-only SQL query.")
+    sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
+                                      "default: a role dss creates, which needs CREATEROLE for the catalog user.")
 
     @field_validator("host_bytes", "disk_bytes", "segment_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
+
+    @model_validator(mode="after")
+    def _sql_url_needs_postgresql(self) -> StoreConfig:
+        if self.sql_url is not None and self.url.startswith("sqlite"):
+            raise ValueError("sql_url applies to a PostgreSQL catalog only (catalog_url is SQLite)")
+        return self
 
     @property
     def url(self) -> str:
@@ -78,6 +86,7 @@ _ENV = {
     "DSS_SEGMENT_BYTES": "segment_bytes",
     "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",
     "DSS_SQL_TIMEOUT_S": "sql_timeout_s",
+    "DSS_SQL_URL": "sql_url",
 }
 
 DEFAULT_HOME = "dss-data"

@@ -70,6 +70,16 @@ def _call(request: Request) -> Call:
     return Call(state.store, TenantScope(principal), state.config, state.metrics)
 
 
+def _admin(what: str) -> Any:
+    """A route dependency: the key must be an admin key (``Forbidden`` otherwise), checked before
+    the request body is validated, so a non-admin key learns nothing from the endpoint."""
+
+    def require_admin(request: Request) -> None:
+        TenantScope(request.scope[PRINCIPAL]).require_admin(what)
+
+    return Depends(require_admin)
+
+
 def _tokens(call: Call, tokens: list[int]) -> list[int]:
     if len(tokens) > call.config.max_tokens:
         raise InvalidTokens(f"a request may carry at most {call.config.max_tokens} tokens (max_tokens), "
@@ -296,13 +306,13 @@ def _add_routes(app: FastAPI) -> None:
         tenant = call.scope.writing(body.tenant_id)
         return m.version_out(call.store.pin(body.session_id, body.version_id, pinned=body.pinned, tenant_id=tenant))
 
-    @app.post("/v1/forget_user", response_model=dict[str, Any], tags=["erasure"],
+    @app.post("/v1/forget_user", response_model=dict[str, Any], tags=["erasure"], dependencies=[_admin("forget_user")],
               responses={**_ERRORS, 500: {"description": "Verification found data left (ErasureIncomplete); the "
                                                          "erasure stays open and may be retried",
                                           "content": _PROBLEM_CONTENT}})
     def forget_user(body: m.ForgetUserIn, call: Call = call_dep) -> dict[str, Any]:
         """Erase every session, version, token and page of one user of the tenant (GDPR Art. 17), keys first;
-        returns the receipt. ``dry_run`` returns the plan and changes nothing."""
+        returns the receipt. ``dry_run`` returns the plan and changes nothing. Admin key (also for a dry run)."""
         tenant = call.scope.reading(body.tenant_id) if body.dry_run else call.scope.writing(body.tenant_id)
         return call.store.forget_user(body.user_id, tenant_id=tenant, dry_run=body.dry_run)
 
@@ -314,22 +324,20 @@ def _add_routes(app: FastAPI) -> None:
             return call.store.audit()
         return call.store.audit(tenant_id=call.scope.reading(tenant_id))
 
-    @app.post("/v1/sql", response_model=m.SqlOut, tags=["admin"], **v1)
+    @app.post("/v1/sql", response_model=m.SqlOut, tags=["admin"], dependencies=[_admin("SQL")], **v1)
     def sql(body: m.SqlIn, call: Call = call_dep) -> dict[str, Any]:
         """Run one read-only SQL statement on the catalog (admin key)."""
-        call.scope.require_admin("SQL")
         return m.sql_out(call.store.sql(body.query, body.params, max_rows=body.max_rows))
 
-    @app.get("/v1/check", response_model=m.CheckOut, tags=["admin"], **v1)
+    @app.get("/v1/check", response_model=m.CheckOut, tags=["admin"], dependencies=[_admin("check")], **v1)
     def check(call: Call = call_dep) -> dict[str, Any]:
         """Every broken invariant of the store (empty when sound; admin key)."""
-        call.scope.require_admin("check")
         return {"problems": call.store.check()}
 
-    @app.get("/v1/stats", response_model=dict[str, dict[str, Any]], tags=["admin"], **v1)
+    @app.get("/v1/stats", response_model=dict[str, dict[str, Any]], tags=["admin"], dependencies=[_admin("stats")],
+             **v1)
     def stats(call: Call = call_dep) -> dict[str, Any]:
         """Sizes of the tiers (admin key)."""
-        call.scope.require_admin("stats")
         return call.store.stats()
 
 

@@ -65,7 +65,8 @@ class Store:
         with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             self._master = load_master_key(config.master_key_file, home, hex_key)
-            self.catalog = Catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s)
+            sql_url = config.sql_url.get_secret_value() if config.sql_url else None
+            self.catalog = Catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s, sql_url=sql_url)
             self.catalog.ensure_schema()
             adopt_master_key(self.catalog, self._master)
             adopt_folder(self.catalog, home)

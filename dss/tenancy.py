@@ -9,7 +9,8 @@ Rules (every request of the service goes through them):
 * Another tenant's session or version is simply not found (404), exactly like a missing
   one: the store is always asked with ``tenant_id`` set, so it never looks elsewhere.
 * A page id of another tenant reads as ``None``, exactly like a page no tier holds.
-* SQL, ``check`` and tier statistics see every tenant, so they need an admin key.
+* SQL, ``check`` and tier statistics see every tenant, and erasing a user (``forget_user``, its
+  dry run too) destroys a person's data, so they need an admin key.
 
 Nothing here changes the store.
 """

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 import dss
+from dss.readonly_sql import reader_role
 
 PG_URL = os.environ.get("DSS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -39,6 +40,7 @@ def _pg_schema() -> Iterator[str]:
     finally:
         with engine.begin() as conn:
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+            conn.execute(sa.text(f'DROP ROLE IF EXISTS "{reader_role(engine.url.database, schema)}"'))
         engine.dispose()
 
 

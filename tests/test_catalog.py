@@ -1,4 +1,5 @@
-"""The catalog: migrations equal the models, schema revisions are checked, SQL is read-only, views are right."""
+"""The catalog: migrations equal the models, schema revisions are checked, views are right (read-only SQL
+is tests/test_readonly_sql.py)."""
 
 from __future__ import annotations
 
@@ -62,44 +63,6 @@ def test_upgrade_of_an_empty_database(tmp_path) -> None:
     assert catalog.upgrade() == (None, "0003")
     assert catalog.upgrade() == ("0003", "0003")
     catalog.close()
-
-
-WRITES = [
-    "INSERT INTO tenants (tenant_id, created_at) VALUES ('x', '2020-01-01')",
-    "UPDATE sessions SET head_id = NULL",
-    "DELETE FROM pages",
-    "DROP TABLE versions",
-    "CREATE TABLE evil (x INTEGER)",
-    "ALTER TABLE sessions ADD COLUMN x INTEGER",
-]
-
-
-@pytest.mark.parametrize("statement", WRITES)
-def test_sql_refuses_every_write(store: dss.Store, statement: str) -> None:
-    store.create_session("s", user_id="u", tenant_id="t", layout=LAYOUT)
-    store.commit("s", T, pages_for(T))
-    before = store.sql("SELECT * FROM session_summary").rows
-    with pytest.raises(dss.ReadOnlyViolation):
-        store.sql(statement)
-    assert store.sql("SELECT * FROM session_summary").rows == before
-    assert store.check() == []
-
-
-def test_sql_refuses_stacked_statements_and_reports_errors(store: dss.Store) -> None:
-    with pytest.raises((dss.SqlError, dss.ReadOnlyViolation)):
-        store.sql("SELECT 1; DELETE FROM pages")
-    with pytest.raises(dss.SqlError, match="query failed"):
-        store.sql("SELECT * FROM no_such_table")
-    with pytest.raises(dss.SqlError):
-        store.sql("")
-
-
-def test_sqlite_refuses_attach_and_pragmas(sqlite_store: dss.Store, tmp_path) -> None:
-    with pytest.raises(dss.ReadOnlyViolation):
-        sqlite_store.sql(f"ATTACH DATABASE '{tmp_path / 'x.db'}' AS x")
-    with pytest.raises(dss.ReadOnlyViolation):
-        sqlite_store.sql("PRAGMA journal_mode = DELETE")
-    assert not (tmp_path / "x.db").exists()
 
 
 def test_views_summarise_sessions_and_users(store: dss.Store) -> None:

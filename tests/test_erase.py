@@ -84,8 +84,9 @@ def test_canaries_leave_no_byte_in_the_store_folder(tmp_path: Path, encrypt: boo
     folder = tmp_path / "store"
     with dss.open(folder, encrypt=encrypt) as store:
         populate(store)
-        (wrapped,) = store.sql("SELECT k.wrapped FROM user_keys k JOIN users u ON u.id = k.user_ref "
-                               "WHERE u.user_id = 'alice'").rows[0]
+        with store.catalog.engine.connect() as conn:  # sql() may not read user_keys
+            (wrapped,) = conn.exec_driver_sql("SELECT k.wrapped FROM user_keys k JOIN users u ON u.id = k.user_ref "
+                                              "WHERE u.user_id = 'alice'").one()
         alice_files = [folder / "segments" / name for (name,) in store.sql(
             "SELECT g.name FROM segments g JOIN users u ON u.id = g.user_ref WHERE u.user_id = 'alice'").rows]
         ciphertext = [f.read_bytes()[100:132] for f in alice_files]

@@ -15,6 +15,7 @@ LAYERS = [
     {"types", "problems"},
     {"config", "hashing", "tokens", "epoch", "validate", "crypto"},
     {"trie", "tiers", "schema", "server_config", "apikeys"},
+    {"readonly_sql"},
     {"catalog"},
     {"records"},
     {"keys", "folder"},

@@ -104,7 +104,7 @@ def test_a_handle_behind_the_pruned_change_feed_reloads_everything(open_store, m
     a.rollback("s", v1.version_id)
     a.delete_session("gone")
     floor = a.sql("SELECT floor FROM catalog_seq").rows[0][0]
-    assert floor > 0 and a.sql("SELECT COUNT(*) FROM changes WHERE seq <= :f", {"f": floor}).rows == [(0,)]
+    assert floor > 0 and a.sql(f"SELECT COUNT(*) FROM changes WHERE seq <= {floor}").rows == [(0,)]
     r = b.resume("s", T + [5] * 4)
     assert (r.matched_tokens, b.session("s").head_id, len(b.versions("s"))) == (24, v1.version_id, 7)
     assert b.read_pages(r.pages)[5] == page(55)

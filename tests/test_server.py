@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from dss.apikeys import KeyRing, add_key
 from dss.problems import problem
 from dss.server import create_app
 from dss.server_config import load_server_config
+from tests.test_readonly_sql import ATTACKS, snapshot
 
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny")
 LAYOUT_JSON = {"name": "test", "page_tokens": 4, "page_bytes": 16, "model": "tiny"}
@@ -35,12 +38,12 @@ def b64(data: bytes) -> str:
 class Service:
     """The app on a fresh store, with keys: ``admin`` (tenant t1, admin), ``t1`` and ``t2``."""
 
-    def __init__(self, home: Path, **config: Any) -> None:
+    def __init__(self, home: Path, catalog_url: str | None = None, **config: Any) -> None:
         self.home = home
         self.keys = {"admin": add_key(home / "api-keys.json", "t1", is_admin=True)[0],
                      "t1": add_key(home / "api-keys.json", "t1")[0],
                      "t2": add_key(home / "api-keys.json", "t2")[0]}
-        self.store = dss.open(home, fsync=False)
+        self.store = dss.open(home, fsync=False, catalog_url=catalog_url)
         self.config = load_server_config(home, **config)
         self.app = create_app(self.store, self.config, KeyRing(self.config.keys_file, reload_interval_s=0),
                               close_store=True)
@@ -487,6 +490,58 @@ def test_sql_cells_json_cannot_carry_are_tagged(service: Service) -> None:
     assert (nested.status_code, nested.json()["kind"]) == (400, "InvalidInput")
 
 
+def test_sql_answers_every_attack_with_its_4xx_and_changes_nothing(tmp_path: Path, catalog_url: str | None) -> None:
+    svc = Service(tmp_path / "home", catalog_url=catalog_url)
+    with svc.http:
+        svc.create()
+        svc.commit(T, pages={0: page(1), 1: page(2)})
+        svc.ok("POST", "/v1/sql", "admin", json={"query": "SELECT 1 AS warm"})  # the PostgreSQL role exists now
+        before = snapshot(svc.store)
+        wrong = []
+        for text, on_sqlite, on_pg in ATTACKS:
+            expected = on_sqlite if catalog_url is None else on_pg
+            body = json.dumps({"query": text.format(marker=tmp_path / "marker") if "{marker}" in text else text})
+            answer = svc.call("POST", "/v1/sql", "admin", content=body, headers={"content-type": "application/json"})
+            kind = answer.json().get("kind") if answer.headers["content-type"] == "application/problem+json" else None
+            name = "InvalidInput" if "\ud800" in text else expected.__name__  # the API refuses it before the store
+            if (answer.status_code, kind) != (expected.status, name):
+                wrong.append((text, expected.__name__, answer.status_code, answer.text[:200]))
+        assert wrong == []
+        assert snapshot(svc.store) == before
+        assert not (tmp_path / "marker").exists()
+        assert svc.store.check() == []
+
+
+def admin_only_endpoints() -> set[tuple[str, str]]:
+    """The README's list of admin-only endpoints: ``{(method, path)}``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = readme.split("**Admin-only endpoints.**", 1)[1].split("\n\n", 1)[0]
+    return set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[\w/.]*)`", paragraph))
+
+
+def test_exactly_the_documented_endpoints_need_an_admin_key(service: Service) -> None:
+    """Every route of the app (a new one is walked automatically), asked by a non-admin key with an
+    empty body and no parameters: exactly the README's admin-only endpoints answer "needs an admin
+    API key", and the admin key is refused by none."""
+    routes = sorted({(method, route.path) for route in service.app.routes
+                     for method in getattr(route, "methods", None) or () if method != "HEAD"})
+    assert {path for _, path in routes} >= set(service.app.openapi()["paths"])
+
+    def refused_for_admin(who: str) -> set[tuple[str, str]]:
+        out = set()
+        for method, path in routes:
+            answer = service.call(method, path, who, **({"json": {}} if method in ("POST", "PUT", "PATCH") else {}))
+            is_problem = answer.headers.get("content-type") == "application/problem+json"
+            if is_problem and answer.status_code == 403 and answer.json()["detail"].endswith("needs an admin API key"):
+                out.add((method, path))
+        return out
+
+    assert refused_for_admin("t1") == admin_only_endpoints()
+    assert ("POST", "/v1/forget_user") in admin_only_endpoints()
+    assert refused_for_admin("admin") == set()
+    assert service.store.sessions() == [] and service.store.audit() == []
+
+
 def test_check_and_stats_need_an_admin_key(service: Service) -> None:
     service.create()
     service.commit(T, pages={0: page(1)})
@@ -505,11 +560,15 @@ def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> Non
     service.create("b", user_id="stays")
     service.commit(T, "a", pages={0: page(1), 1: page(2)})
     service.commit(T, "b", pages={0: page(3)})
-    plan = service.ok("POST", "/v1/forget_user", json={"user_id": "gone", "dry_run": True})
+    for body in ({"user_id": "gone", "dry_run": True}, {"user_id": "gone"}, {}):
+        expect_problem(service.call("POST", "/v1/forget_user", json=body), "Forbidden", 403,
+                       "forget_user needs an admin API key")
+    assert len(service.store.sessions(tenant_id="t1")) == 2 and service.store.audit() == []
+    plan = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "dry_run": True})
     assert (plan["tenant_id"], plan["user_id"], plan["sessions"], plan["versions"], plan["pages"]) == (
         "t1", "gone", 1, 1, 2)
     assert len(service.store.sessions(tenant_id="t1")) == 2  # a plan changes nothing
-    receipt = service.ok("POST", "/v1/forget_user", json={"user_id": "gone"})
+    receipt = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone"})
     assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["key_destroyed"]) == (
         "forget-user", "t1", "gone", True)
     assert receipt["removed"]["sessions"] == 1 and receipt["verification"]["ok"] is True
@@ -524,6 +583,6 @@ def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> Non
                    "reading every tenant's audit needs an admin API key")
     expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "x", "tenant_id": "t2"}),
                    "Forbidden", 403, "writes go to the API key's own tenant 't1', not 't2'")
-    expect_problem(service.call("POST", "/v1/forget_user", json={"user_id": ""}), "InvalidInput", 400,
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": ""}), "InvalidInput", 400,
                    "user_id must be a printable string of 1 to 256 characters, got ''")
     assert service.store.check() == []

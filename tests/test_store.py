@@ -155,7 +155,7 @@ def test_save_pages_before_commit(store: dss.Store) -> None:
     assert store.check() == []
     v = store.commit("s", T + [1, 2], {1: page(2)})
     assert store.resume("s", T).matched_tokens == 8
-    assert store.sql("SELECT COUNT(*) FROM page_refs WHERE version_ref = :v", {"v": v.version_id}).rows == [(2,)]
+    assert store.sql(f"SELECT COUNT(*) FROM page_refs WHERE version_ref = {v.version_id}").rows == [(2,)]
 
 
 def test_sessionless_pages_resume_by_lookup_in_their_namespace_only(store: dss.Store) -> None:
