@@ -71,7 +71,7 @@ ATTACKS: list[tuple[str, type[dss.DssError], type[dss.DssError]]] = [
     ("SELECT load_extension('{marker}')", ROV, ERR),
     # key material and other roles' secrets
     ("SELECT * FROM user_keys", ROV, ROV), ("SELECT count(*) FROM store_meta", ROV, ROV),
-    ("SELECT s.session_id FROM sessions s JOIN user_keys k ON true", ROV, ROV),
+    ("SELECT s.id FROM sessions s JOIN user_keys k ON true", ROV, ROV),
     ("SELECT * FROM pg_authid", ERR, ROV),
     # the text reaches the database unchanged, and nothing else raises
     ("SELECT :word", ERR, ERR), ("SELECT %(word)s", ERR, ERR), ("SELECT $1", ERR, ERR),
@@ -141,9 +141,10 @@ def test_text_with_colons_percents_and_json_runs_unchanged(filled: dss.Store, te
 
 
 def test_parameters_use_the_drivers_placeholders(filled: dss.Store) -> None:
-    text = ("SELECT session_id FROM sessions WHERE session_id = %(s)s" if is_pg(filled)
-            else "SELECT session_id FROM sessions WHERE session_id = :s")
-    assert filled.sql(text, {"s": "s"}) == dss.SqlResult(["session_id"], [("s",)])
+    text = ("SELECT tenant_id FROM tenants WHERE tenant_id = %(s)s" if is_pg(filled)
+            else "SELECT tenant_id FROM tenants WHERE tenant_id = :s")
+    tenant = filled.sessions()[0].tenant_id
+    assert filled.sql(text, {"s": tenant}) == dss.SqlResult(["tenant_id"], [(tenant,)])
     with pytest.raises(ERR, match="^bad parameters: query parameter missing: s$" if is_pg(filled) else
                        "^query failed: You did not supply a value for binding parameter :s.$"):
         filled.sql(text, {"t": 1})
@@ -155,7 +156,7 @@ def test_parameters_use_the_drivers_placeholders(filled: dss.Store) -> None:
 
 
 def test_results_keep_their_columns_and_stop_at_max_rows(filled: dss.Store) -> None:
-    assert filled.sql("SELECT session_id FROM sessions WHERE 1 = 0") == dss.SqlResult(["session_id"], [])
+    assert filled.sql("SELECT head_id FROM sessions WHERE 1 = 0") == dss.SqlResult(["head_id"], [])
     three = filled.sql("SELECT page_index FROM pages ORDER BY page_index")
     assert three.rows == [(0,), (1,), (2,)]
     assert filled.sql("SELECT page_index FROM pages ORDER BY page_index", max_rows=2).rows == [(0,), (1,)]
@@ -276,7 +277,7 @@ RACER = textwrap.dedent("""
 def test_processes_starting_at_once_agree_on_one_role(pg_url: str, tmp_path: Path) -> None:
     go = tmp_path / "go"
     dss.open(tmp_path / "h0", catalog_url=pg_url).close()  # the catalog's tables, made once
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, pg_url, str(tmp_path / f"h{i}"), str(go)],
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, pg_url, str(tmp_path / "h0"), str(go)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
     time.sleep(3)  # every racer has opened its store
     go.touch()
@@ -284,7 +285,7 @@ def test_processes_starting_at_once_agree_on_one_role(pg_url: str, tmp_path: Pat
     assert [(racer.returncode, out, err) for racer, (out, err) in zip(racers, outputs)] == [(0, "[(0,)]\n", "")] * 4
     threads: list[threading.Thread] = []
     results: list[Any] = []
-    stores = [dss.open(tmp_path / f"h{i}", catalog_url=pg_url) for i in range(4)]
+    stores = [dss.open(tmp_path / "h0", catalog_url=pg_url) for _ in range(4)]
     try:
         barrier = threading.Barrier(len(stores))
 
@@ -353,7 +354,7 @@ def test_without_createrole_sql_asks_for_a_role_and_uses_the_one_given(plain_use
     reader_url = sa.make_url(url).set(username=reader).render_as_string(hide_password=False)
     try:
         with dss.open(tmp_path / "s", catalog_url=url, sql_url=reader_url) as store:
-            assert store.sql("SELECT session_id FROM sessions").rows == [("s",)]
+            assert store.sql("SELECT head_id FROM sessions").rows == [(None,)]
             with pytest.raises(ROV, match="^sql\\(\\) runs read-only queries only: cannot execute DELETE"):
                 store.sql("DELETE FROM sessions")
         with psycopg.connect(SUPER, autocommit=True) as conn:
