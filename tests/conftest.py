@@ -44,6 +44,12 @@ def _pg_schema() -> Iterator[str]:
         engine.dispose()
 
 
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """The URL of a fresh PostgreSQL schema (for tests about PostgreSQL itself)."""
+    yield from _pg_schema()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def catalog_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
     """``None`` (SQLite in the store folder) or the URL of a fresh PostgreSQL schema."""

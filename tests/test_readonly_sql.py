@@ -174,11 +174,6 @@ def test_a_long_query_stops_at_the_time_limit(open_store: Any) -> None:
         assert time.monotonic() - start < 2.5
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _pg_schema()
-
-
 def test_the_client_cancels_a_query_the_server_would_let_run(pg_url: str, tmp_path: Path) -> None:
     """The client's timer holds on its own: here the server is told no time limit at all."""
     with dss.open(tmp_path / "s", catalog_url=pg_url, sql_timeout_s=0.5) as store:

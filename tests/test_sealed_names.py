@@ -41,11 +41,9 @@ def _found(files: list[Path], needles: list[bytes]) -> list[str]:
     return hits
 
 
-def test_session_ids_and_labels_never_reach_postgresql_in_clear(catalog_url: str | None, tmp_path: Path) -> None:
-    if catalog_url is None:
-        pytest.skip("this test reads PostgreSQL's files; the SQLite catalog's are scanned by the erasure tests")
+def test_session_ids_and_labels_never_reach_postgresql_in_clear(pg_url: str, tmp_path: Path) -> None:
     needles = [CANARY_ID.encode(), CANARY_LABEL.encode(), CANARY_ID.encode("utf-16-le")]
-    with dss.open(tmp_path / "store", catalog_url=catalog_url) as store:
+    with dss.open(tmp_path / "store", catalog_url=pg_url) as store:
         store.create_session(CANARY_ID, user_id="alice", tenant_id="acme", layout=LAYOUT)
         v1 = store.commit(CANARY_ID, T, pages_for(T), label=CANARY_LABEL)
         store.branch(CANARY_ID, v1.version_id, CANARY_ID + "-b", label=CANARY_LABEL)
