@@ -112,6 +112,8 @@ class Catalog:
                 conn.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")  # type: ignore[union-attr]
             try:
                 with conn.begin():
+                    if not self.is_sqlite:  # processes opening an empty catalog at once: one creates, the others wait
+                        conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('dss-schema ' || current_schema()))")
                     config = _alembic_config()
                     config.attributes["connection"] = conn
                     config.attributes["master_key"] = master_key

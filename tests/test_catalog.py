@@ -83,3 +83,26 @@ def test_views_summarise_sessions_and_users(store: dss.Store) -> None:
     assert tiers == [("disk", 2, 4, 2 * 32 + 4 * record, 4 * record)]
     heads = store.sql("SELECT session_key, version_id FROM version_summary WHERE is_head = 1").rows
     assert sorted((key[k], v) for k, v in heads) == [("s", v1.version_id + 1), ("s2", v1.version_id + 2)]
+
+
+
+OPENER = """
+import sys
+import dss
+try:
+    dss.open(sys.argv[2], catalog_url=sys.argv[1]).close()
+except dss.ConfigError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def test_processes_opening_an_empty_postgresql_catalog_at_once(pg_url: str, tmp_path) -> None:
+    """Four folders race to one empty catalog: they used to race to create its tables too
+    (UniqueViolation); now one creates them and binds its folder, the others are refused."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", OPENER, pg_url, str(tmp_path / f"h{i}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    results = sorted(p.communicate(timeout=120) + (p.returncode,) for p in procs)
+    assert results == [("", "", 0)] + [("ConfigError\n", "", 0)] * 3
