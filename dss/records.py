@@ -340,13 +340,20 @@ def retag_refs(conn: Connection, session_ref: int, old_version: int, version_id:
                  .values(version_ref=version_id))
 
 
-def drop_pages(conn: Connection, page_ids: Sequence[bytes]) -> list[str]:
+def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int) -> list[str]:
     """Delete pages with their references and locations; delete the rows of segments left
-    with no page and return their names (their files go after the transaction commits)."""
+    with no page and return their names (their files go after the transaction commits).
+
+    Every session that held one of the pages is stamped with ``seq`` (this transaction's):
+    its references changed, so a process that cached them reloads the session before its
+    next write to it instead of believing it still holds the pages.
+    """
     touched: set[int] = set()
     for part in chunks(page_ids):
         touched.update(r[0] for r in conn.execute(
             select(locations.c.segment_ref).where(locations.c.page_id.in_(part)).distinct()))
+        holders = select(refs.c.session_ref).where(refs.c.page_id.in_(part))
+        conn.execute(update(sessions).where(sessions.c.id.in_(holders)).values(seq=seq))
         conn.execute(delete(refs).where(refs.c.page_id.in_(part)))
         conn.execute(delete(locations).where(locations.c.page_id.in_(part)))
         conn.execute(delete(pages).where(pages.c.page_id.in_(part)))

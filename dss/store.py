@@ -146,7 +146,7 @@ class Store:
             state = self.mirror.state(session_id, tenant_id)
             with self._write() as tx:
                 released = [PageId(p) for p in records.delete_session(tx.conn, state.ref)]
-                emptied = records.drop_pages(tx.conn, released)
+                emptied = records.drop_pages(tx.conn, released, tx.seq)
                 self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
                 self.catalog.note(tx, "drop", user_ref=state.record.user_ref, page_ids=released)
             self.disk.remove(emptied)
@@ -493,9 +493,12 @@ class Store:
                     rec = state.record
                     self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref,
                                      written=written, wanted=[p for p in wanted if p not in state.refs])
-                    held = placement.held | {p for p in wanted if p in state.refs}
+                    evicted = set(placement.evicted)  # this transaction may evict pages the session held
+                    held = placement.held | {p for p in wanted if p in state.refs and p not in evicted}
                     result = record(tx, state, held)
                 committed = True
+                for page_id in evicted:
+                    state.refs.pop(page_id, None)
                 if isinstance(result, VersionRecord):
                     state.record = state.record._replace(head_id=result.version_id, seq=tx.seq)
                     state.refs.update(dict.fromkeys(held, result.version_id))
