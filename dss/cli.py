@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
-from sqlalchemy.exc import OperationalError
 
 import dss
-from dss.catalog import Catalog
+from dss.catalog import catalog_errors, open_catalog
 from dss.config import load_config
 from dss.errors import DssError
 from dss.store import Store
@@ -40,8 +39,6 @@ def _guard(func: Callable[..., Any]) -> Callable[..., Any]:
             return func(*args, **kwargs)
         except DssError as exc:
             raise DssCommandError(f"{exc.kind}: {exc}") from None
-        except OperationalError as exc:
-            raise DssCommandError(f"CatalogUnavailable: {str(exc.orig).strip()}") from None
 
     return wrapper
 
@@ -220,9 +217,10 @@ def upgrade(ctx: Context) -> None:
     """Apply pending catalog migrations (back the catalog up first)."""
     config = ctx.config()
     config.home.mkdir(parents=True, exist_ok=True)
-    catalog = Catalog(config.url, fsync=config.fsync)
+    catalog = open_catalog(config.url, fsync=config.fsync)
     try:
-        before, after = catalog.upgrade()
+        with catalog_errors():
+            before, after = catalog.upgrade()
     finally:
         catalog.close()
     if before == after:
@@ -237,9 +235,10 @@ def upgrade(ctx: Context) -> None:
 def current(ctx: Context) -> None:
     """Print the catalog's schema revision."""
     config = ctx.config()
-    catalog = Catalog(config.url, fsync=config.fsync)
+    catalog = open_catalog(config.url, fsync=config.fsync)
     try:
-        click.echo(catalog.revision() or "empty")
+        with catalog_errors():
+            click.echo(catalog.revision() or "empty")
     finally:
         catalog.close()
 
@@ -256,6 +255,7 @@ def _register_service_commands() -> None:
 
 
 _register_service_commands()
+
 
 
 def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:

@@ -15,9 +15,9 @@ from sqlalchemy import select
 
 from dss import records
 from dss.catalog import Catalog, Tx
-from dss.crypto import Sealer, namespace_hash_key, unwrap
+from dss.crypto import Sealer, SealError, namespace_hash_key, unwrap
 from dss.epoch import Epoch
-from dss.errors import AmbiguousSession, ErasureInProgress, UnknownSession
+from dss.errors import AmbiguousSession, CatalogCorrupt, ErasureInProgress, UnknownSession
 from dss.keys import owner_tag, tokens_aad
 from dss.pageindex import Namespace, PageIndex
 from dss.records import SessionRecord, VersionRecord
@@ -113,7 +113,10 @@ class Mirror:
     # -- sessions --------------------------------------------------------------------------
 
     def state(self, session_id: str, tenant_id: str | None) -> SessionState:
-        """The state of a session by id; raises ``UnknownSession`` or ``AmbiguousSession``."""
+        """The state of a session by id; raises ``UnknownSession`` or ``AmbiguousSession``
+        (``InvalidInput`` for ids that cannot be ids)."""
+        check_name("session_id", session_id)
+        check_name("tenant_id", tenant_id, optional=True)
         ref = self._names.get((session_id, tenant_id))
         if ref is not None:
             state = self.sessions.get(ref)
@@ -125,9 +128,6 @@ class Mirror:
             if loaded is not None and loaded.session_id == session_id and tenant_id in (None, loaded.record.tenant_id):
                 return loaded
             del self._names[(session_id, tenant_id)]
-        check_name("session_id", session_id)
-        if tenant_id is not None:
-            check_name("tenant_id", tenant_id)
         with self.catalog.read() as conn:
             found = records.find_sessions(conn, session_id, tenant_id)
             if not found:
@@ -179,7 +179,11 @@ class Mirror:
         if sealer is None:
             sealer = Sealer(self._data_key(record.user_ref, conn))
         aad = tokens_aad(record.ref)
-        return [v._replace(suffix=sealer.open(v.suffix, aad), sealed=False) if v.sealed else v for v in versions]
+        try:
+            return [v._replace(suffix=sealer.open(v.suffix, aad), sealed=False) if v.sealed else v for v in versions]
+        except SealError:
+            raise CatalogCorrupt(f"a token history of session {record.session_id!r} (tenant {record.tenant_id!r}) "
+                                 "does not authenticate: the catalog row is damaged") from None
 
     def fresh(self, tx: Tx, state: SessionState) -> SessionState:
         """``state`` as of write transaction ``tx``, reloaded if another process changed it."""
@@ -234,7 +238,11 @@ class Mirror:
             wrapped = records.wrapped_key(conn, user_ref)
         if wrapped is None:
             raise ErasureInProgress("this user's data key is destroyed: their data is being (or was) erased")
-        return unwrap(self._master, wrapped, owner_tag(user_ref))
+        try:
+            return unwrap(self._master, wrapped, owner_tag(user_ref))
+        except SealError:
+            raise CatalogCorrupt(f"the data key of namespace {user_ref} does not authenticate under the master key: "
+                                 "the catalog row is damaged") from None
 
     def seal_tokens(self, tx: Tx, user_ref: int, session_ref: int, buf: bytes) -> tuple[bytes, bool]:
         """A token history as stored: sealed under the owner's data key, bound to its session

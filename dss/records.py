@@ -15,6 +15,7 @@ from sqlalchemy import ColumnElement, and_, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog import aware, now
+from dss.errors import CatalogCorrupt, InvalidLayout
 from dss.schema import (
     Audit,
     Change,
@@ -124,8 +125,17 @@ _session_select = (
 
 def _session_record(row: tuple) -> SessionRecord:
     ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, spec, head, created, last, seq = row
-    return SessionRecord(ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, Layout.from_dict(json.loads(spec)),
+    return SessionRecord(ref, sid, tenant, user, tenant_ref, user_ref, layout_ref, stored_layout(layout_ref, spec),
                          head, aware(created), aware(last), seq)
+
+
+def stored_layout(layout_ref: int, spec: str) -> Layout:
+    """The layout of a ``layouts`` row; raises ``CatalogCorrupt`` if the row does not decode."""
+    try:
+        return Layout.from_dict(json.loads(spec))
+    except (ValueError, TypeError, InvalidLayout) as exc:
+        raise CatalogCorrupt(f"layout {layout_ref} in the catalog does not decode ({exc}): the row is damaged") \
+            from None
 
 
 def find_sessions(conn: Connection, session_id: str, tenant_id: str | None) -> list[SessionRecord]:
