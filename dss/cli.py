@@ -257,6 +257,30 @@ def _register_service_commands() -> None:
 _register_service_commands()
 
 
+def _store_options(group: click.Group) -> None:
+    """Let every command (and group) below ``dss`` take ``--home`` and ``--catalog-url`` after
+    its name as well (``dss sessions --home H``): given there, they override ``dss --home``.
+    A command with a ``--home`` of its own (``dss serve``) keeps it."""
+    for command in group.commands.values():
+        names = {name for param in command.params for name in param.opts}
+        if "--home" not in names:
+            command.params.append(click.Option(["--home"], default=None, expose_value=False, callback=_override,
+                                               help="Store folder [default: dss --home, $DSS_HOME or ./dss-data]."))
+        if "--catalog-url" not in names:
+            command.params.append(click.Option(["--catalog-url"], default=None, expose_value=False, callback=_override,
+                                               help="SQLAlchemy URL of the catalog [default: dss --catalog-url, "
+                                                    "$DSS_CATALOG_URL or SQLite in the store folder]."))
+        if isinstance(command, click.Group):
+            _store_options(command)
+
+
+def _override(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        setattr(ctx.find_object(Context), param.name or "", value)
+
+
+_store_options(main)
+
 
 def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:
     if as_json:
