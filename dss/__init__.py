@@ -17,6 +17,8 @@ from typing import Any
 from dss.config import StoreConfig, load_config
 from dss.errors import (
     AmbiguousSession,
+    CatalogCorrupt,
+    CatalogUnavailable,
     ConfigError,
     Conflict,
     DssError,
@@ -49,12 +51,12 @@ from dss.types import Layout, Namespace, PageId, PageRef, Session, SessionId, Sq
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmbiguousSession", "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "Forbidden",
-    "InternalError", "PayloadTooLarge", "Unauthorized", "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage",
-    "InvalidTokens", "Layout", "Namespace", "NotFound", "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult",
-    "SchemaOutdated", "SchemaTooNew", "Session", "SessionExists", "SessionId", "SqlError", "SqlResult", "Store",
-    "StoreClosed", "StoreConfig", "UnknownSession", "UnknownVersion", "Version", "VersionId", "configure", "connect",
-    "default_store", "open", "resume",
+    "AmbiguousSession", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
+    "ErasureInProgress", "ErasureIncomplete", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
+    "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "Namespace", "NotFound",
+    "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
+    "SessionExists", "SessionId", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "UnknownSession",
+    "UnknownVersion", "Version", "VersionId", "configure", "connect", "default_store", "open", "resume",
 ]
 
 _default_lock = threading.Lock()
@@ -66,13 +68,23 @@ def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> S
     """Open (creating if needed) a store in this process.
 
     ``path_or_url`` is the store folder, or a catalog URL (``postgresql+psycopg://...``)
-    with the folder taken from ``home=``/``DSS_HOME``. Other keyword arguments override
-    :class:`StoreConfig` fields (``host_bytes="2GiB"``, ``disk_bytes=...``, ...).
+    with the folder taken from ``home=``/``DSS_HOME``; ``dss.open(home=...)`` names the
+    folder too. Other keyword arguments override :class:`StoreConfig` fields
+    (``host_bytes="2GiB"``, ``disk_bytes=...``, ...). Raises ``ConfigError`` when the folder
+    or the catalog URL is given twice.
     """
+    home = options.pop("home", None)
+    if path_or_url is not None and not isinstance(path_or_url, (str, os.PathLike)):
+        raise ConfigError(f"dss.open needs a store folder or a catalog URL, not {type(path_or_url).__name__}")
     if path_or_url is not None and "://" in str(path_or_url):
+        if options.get("catalog_url") is not None:
+            raise ConfigError("the catalog URL is given twice: as the first argument and as catalog_url=")
         options["catalog_url"] = str(path_or_url)
-        path_or_url = None
-    return Store(load_config(path_or_url, **options))
+    elif path_or_url is not None:
+        if home is not None:
+            raise ConfigError("the store folder is given twice: as the first argument and as home=")
+        home = path_or_url
+    return Store(load_config(home, **options))
 
 
 def connect(url: str, *, api_key: str | None = None, **options: Any) -> Any:

@@ -13,6 +13,7 @@ The queries on the tables live in :mod:`dss.records`; this module owns the conne
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -22,8 +23,10 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import create_engine, event, func, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, NoSuchModuleError, OperationalError
 
-from dss.errors import SchemaOutdated, SchemaTooNew
+from dss.crypto import SealError
+from dss.errors import CatalogCorrupt, CatalogUnavailable, ConfigError, SchemaOutdated, SchemaTooNew
 from dss.readonly_sql import ReadOnlySql
 from dss.schema import SCHEMA_REVISION, CatalogSeq, Change
 from dss.types import SqlResult
@@ -53,6 +56,38 @@ class Tx(NamedTuple):
 
     conn: Connection
     seq: int
+
+
+def open_catalog(url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0, sql_url: str | None = None) -> Catalog:
+    """A :class:`Catalog` at ``url``; ``ConfigError`` for a URL SQLAlchemy cannot use (the
+    message never repeats the URL: it may hold a password)."""
+    try:
+        return Catalog(url, fsync=fsync, sql_timeout_s=sql_timeout_s, sql_url=sql_url)
+    except NoSuchModuleError as exc:
+        raise ConfigError(f"catalog_url names a database SQLAlchemy cannot load: {exc}") from None
+    except ArgumentError:
+        raise ConfigError("catalog_url is not a SQLAlchemy URL (e.g. postgresql+psycopg://host/db)") from None
+
+
+@contextmanager
+def catalog_errors() -> Iterator[None]:
+    """Failures of the catalog database, and catalog rows that do not decode, as ``DssError``s:
+    ``CatalogUnavailable`` (cannot connect, locked, I/O) or ``CatalogCorrupt`` (a damaged
+    file or row). Anything else passes unchanged."""
+    try:
+        yield
+    except OperationalError as exc:
+        raise CatalogUnavailable(f"the catalog cannot be used: {_reason(exc)}") from exc
+    except DatabaseError as exc:
+        if type(exc) is not DatabaseError:  # integrity, programming, ...: a defect of dss, not of the catalog
+            raise
+        raise CatalogCorrupt(f"the catalog database is damaged: {_reason(exc)}") from exc
+    except (SealError, json.JSONDecodeError) as exc:
+        raise CatalogCorrupt(f"a catalog row does not decode ({exc}): the catalog is damaged") from exc
+
+
+def _reason(exc: DBAPIError) -> str:
+    return str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
 
 
 class Catalog:

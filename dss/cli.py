@@ -13,12 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
-from sqlalchemy.exc import OperationalError
 
 import dss
-from dss.catalog import Catalog
+from dss.catalog import catalog_errors, open_catalog
 from dss.config import load_config
-from dss.crypto import load_master_key
+from dss.crypto import read_master_key
 from dss.errors import DssError
 from dss.store import Store
 
@@ -41,8 +40,6 @@ def _guard(func: Callable[..., Any]) -> Callable[..., Any]:
             return func(*args, **kwargs)
         except DssError as exc:
             raise DssCommandError(f"{exc.kind}: {exc}") from None
-        except OperationalError as exc:
-            raise DssCommandError(f"CatalogUnavailable: {str(exc.orig).strip()}") from None
 
     return wrapper
 
@@ -221,10 +218,11 @@ def upgrade(ctx: Context) -> None:
     """Apply pending catalog migrations (back the catalog up first)."""
     config = ctx.config()
     config.home.mkdir(parents=True, exist_ok=True)
-    catalog = Catalog(config.url, fsync=config.fsync)
+    catalog = open_catalog(config.url, fsync=config.fsync)
     try:
-        hex_key = config.master_key.get_secret_value() if config.master_key else None
-        before, after = catalog.upgrade(load_master_key(config.master_key_file, config.home, hex_key))
+        with catalog_errors():
+            hex_key = config.master_key.get_secret_value() if config.master_key else None
+            before, after = catalog.upgrade(read_master_key(config.master_key_file, config.home, hex_key))
     finally:
         catalog.close()
     if before == after:
@@ -239,9 +237,10 @@ def upgrade(ctx: Context) -> None:
 def current(ctx: Context) -> None:
     """Print the catalog's schema revision."""
     config = ctx.config()
-    catalog = Catalog(config.url, fsync=config.fsync)
+    catalog = open_catalog(config.url, fsync=config.fsync)
     try:
-        click.echo(catalog.revision() or "empty")
+        with catalog_errors():
+            click.echo(catalog.revision() or "empty")
     finally:
         catalog.close()
 
@@ -258,6 +257,31 @@ def _register_service_commands() -> None:
 
 
 _register_service_commands()
+
+
+def _store_options(group: click.Group) -> None:
+    """Let every command (and group) below ``dss`` take ``--home`` and ``--catalog-url`` after
+    its name as well (``dss sessions --home H``): given there, they override ``dss --home``.
+    A command with a ``--home`` of its own (``dss serve``) keeps it."""
+    for command in group.commands.values():
+        names = {name for param in command.params for name in param.opts}
+        if "--home" not in names:
+            command.params.append(click.Option(["--home"], default=None, expose_value=False, callback=_override,
+                                               help="Store folder [default: dss --home, $DSS_HOME or ./dss-data]."))
+        if "--catalog-url" not in names:
+            command.params.append(click.Option(["--catalog-url"], default=None, expose_value=False, callback=_override,
+                                               help="SQLAlchemy URL of the catalog [default: dss --catalog-url, "
+                                                    "$DSS_CATALOG_URL or SQLite in the store folder]."))
+        if isinstance(command, click.Group):
+            _store_options(command)
+
+
+def _override(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        setattr(ctx.find_object(Context), param.name or "", value)
+
+
+_store_options(main)
 
 
 def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:

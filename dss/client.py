@@ -29,13 +29,13 @@ import httpx
 
 import dss
 from dss import api_models as m
-from dss.errors import InvalidInput, InvalidPage
+from dss.errors import InvalidPage
 from dss.problems import Unavailable, error_from_problem
 from dss.resume import Rates, ResumeResult
 from dss.server_config import default_api_key
 from dss.tokens import TokenInput, pack, unpack
 from dss.types import Layout, PageRef, Session, SqlResult, Version
-from dss.validate import check_version_id
+from dss.validate import check_flag, check_layout, check_page_ids, check_version_id
 
 
 class Client:
@@ -149,7 +149,8 @@ class Client:
 
     def pin(self, session_id: str, version_id: int, *, pinned: bool = True, tenant_id: str | None = None) -> Version:
         """:meth:`dss.Store.pin`."""
-        body = {"session_id": session_id, "version_id": check_version_id(version_id), "pinned": bool(pinned),
+        check_flag("pinned", pinned)
+        body = {"session_id": session_id, "version_id": check_version_id(version_id), "pinned": pinned,
                 "tenant_id": tenant_id}
         return m.version_from(self._call("POST", "/v1/pin", json=body))
 
@@ -168,7 +169,7 @@ class Client:
 
     def read_pages(self, pages: Sequence[PageRef | bytes]) -> list[bytes | None]:
         """:meth:`dss.Store.read_pages`; ``None`` also for a page of another tenant."""
-        ids = [(p.page_id if isinstance(p, PageRef) else bytes(p)).hex() for p in pages]
+        ids = [page_id.hex() for page_id in check_page_ids(pages)]
         out = self._call("POST", "/v1/pages/read", json={"page_ids": ids})["pages"]
         return [m.decode_pages({0: p})[0] if p is not None else None for p in out]
 
@@ -181,7 +182,8 @@ class Client:
         The service does the whole erasure in one request; ``progress`` is called once, with
         a summary, when it answers. An erasure that timed out resumes when called again.
         """
-        body = {"user_id": user_id, "dry_run": bool(dry_run), "tenant_id": tenant_id}
+        check_flag("dry_run", dry_run)
+        body = {"user_id": user_id, "dry_run": dry_run, "tenant_id": tenant_id}
         receipt = dict(self._call("POST", "/v1/forget_user", json=body))
         if progress is not None:
             progress(f"{'planned' if dry_run else 'erased'} user {user_id!r}")
@@ -238,9 +240,7 @@ def _params(**values: Any) -> dict[str, Any]:
 
 
 def _layout(layout: Any) -> dict[str, Any]:
-    if not isinstance(layout, Layout):
-        raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
-    return layout.to_dict()
+    return check_layout(layout).to_dict()
 
 
 def _token_list(tokens: TokenInput) -> list[int]:

@@ -49,10 +49,14 @@ class StoreConfig(BaseModel):
     encrypt: bool = Field(True, description="Seal pages and token histories at rest; off only for benchmarks.")
     fsync: bool = Field(True, description="fsync page files and the catalog; turn off only for throwaway stores.")
     segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
-    host_read_gbps: float = Field(8.0, description="Estimated host-tier load bandwidth, GB/s.")
-    disk_read_gbps: float = Field(1.0, description="Estimated disk-tier load bandwidth, GB/s.")
-    recompute_tokens_per_s: float = Field(4000.0, description="Estimated prefill speed, for load-or-recompute.")
-    sql_timeout_s: float = Field(10.0, description="Time limit of one read-only SQL query.")
+    host_read_gbps: float = Field(8.0, gt=0, allow_inf_nan=False,
+                                  description="Estimated host-tier load bandwidth, GB/s.")
+    disk_read_gbps: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                  description="Estimated disk-tier load bandwidth, GB/s.")
+    recompute_tokens_per_s: float = Field(4000.0, gt=0, allow_inf_nan=False,
+                                          description="Estimated prefill speed, for load-or-recompute.")
+    sql_timeout_s: float = Field(10.0, gt=0, le=86_400, allow_inf_nan=False,
+                                 description="Time limit of one read-only SQL query, seconds.")
     sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
                                       "default: a role dss creates, which needs CREATEROLE for the catalog user.")
 
@@ -96,6 +100,8 @@ def load_config(home: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """Build a :class:`StoreConfig`; raises ``ConfigError`` naming the bad value."""
     env = {field: os.environ[name] for name, field in _ENV.items() if os.environ.get(name)}
     chosen_home = home if home is not None else overrides.pop("home", None) or env.get("home") or DEFAULT_HOME
+    if not isinstance(chosen_home, (str, os.PathLike)) or not str(chosen_home):
+        raise ConfigError(f"the store folder (home) must be a path, not {type(chosen_home).__name__}")
     file_values: dict[str, Any] = {}
     file_path = os.environ.get("DSS_CONFIG") or Path(chosen_home) / "dss.toml"
     if os.environ.get("DSS_CONFIG") or Path(file_path).is_file():

@@ -106,10 +106,19 @@ def master_check(master: bytes) -> bytes:
 DEFAULT_MASTER_KEY_FILE = Path("~/.config/dss/master.key")
 
 
-def load_master_key(path: Path | None, store_folder: Path, hex_value: str | None = None) -> bytes:
-    """The master key: from ``hex_value`` (``DSS_MASTER_KEY``), else from ``path``, which is
-    created (mode 0600) with a new random key if absent. Refuses a key file inside the store
-    folder: the key must never sit next to the data it protects."""
+def master_key_file(path: Path | None) -> Path:
+    """The master key file to use (``path``, else the default), as an absolute path."""
+    return (path or DEFAULT_MASTER_KEY_FILE).expanduser().resolve()
+
+
+def read_master_key(path: Path | None, store_folder: Path, hex_value: str | None = None) -> bytes | None:
+    """The master key: from ``hex_value`` (``DSS_MASTER_KEY``), else from the key file at
+    ``path``; ``None`` when that file does not exist yet (:func:`create_master_key` makes it).
+
+    Refuses (``ConfigError``) a malformed hex value, a key file inside the store folder (the
+    key must never sit next to the data it protects), a folder or an unreadable file in its
+    place, and a file that does not hold exactly 32 bytes. Creates nothing.
+    """
     if hex_value:
         try:
             key = bytes.fromhex(hex_value)
@@ -118,14 +127,35 @@ def load_master_key(path: Path | None, store_folder: Path, hex_value: str | None
         if len(key) != KEY_BYTES:
             raise ConfigError("DSS_MASTER_KEY must be 64 hexadecimal digits (32 bytes)")
         return key
-    file = (path or DEFAULT_MASTER_KEY_FILE).expanduser().resolve()
+    file = master_key_file(path)
     folder = store_folder.expanduser().resolve()
     if file == folder or folder in file.parents:
         raise ConfigError(f"the master key file {file} lies inside the store folder {folder}: keep it elsewhere "
                           "(master_key_file / DSS_MASTER_KEY_FILE)")
-    if not file.exists():
+    if file.is_dir():
+        raise ConfigError(f"the master key file {file} is a folder: name a file "
+                          "(master_key_file / DSS_MASTER_KEY_FILE)")
+    try:
+        key = file.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the master key file {file}: {exc.strerror}") from None
+    if len(key) != KEY_BYTES:
+        raise ConfigError(f"the master key file {file} must hold exactly 32 bytes")
+    return key
+
+
+def create_master_key(path: Path | None) -> bytes:
+    """Publish a new random master key at the key file (mode 0600, atomically: a complete file
+    or none; if another process published one first, that one wins) and return the key the
+    file holds. Raises ``ConfigError`` when the file cannot be made."""
+    file = master_key_file(path)
+    try:
         _create_key_file(file)
-    key = file.read_bytes()
+        key = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot create the master key file {file}: {exc.strerror or exc}") from None
     if len(key) != KEY_BYTES:
         raise ConfigError(f"the master key file {file} must hold exactly 32 bytes")
     return key

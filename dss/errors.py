@@ -145,3 +145,14 @@ class InternalError(DssError):
     """The service failed on its own (a bug or a broken disk); nothing the client sent caused it."""
 
     status = 500
+
+
+class CatalogCorrupt(InternalError):
+    """The catalog holds something dss cannot read back: a damaged database file, or a row
+    that does not decode or authenticate. ``check()`` names the damage; restore a backup."""
+
+
+class CatalogUnavailable(InternalError):
+    """The catalog database cannot be reached or used (connection refused, locked, disk I/O)."""
+
+    status = 503

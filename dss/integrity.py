@@ -6,12 +6,15 @@ code paths that maintain them, and reports a broken invariant as one sentence. R
 
 from __future__ import annotations
 
+import json
+
 from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import DatabaseError
 
 from dss import records
-from dss.crypto import SealError
+from dss.errors import CatalogCorrupt, ErasureInProgress
 from dss.sessions import SessionState
 
 if TYPE_CHECKING:
@@ -19,31 +22,62 @@ if TYPE_CHECKING:
 
 
 def check(store: Store) -> list[str]:
+    """Damage to the catalog (a row that does not decode, a file SQLite cannot read) is
+    reported as a problem too, never raised."""
     problems: list[str] = []
-    with store.catalog.read() as conn:
-        problems += _sessions(store, conn)
-        problems += _pages(conn)
-        problems += _segments(store, conn)
-        problems += _index(store, conn)
+    try:
+        with store.catalog.read() as conn:
+            problems += _layouts(conn)
+            problems += _sessions(store, conn)
+            problems += _pages(conn)
+            problems += _segments(store, conn)
+            problems += _index(store, conn)
+            problems += _audit(conn)
+    except DatabaseError as exc:
+        problems.append(f"the catalog cannot be read: {str(exc.orig or exc).strip().splitlines()[0]}")
     problems += store.host.check()
+    return problems
+
+
+def _layouts(conn: object) -> list[str]:
+    problems: list[str] = []
+    layouts = records.layouts
+    for ref, spec in conn.execute(select(layouts.c.id, layouts.c.spec)):  # type: ignore[attr-defined]
+        try:
+            records.stored_layout(ref, spec)
+        except CatalogCorrupt as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _audit(conn: object) -> list[str]:
+    problems: list[str] = []
+    for row in records.audit_rows(conn):  # type: ignore[arg-type]
+        try:
+            json.loads(row[5])
+        except ValueError:
+            problems.append(f"audit receipt {row[0]} does not decode: the row is damaged")
     return problems
 
 
 def _sessions(store: Store, conn: object) -> list[str]:
     problems: list[str] = []
-    for record, _ in records.list_sessions(conn):  # type: ignore[arg-type]
-        name = f"session {record.session_key.hex()} (tenant {record.tenant_id!r})"
+    try:
+        listed = records.list_sessions(conn)  # type: ignore[arg-type]
+    except CatalogCorrupt:
+        return []  # a layout does not decode (reported by _layouts): no session can be rebuilt
+    for record, _ in listed:
         try:
             record = store.mirror.opened(record, conn)
-        except SealError:
-            problems.append(f"{name} has a sealed id that does not authenticate")
+            name = f"session {record.session_id!r} (tenant {record.tenant_id!r})"
+            rows = records.session_versions(conn, record.ref)  # type: ignore[arg-type]
+            versions = store.mirror.unsealed(record, rows, conn)
+            key = store.mirror.keys(record.user_ref, conn).hash_key
+        except CatalogCorrupt as exc:
+            problems.append(str(exc))
             continue
-        name = f"session {record.session_id!r} (tenant {record.tenant_id!r})"
-        try:
-            versions = store.mirror.unsealed(record, records.session_versions(conn, record.ref), conn)  # type: ignore[arg-type]
-        except SealError:
-            problems.append(f"{name} has a token history or label that does not authenticate")
-            continue
+        except ErasureInProgress:
+            continue  # its user's erasure, under way, removes it
         by_id = {v.version_id: v for v in versions}
         if record.head_id is None and versions:
             problems.append(f"{name} has versions but no head")
@@ -53,7 +87,6 @@ def _sessions(store: Store, conn: object) -> list[str]:
         problems += broken
         if broken:  # the trie cannot be rebuilt from them; the checks below would only repeat it
             continue
-        key = store.mirror.keys(record.user_ref, conn).hash_key
         fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, {})
         contained: set[bytes] = set()
         for version_id in fresh.positions:

@@ -15,9 +15,9 @@ from sqlalchemy import select
 
 from dss import records
 from dss.catalog import Catalog, Tx
-from dss.crypto import Sealer, namespace_hash_key, session_key, session_lookup_key, unwrap
+from dss.crypto import Sealer, SealError, namespace_hash_key, session_key, session_lookup_key, unwrap
 from dss.epoch import Epoch
-from dss.errors import AmbiguousSession, ErasureInProgress, UnknownSession
+from dss.errors import AmbiguousSession, CatalogCorrupt, ErasureInProgress, UnknownSession
 from dss.keys import label_aad, name_aad, owner_tag, tokens_aad
 from dss.pageindex import Namespace, PageIndex
 from dss.records import SessionRecord, VersionRecord
@@ -116,7 +116,10 @@ class Mirror:
     # -- sessions --------------------------------------------------------------------------
 
     def state(self, session_id: str, tenant_id: str | None) -> SessionState:
-        """The state of a session by id; raises ``UnknownSession`` or ``AmbiguousSession``."""
+        """The state of a session by id; raises ``UnknownSession`` or ``AmbiguousSession``
+        (``InvalidInput`` for ids that cannot be ids)."""
+        check_name("session_id", session_id)
+        check_name("tenant_id", tenant_id, optional=True)
         ref = self._names.get((session_id, tenant_id))
         if ref is not None:
             state = self.sessions.get(ref)
@@ -128,9 +131,6 @@ class Mirror:
             if loaded is not None and loaded.session_id == session_id and tenant_id in (None, loaded.record.tenant_id):
                 return loaded
             del self._names[(session_id, tenant_id)]
-        check_name("session_id", session_id)
-        if tenant_id is not None:
-            check_name("tenant_id", tenant_id)
         with self.catalog.read() as conn:
             found = records.find_sessions(conn, self.session_key(session_id), tenant_id)
             if not found:
@@ -181,11 +181,15 @@ class Mirror:
 
     def opened(self, record: SessionRecord, conn: Any = None) -> SessionRecord:
         """``record`` with its session id unsealed. Raises ``ErasureInProgress`` when the
-        owner's key is destroyed, ``SealError`` when the sealed id does not authenticate."""
+        owner's key is destroyed, ``CatalogCorrupt`` when the sealed id does not authenticate."""
         if record.session_id:
             return record
-        name = self.keys(record.user_ref, conn).names.open(record.sealed_name, name_aad(record.session_key))
-        return record._replace(session_id=name.decode())
+        try:
+            name = self.keys(record.user_ref, conn).names.open(record.sealed_name, name_aad(record.session_key))
+            return record._replace(session_id=name.decode())
+        except (SealError, UnicodeDecodeError):
+            raise CatalogCorrupt(f"the sealed id of session {record.session_key.hex()} (tenant {record.tenant_id!r}) "
+                                 "does not authenticate: the catalog row is damaged") from None
 
     def unsealed(self, record: SessionRecord, versions: list[VersionRecord], conn: Any = None) -> list[VersionRecord]:
         """The version rows with their token histories and labels in clear."""
@@ -194,9 +198,13 @@ class Mirror:
         keys = self.keys(record.user_ref, conn)
         tokens = keys.sealer or keys.names
         aad, labels = tokens_aad(record.ref), label_aad(record.ref)
-        return [v._replace(suffix=tokens.open(v.suffix, aad) if v.sealed else v.suffix, sealed=False,
-                           label=keys.names.open(v.sealed_label, labels).decode() if v.sealed_label is not None
-                           else None, sealed_label=None) for v in versions]
+        try:
+            return [v._replace(suffix=tokens.open(v.suffix, aad) if v.sealed else v.suffix, sealed=False,
+                               label=keys.names.open(v.sealed_label, labels).decode() if v.sealed_label is not None
+                               else None, sealed_label=None) for v in versions]
+        except (SealError, UnicodeDecodeError):
+            raise CatalogCorrupt(f"a token history or label of session {record.session_id!r} (tenant "
+                                 f"{record.tenant_id!r}) does not authenticate: the catalog row is damaged") from None
 
     def fresh(self, tx: Tx, state: SessionState) -> SessionState:
         """``state`` as of write transaction ``tx``, reloaded if another process changed it."""
@@ -252,7 +260,11 @@ class Mirror:
             wrapped = records.wrapped_key(conn, user_ref)
         if wrapped is None:
             raise ErasureInProgress("this user's data key is destroyed: their data is being (or was) erased")
-        return unwrap(self._master, wrapped, owner_tag(user_ref))
+        try:
+            return unwrap(self._master, wrapped, owner_tag(user_ref))
+        except SealError:
+            raise CatalogCorrupt(f"the data key of namespace {user_ref} does not authenticate under the master key: "
+                                 "the catalog row is damaged") from None
 
     def seal_tokens(self, tx: Tx, user_ref: int, session_ref: int, buf: bytes) -> tuple[bytes, bool]:
         """A token history as stored: sealed under the owner's data key, bound to its session

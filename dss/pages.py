@@ -170,10 +170,10 @@ class PageStore:
             return
         refs = [v[0] for v in victims]
         pages = [PageId(p) for ids in records.segment_pages(tx.conn, refs).values() for p in ids]
-        placement.emptied += records.drop_pages(tx.conn, pages)
+        self._note_gone(tx, "evict", [(PageId(r.page_id), r.user_ref) for r in records.pages_by_id(tx.conn, pages)])
+        placement.emptied += records.drop_pages(tx.conn, pages, tx.seq)
         placement.emptied += records.drop_empty_segments(tx.conn, refs)
         placement.evicted += pages
-        self.catalog.note(tx, "evict", page_ids=pages)
         log.info("disk tier full: dropped %d pages in %d segments", len(pages), len(victims))
 
     def _pinned_segments(self, tx: Tx) -> set[int]:
@@ -290,10 +290,19 @@ class PageStore:
                                        entry.disk.offset, reason)
                 log.error("quarantined page %s: %s", entry.page_id.hex(), reason)
             ids = [e.page_id for e, _ in bad]
-            emptied = records.drop_pages(tx.conn, ids)
-            self.catalog.note(tx, "drop", page_ids=ids)
+            emptied = records.drop_pages(tx.conn, ids, tx.seq)
+            self._note_gone(tx, "drop", [(e.page_id, e.ns.user_ref) for e, _ in bad])
         self.disk.remove(emptied)
         self.index.forget(ids)
+
+    def _note_gone(self, tx: Tx, kind: str, owned: list[tuple[PageId, int]]) -> None:
+        """Record in the change feed that these pages left the catalog, under each page's
+        namespace (an erasure deletes a namespace's feed rows with it: no page id survives)."""
+        by_owner: dict[int, list[bytes]] = {}
+        for page_id, user_ref in owned:
+            by_owner.setdefault(user_ref, []).append(page_id)
+        for user_ref, ids in by_owner.items():
+            self.catalog.note(tx, kind, user_ref=user_ref, page_ids=ids)
 
 
 def _segment_size(fresh: Sequence[NewPage]) -> int:

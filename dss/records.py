@@ -15,6 +15,7 @@ from sqlalchemy import ColumnElement, and_, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog import aware, now
+from dss.errors import CatalogCorrupt, InvalidLayout
 from dss.schema import (
     Audit,
     Change,
@@ -129,8 +130,17 @@ _session_select = (
 
 def _session_record(row: tuple) -> SessionRecord:
     ref, tenant, user, tenant_ref, user_ref, layout_ref, spec, head, created, last, seq, key, name = row
-    return SessionRecord(ref, "", tenant, user, tenant_ref, user_ref, layout_ref, Layout.from_dict(json.loads(spec)),
+    return SessionRecord(ref, "", tenant, user, tenant_ref, user_ref, layout_ref, stored_layout(layout_ref, spec),
                          head, aware(created), aware(last), seq, bytes(key), bytes(name))
+
+
+def stored_layout(layout_ref: int, spec: str) -> Layout:
+    """The layout of a ``layouts`` row; raises ``CatalogCorrupt`` if the row does not decode."""
+    try:
+        return Layout.from_dict(json.loads(spec))
+    except (ValueError, TypeError, InvalidLayout) as exc:
+        raise CatalogCorrupt(f"layout {layout_ref} in the catalog does not decode ({exc}): the row is damaged") \
+            from None
 
 
 def find_sessions(conn: Connection, session_key: bytes, tenant_id: str | None) -> list[SessionRecord]:
@@ -350,13 +360,20 @@ def retag_refs(conn: Connection, session_ref: int, old_version: int, version_id:
                  .values(version_ref=version_id))
 
 
-def drop_pages(conn: Connection, page_ids: Sequence[bytes]) -> list[str]:
+def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int) -> list[str]:
     """Delete pages with their references and locations; delete the rows of segments left
-    with no page and return their names (their files go after the transaction commits)."""
+    with no page and return their names (their files go after the transaction commits).
+
+    Every session that held one of the pages is stamped with ``seq`` (this transaction's):
+    its references changed, so a process that cached them reloads the session before its
+    next write to it instead of believing it still holds the pages.
+    """
     touched: set[int] = set()
     for part in chunks(page_ids):
         touched.update(r[0] for r in conn.execute(
             select(locations.c.segment_ref).where(locations.c.page_id.in_(part)).distinct()))
+        holders = select(refs.c.session_ref).where(refs.c.page_id.in_(part))
+        conn.execute(update(sessions).where(sessions.c.id.in_(holders)).values(seq=seq))
         conn.execute(delete(refs).where(refs.c.page_id.in_(part)))
         conn.execute(delete(locations).where(locations.c.page_id.in_(part)))
         conn.execute(delete(pages).where(pages.c.page_id.in_(part)))

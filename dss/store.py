@@ -28,13 +28,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from dss import integrity, records
-from dss.catalog import Catalog, Tx
+from dss.catalog import Catalog, Tx, catalog_errors, open_catalog
 from dss.config import StoreConfig
-from dss.crypto import load_master_key
+from dss.crypto import read_master_key
 from dss.epoch import Epoch
 from dss.erase import Eraser
+from dss.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed, UnknownSession
 from dss.folder import adopt_folder, folder_lock
-from dss.errors import ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed, UnknownSession
 from dss.keys import adopt_master_key, ensure_key
 from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.mirror import Mirror
@@ -47,7 +47,15 @@ from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tokens import TokenInput, pack, unpack, view
 from dss.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
-from dss.validate import check_label, check_name, check_pages
+from dss.validate import (
+    check_callback,
+    check_flag,
+    check_label,
+    check_layout,
+    check_name,
+    check_page_ids,
+    check_pages,
+)
 
 log = logging.getLogger("dss.store")
 
@@ -59,18 +67,33 @@ class Store:
     """A dialogue state store opened in this process (see the module docstring)."""
 
     def __init__(self, config: StoreConfig) -> None:
+        """Open the store; a refused open (``DssError``) releases what it opened, and leaves
+        no master key file it made."""
+        self._closed = True
+        try:
+            with catalog_errors():
+                self._open(config)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self, config: StoreConfig) -> None:
         self.config = config
         home = config.home
-        home.mkdir(parents=True, exist_ok=True)
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot make the store folder {home}: {exc.strerror or exc}") from None
         with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
-            self._master = load_master_key(config.master_key_file, home, hex_key)
+            master = read_master_key(config.master_key_file, home, hex_key)
             sql_url = config.sql_url.get_secret_value() if config.sql_url else None
-            self.catalog = Catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s, sql_url=sql_url)
+            self.catalog = open_catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s,
+                                        sql_url=sql_url)
             self.catalog.ensure_schema()
-            adopt_master_key(self.catalog, self._master)
+            self._master = adopt_master_key(self.catalog, master, config.master_key_file)
             adopt_folder(self.catalog, home)
-            epoch = Epoch(home / "epoch")
+            epoch = self._epoch = Epoch(home / "epoch")
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
         self.index = PageIndex(self.host)
@@ -96,9 +119,13 @@ class Store:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.disk.close()
-                self.mirror.epoch.close()
-                self.catalog.close()
+                self._release()
+
+    def _release(self) -> None:
+        """Close the files and connections opened so far (all of them once open)."""
+        for part in (getattr(self, "disk", None), getattr(self, "_epoch", None), getattr(self, "catalog", None)):
+            if part is not None:
+                part.close()
 
     @property
     def is_closed(self) -> bool:
@@ -133,6 +160,8 @@ class Store:
 
     def sessions(self, *, tenant_id: str | None = None, user_id: str | None = None) -> list[Session]:
         """Every session (optionally of one tenant or user), oldest first."""
+        check_name("tenant_id", tenant_id, optional=True)
+        check_name("user_id", user_id, optional=True)
         with self._reading():
             with self.catalog.read() as conn:
                 rows = records.list_sessions(conn, tenant_id, user_id)
@@ -153,7 +182,7 @@ class Store:
             state = self.mirror.state(session_id, tenant_id)
             with self._write() as tx:
                 released = [PageId(p) for p in records.delete_session(tx.conn, state.ref)]
-                emptied = records.drop_pages(tx.conn, released)
+                emptied = records.drop_pages(tx.conn, released, tx.seq)
                 self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
                 self.catalog.note(tx, "drop", user_ref=state.record.user_ref, page_ids=released)
             self.disk.remove(emptied)
@@ -206,13 +235,17 @@ class Store:
         """
         buf = pack(tokens)
         with self._reading():
-            if session_id is None:
-                state = self._cache_session(tenant_id, user_id, layout)
+            if session_id is None:  # checked before the page-cache session is made
+                namespace = _sessionless(tenant_id, user_id, layout)
+                payloads = check_pages(pages, len(buf) // 4, namespace[2])
+                if not payloads:
+                    return 0
+                state = self._cache_session(*namespace)
             else:
                 state = self.mirror.state(session_id, tenant_id)
-            payloads = check_pages(pages, len(buf) // 4, state.record.layout)
-            if not payloads:
-                return 0
+                payloads = check_pages(pages, len(buf) // 4, state.record.layout)
+                if not payloads:
+                    return 0
             ids = state.prompt_page_ids(buf)
             fresh = self.pages.fresh(ids, payloads, self.mirror.keys(state.record.user_ref).sealer)
 
@@ -299,16 +332,17 @@ class Store:
 
     def pin(self, session_id: str, version_id: int, *, pinned: bool = True, tenant_id: str | None = None) -> Version:
         """Pin (or unpin) a version: disk eviction never drops pages a pinned version holds."""
+        check_flag("pinned", pinned)
         with self._reading():
             state = self.mirror.state(session_id, tenant_id)
             state.version_record(version_id)
             with self._write() as tx:
                 state = self.mirror.fresh(tx, state)
                 state.version_record(version_id)
-                records.set_pinned(tx.conn, version_id, bool(pinned))
+                records.set_pinned(tx.conn, version_id, pinned)
                 records.update_session(tx.conn, state.ref, tx.seq)
                 self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
-            state.versions[version_id] = state.versions[version_id]._replace(pinned=bool(pinned))
+            state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
             state.record = state.record._replace(seq=tx.seq)
             return state.version(version_id)
 
@@ -335,8 +369,7 @@ class Store:
         buf = view(tokens)
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
-        if not isinstance(layout, Layout):
-            raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
+        check_layout(layout)
         with self._reading():
             return self.matcher.match(buf, layout, tenant_id, self.mirror.user_ref(tenant_id, user_id), None)
 
@@ -347,6 +380,13 @@ class Store:
         Its pages belong to the tenant, not to any user: every session of the tenant with
         the same layout resumes them, erasing a user leaves them, and they are pinned.
         """
+        check_layout(layout)
+        check_name("tenant_id", tenant_id)
+        check_label(label)
+        buf = pack(tokens)
+        if not buf:
+            raise InvalidTokens("a shared prefix needs at least one token")
+        check_pages(pages, len(buf) // 4, layout)  # all checked before the tenant's shared session is made
         with self._reading():
             session_id = shared_session_id(layout)
             self._create(session_id, SHARED_USER, tenant_id, layout)
@@ -355,6 +395,7 @@ class Store:
 
     def shared_prefixes(self, *, tenant_id: str = "default") -> list[Version]:
         """The registered shared prefixes of a tenant (every layout), oldest first."""
+        check_name("tenant_id", tenant_id)
         with self._reading():
             out: list[Version] = []
             for info in self.sessions(tenant_id=tenant_id, user_id=SHARED_USER):
@@ -369,7 +410,8 @@ class Store:
         with ``tenant_id``, for a page of another tenant. Reads from disk are batched and
         promote the pages to host.
         """
-        ids = [PageId(p.page_id if isinstance(p, PageRef) else bytes(p)) for p in pages]
+        ids = check_page_ids(pages)
+        check_name("tenant_id", tenant_id, optional=True)
         with self._reading():
             if tenant_id is None:
                 return self.pages.read(ids, self._write, self.mirror.sealer_of)
@@ -393,6 +435,8 @@ class Store:
         """
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
+        check_flag("dry_run", dry_run)
+        check_callback("progress", progress)
         with self._reading():
             if dry_run:
                 plan = self.eraser.plan(tenant_id, user_id)
@@ -403,11 +447,12 @@ class Store:
 
     def audit(self, *, tenant_id: str | None = None) -> list[dict[str, Any]]:
         """Receipts of erasures (and other audited operations), oldest first."""
+        check_name("tenant_id", tenant_id, optional=True)
         with self._reading():
             with self.catalog.read() as conn:
                 rows = records.audit_rows(conn, tenant_id)
-        return [{"audit_id": r[0], "kind": r[1], "tenant_id": r[2], "user_id": r[3], "created_at": r[4].isoformat(),
-                 "receipt": json.loads(r[5])} for r in rows]
+            return [{"audit_id": r[0], "kind": r[1], "tenant_id": r[2], "user_id": r[3],
+                     "created_at": r[4].isoformat(), "receipt": json.loads(r[5])} for r in rows]
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -439,11 +484,13 @@ class Store:
 
     @contextmanager
     def _reading(self) -> Iterator[None]:
-        """Hold the store lock, caught up with other processes."""
+        """Hold the store lock, caught up with other processes; catalog failures surface as
+        ``CatalogUnavailable`` or ``CatalogCorrupt``."""
         with self._lock:
             self._check_open()
-            self.mirror.sync()
-            yield
+            with catalog_errors():
+                self.mirror.sync()
+                yield
 
     @contextmanager
     def _write(self) -> Iterator[Tx]:
@@ -456,8 +503,7 @@ class Store:
     def _create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> Session:
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
-        if not isinstance(layout, Layout):
-            raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
+        check_layout(layout)
         with self._reading():
             with self._write() as tx:
                 key = self.mirror.session_key(session_id)
@@ -503,9 +549,12 @@ class Store:
                     rec = state.record
                     self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref,
                                      written=written, wanted=[p for p in wanted if p not in state.refs])
-                    held = placement.held | {p for p in wanted if p in state.refs}
+                    evicted = set(placement.evicted)  # this transaction may evict pages the session held
+                    held = placement.held | {p for p in wanted if p in state.refs and p not in evicted}
                     result = record(tx, state, held)
                 committed = True
+                for page_id in evicted:
+                    state.refs.pop(page_id, None)
                 if isinstance(result, VersionRecord):
                     state.record = state.record._replace(head_id=result.version_id, seq=tx.seq)
                     state.refs.update(dict.fromkeys(held, result.version_id))
@@ -572,11 +621,9 @@ class Store:
         self.mirror.forget_user(user_ref)
         return usage
 
-    def _cache_session(self, tenant_id: str | None, user_id: str | None, layout: Layout | None) -> SessionState:
-        """The session holding pages saved without a session, one per namespace and layout."""
-        if tenant_id is None or user_id is None or not isinstance(layout, Layout):
-            raise InvalidInput("save_pages without a session needs tenant_id, user_id and layout")
-        check_name("user_id", user_id)
+    def _cache_session(self, tenant_id: str, user_id: str, layout: Layout) -> SessionState:
+        """The session holding pages saved without a session, one per namespace and layout
+        (made on first use; the arguments were checked by :func:`_sessionless`)."""
         session_id = f"{CACHE_PREFIX}{layout.digest.hex()[:16]}-{_short(user_id)}"
         try:
             state = self.mirror.state(session_id, tenant_id)
@@ -589,6 +636,15 @@ class Store:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, Layout]:
+    """The namespace and layout of a save without a session, checked."""
+    if tenant_id is None or user_id is None or layout is None:
+        raise InvalidInput("save_pages without a session needs tenant_id, user_id and layout")
+    check_name("user_id", user_id)
+    check_name("tenant_id", tenant_id)
+    return tenant_id, user_id, check_layout(layout)
 
 
 def _short(value: str) -> str:

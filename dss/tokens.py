@@ -40,6 +40,7 @@ def pack(tokens: TokenInput) -> bytes:
             packed.fromlist(tokens)
         except (TypeError, OverflowError):
             raise _explain(tokens) from None
+        _refuse_bools(tokens, packed)
         return _to_bytes(packed)
     if isinstance(tokens, array.array) and tokens.typecode == "I":
         return _to_bytes(tokens)
@@ -49,9 +50,11 @@ def pack(tokens: TokenInput) -> bytes:
         return _pack_array(np.asarray(tokens))
     if isinstance(tokens, tuple):
         try:
-            return _to_bytes(array.array("I", tokens))
+            packed = array.array("I", tokens)
         except (TypeError, OverflowError):
             raise _explain(tokens) from None
+        _refuse_bools(tokens, packed)
+        return _to_bytes(packed)
     if isinstance(tokens, Sequence):
         return pack(list(tokens))
     raise InvalidTokens(f"tokens must be a sequence of ints or an integer array, not {type(tokens).__name__}")
@@ -87,6 +90,14 @@ def _to_bytes(packed: array.array) -> bytes:
         packed = array.array("I", packed)
         packed.byteswap()
     return packed.tobytes()
+
+
+def _refuse_bools(tokens: Sequence[Any], packed: array.array) -> None:
+    """``True`` and ``False`` pack as 1 and 0; refuse them. Only the elements that packed to
+    0 or 1 are looked at, so a prompt pays one vectorised comparison, not a Python loop."""
+    for i in np.flatnonzero(np.frombuffer(packed, dtype=np.uint32) <= 1).tolist():
+        if type(tokens[i]) is bool:
+            raise InvalidTokens(f"token {i} is {tokens[i]!r} (bool): ids must be integers")
 
 
 def _pack_array(arr: np.ndarray) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, NewType
 
@@ -53,6 +54,8 @@ class Layout:
         for key, value in fields.items():
             if not isinstance(value, _FIELD_TYPES):
                 raise InvalidLayout(f"layout field {key!r} must be str, int, float or bool, got {type(value).__name__}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidLayout(f"layout field {key!r} must be a finite number, got {value!r}")
             if not _utf8(key) or isinstance(value, str) and not _utf8(value):
                 raise InvalidLayout(f"layout field {key!r} is not valid text")
         object.__setattr__(self, "name", name)
@@ -90,12 +93,18 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
-        """Build a layout from :meth:`to_dict` output; raises ``InvalidLayout`` if a field is missing."""
+        """Build a layout from :meth:`to_dict` output; raises ``InvalidLayout`` for anything
+        but a mapping of string keys that has every field."""
+        if not isinstance(data, Mapping):
+            raise InvalidLayout(f"a layout must be a mapping of field names to values, not {type(data).__name__}")
         data = dict(data)
-        try:
-            return cls(data.pop("name"), data.pop("page_tokens"), data.pop("page_bytes"), **data)
-        except KeyError as exc:
-            raise InvalidLayout(f"layout lacks the field {exc.args[0]!r}") from None
+        bad = [key for key in data if not isinstance(key, str)]
+        if bad:
+            raise InvalidLayout(f"layout field names must be strings, got {bad[0]!r}")
+        for key in ("name", "page_tokens", "page_bytes"):
+            if key not in data:
+                raise InvalidLayout(f"layout lacks the field {key!r}")
+        return cls(data.pop("name"), data.pop("page_tokens"), data.pop("page_bytes"), **data)
 
 
 def _utf8(value: str) -> bool:

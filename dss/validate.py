@@ -2,19 +2,59 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dss.errors import InvalidInput, InvalidPage
-from dss.types import Layout
+from dss.types import Layout, PageId, PageRef
 
 MAX_NAME = 256
+PAGE_ID_BYTES = 16
 
 
-def check_name(label: str, value: Any) -> None:
-    """Ids (session, user, tenant) are printable strings of 1 to 256 characters."""
+def check_name(label: str, value: Any, *, optional: bool = False) -> None:
+    """Ids (session, user, tenant) are printable strings of 1 to 256 characters (or ``None``
+    where ``optional``)."""
+    if optional and value is None:
+        return
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAME or not value.isprintable():
-        raise InvalidInput(f"{label} must be a printable string of 1 to {MAX_NAME} characters, got {value!r}")
+        raise InvalidInput(f"{label} must be a printable string of 1 to {MAX_NAME} characters, got {_shown(value)}")
+
+
+def check_flag(label: str, value: Any) -> None:
+    if type(value) is not bool:
+        raise InvalidInput(f"{label} must be True or False, not {type(value).__name__}")
+
+
+def check_layout(layout: Any) -> Layout:
+    if not isinstance(layout, Layout):
+        raise InvalidInput(f"layout must be a dss.Layout, not {type(layout).__name__}")
+    return layout
+
+
+def check_page_ids(pages: Any) -> list[PageId]:
+    """The ids of ``read_pages``' argument: a list or tuple of ``PageRef`` or 16-byte ids."""
+    if isinstance(pages, (str, bytes, bytearray)) or not isinstance(pages, Sequence):
+        raise InvalidInput(f"pages must be a list of PageRef or {PAGE_ID_BYTES}-byte page ids, "
+                           f"not {type(pages).__name__}")
+    ids: list[PageId] = []
+    for i, item in enumerate(pages):
+        raw = item.page_id if isinstance(item, PageRef) else item
+        if not isinstance(raw, (bytes, bytearray, memoryview)) or memoryview(raw).nbytes != PAGE_ID_BYTES:
+            raise InvalidInput(f"page {i} must be a PageRef or a {PAGE_ID_BYTES}-byte page id, got {_shown(item)}")
+        ids.append(PageId(bytes(raw)))
+    return ids
+
+
+def check_callback(label: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise InvalidInput(f"{label} must be a function or None, not {type(value).__name__}")
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message: its repr, cut short."""
+    text = repr(value) if isinstance(value, (str, bytes, int, float)) or value is None else f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_label(label: Any) -> None:

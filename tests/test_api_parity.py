@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -325,3 +326,41 @@ def test_forget_user_erases_only_that_user_and_leaves_a_receipt(api: Any, tenant
     assert [(r["kind"], r["user_id"], r["receipt"]) for r in api.audit(tenant_id=tenant)] == [
         ("forget-user", "gone", receipt)]
     assert api.check() == []
+
+
+# -- input the Python API cannot even express -----------------------------------------------------
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("service_name", ["sqlite_service", "pg_service"])
+def test_a_layout_with_a_non_finite_number_is_refused_over_http(request: pytest.FixtureRequest, tenant: str,
+                                                                service_name: str, literal: str) -> None:
+    """Python's JSON reads NaN and Infinity; stored, they came back as null and every listing of
+    the tenant failed. The layout is refused, and the tenant's sessions still list."""
+    service = request.getfixturevalue(service_name)
+    key = service.add_key(tenant, is_admin=True)
+    body = ('{"session_id": "s", "user_id": "u", "layout": {"name": "x", "page_tokens": 4, "page_bytes": 8, '
+            f'"scale": {literal}}}}}')
+    answer = httpx.post(f"{service.url}/v1/sessions", content=body, timeout=30,
+                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert (answer.status_code, answer.json()["kind"]) == (400, "InvalidLayout")
+    assert answer.json()["detail"].startswith("layout field 'scale' must be a finite number")
+    with dss.connect(service.url, api_key=key) as client:
+        assert client.sessions() == []
+        make(client, tenant)
+        assert [s.session_id for s in client.sessions()] == ["s"]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda api: api.commit("s", [1, True]), dss.InvalidTokens, r"token 1 is True \(bool\)"),
+    (lambda api: api.read_pages([7]), dss.InvalidInput, "page 0 must be a PageRef or a 16-byte page id, got 7"),
+    (lambda api: api.pin("s", 1, pinned=1), dss.InvalidInput, "pinned must be True or False, not int"),
+    (lambda api: api.forget_user("u", dry_run="yes"), dss.InvalidInput, "dry_run must be True or False, not str"),
+    (lambda api: api.create_session("x", layout=dss.Layout.from_dict), dss.InvalidInput, "layout must be a dss.Layout"),
+])
+def test_wrong_types_are_refused_alike(api: Any, tenant: str, call: Any, error: type[dss.DssError],
+                                       message: str) -> None:
+    make(api, tenant)
+    with pytest.raises(error, match=message):
+        call(api)
+    assert [(s.session_id, s.num_versions) for s in api.sessions(tenant_id=tenant)] == [("s", 0)]

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 import dss
+from dss.schema import SCHEMA_REVISION
 from dss.cli import main
 from dss.demo import run as run_demo
 from tests.conftest import LAYOUT, pages_for
@@ -109,3 +112,76 @@ def test_python_dash_m(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
                             text=True)
     assert (result.returncode, result.stdout) == (0, "(none)\n")
+
+
+# -- --home and --catalog-url after the command name, for every command ------------------------
+
+
+def command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    out: set[tuple[str, ...]] = set()
+    for name, command in group.commands.items():
+        out.add((*prefix, name))
+        if isinstance(command, click.Group):
+            out |= command_paths(command, (*prefix, name))
+    return out
+
+
+def walk_cases(home: str, url: str) -> list[tuple[tuple[str, ...], list[str], Callable[[int, str], bool]]]:
+    """``(command path, the words before the options, what its output must show)`` for every
+    command and group: each shows something only the store at ``home`` and ``url`` holds."""
+    return [
+        (("sessions",), ["sessions", "--json"],
+         lambda code, out: code == 0 and json.loads(out)[0]["session_id"] == "talk"),
+        (("versions",), ["versions", "talk", "--json"], lambda code, out: code == 0 and len(json.loads(out)) == 2),
+        (("sql",), ["sql", "SELECT COUNT(*) AS n FROM versions", "--json"],
+         lambda code, out: (code, json.loads(out)) == (0, [{"n": 2}])),
+        (("check",), ["check"], lambda code, out: (code, out) == (0, "ok: every invariant holds\n")),
+        (("stats",), ["stats", "--json"], lambda code, out: code == 0 and json.loads(out)[1]["bytes"] > 0),
+        (("forget-user",), ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
+         lambda code, out: code == 0 and out.startswith("user 'alice' of tenant 'acme': 1 sessions, 2 versions")),
+        (("audit",), ["audit", "--json"], lambda code, out: (code, out) == (0, "[]\n")),
+        (("db",), ["db", "--home", home, "--catalog-url", url, "current"],
+         lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n")),
+        (("db", "upgrade"), ["db", "upgrade"],
+         lambda code, out: (code, out) == (0, f"catalog already at revision {SCHEMA_REVISION}\n")),
+        (("db", "current"), ["db", "current"], lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n")),
+        (("keys",), ["keys", "--home", home, "--catalog-url", url, "list"],
+         lambda code, out: (code, out) == (0, "(none)\n")),
+        (("keys", "add"), ["keys", "add", "acme", "--json"], lambda code, out: json.loads(out)["tenant_id"] == "acme"),
+        (("keys", "list"), ["keys", "list", "--json"],
+         lambda code, out: [k["tenant_id"] for k in json.loads(out)] == ["acme"]),
+        (("keys", "remove"), ["keys", "remove", "nosuchkey"], lambda code, out: code == 1 and "nosuchkey" in out),
+        (("serve",), ["serve"], lambda code, out: code == 1 and f"cannot read server config file {home}" in out),
+        (("demo",), ["demo"], lambda code, out: code == 0 and out.startswith(f"dss demo in {home}\n")),
+    ]
+
+
+def test_every_command_takes_home_and_catalog_url_after_its_name(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given after the name, both options name the store; nothing falls back to ./dss-data or
+    to a catalog in the store folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSS_HOME", raising=False)
+    monkeypatch.delenv("DSS_CATALOG_URL", raising=False)
+    home = str(tmp_path / "h")
+    url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    with dss.open(home, catalog_url=url) as store:
+        store.create_session("talk", user_id="alice", tenant_id="acme", layout=LAYOUT)
+        store.commit("talk", T, pages_for(T))
+        store.commit("talk", T + [1])
+    cases = walk_cases(home, url)
+    assert {path for path, _, _ in cases} == command_paths(main)
+    failed = []
+    for path, words, shows in cases:
+        args = words if path in {("db",), ("keys",)} else [*words, "--home", home, "--catalog-url", url]
+        if path == ("serve",):  # serve stops at a broken config file it finds in the store folder
+            (Path(home) / "dss-server.toml").write_text("this is = = not toml")
+        result = CliRunner().invoke(main, args)
+        try:
+            ok = shows(result.exit_code, result.output)
+        except ValueError:  # not the JSON it should be
+            ok = False
+        if not ok:
+            failed.append(f"dss {' '.join(args)} -> {result.exit_code}: {result.output[:200]}")
+    assert failed == []
+    assert not (tmp_path / "dss-data").exists() and not (Path(home) / "catalog.db").exists()

@@ -6,9 +6,11 @@ No read may ever return bytes other than those committed.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 import dss
 
@@ -114,3 +116,102 @@ def test_random_damage_never_returns_wrong_bytes(tmp_path: Path, seed: int) -> N
         assert store.sql("SELECT COUNT(*) FROM quarantine").rows == [(bad,)]
         assert store.read_pages(refs) == got  # asked again: same answer, nothing new quarantined
         assert store.sql("SELECT COUNT(*) FROM quarantine").rows == [(bad,)]
+
+
+# -- a damaged catalog: a typed error from every call, and check() names the damage -------------
+
+
+SESSION = dss.Layout(name="rows", page_tokens=4, page_bytes=16)
+
+
+def two_users(open_store) -> dss.Store:
+    """Sessions 's' of user 'u' and 'o' of user 'o', each with one version and two pages."""
+    store = open_store()
+    for session_id, user_id in (("s", "u"), ("o", "o")):
+        store.create_session(session_id, user_id=user_id, tenant_id="t", layout=SESSION)
+        store.commit(session_id, TOKENS[:8], {0: bytes(16), 1: bytes([1]) * 16})
+    return store
+
+
+def damage(store: dss.Store, statement: str, **params: object) -> None:
+    """Change catalog rows behind dss's back, as a failing disk or a careless operator would."""
+    with store.catalog.engine.begin() as conn:
+        conn.execute(sa.text(statement), params)
+
+
+def refused(store: dss.Store, message: str) -> None:
+    """Every call that needs the damaged rows raises ``CatalogCorrupt`` with ``message``."""
+    for call in (lambda: store.session("s"), lambda: store.resume("s", TOKENS), lambda: store.tokens("s"),
+                 lambda: store.commit("s", TOKENS), lambda: store.versions("s")):
+        with pytest.raises(dss.CatalogCorrupt, match=re.escape(message)):
+            call()
+
+
+def test_a_token_history_that_does_not_authenticate(open_store) -> None:
+    store = two_users(open_store)
+    damage(store, "UPDATE versions SET suffix = :junk WHERE session_ref = :ref", junk=bytes(range(60)),
+           ref=store.mirror.state("s", "t").ref)
+    store = open_store()  # a fresh handle reads the damaged rows
+    message = ("a token history or label of session 's' (tenant 't') does not authenticate: the catalog row is "
+               "damaged")
+    refused(store, message)
+    assert store.check() == [message]
+    assert store.resume("o", TOKENS).matched_tokens == 8  # the other user's session is sound
+
+
+def test_a_data_key_that_does_not_authenticate(open_store) -> None:
+    store = two_users(open_store)
+    (user_ref,), = store.sql("SELECT id FROM users WHERE user_id = 'u'").rows
+    damage(store, "UPDATE user_keys SET wrapped = :junk WHERE user_ref = :ref", junk=bytes(60), ref=user_ref)
+    store = open_store()
+    message = (f"the data key of namespace {user_ref} does not authenticate under the master key: "
+               "the catalog row is damaged")
+    refused(store, message)
+    assert store.check() == [message]
+    assert store.resume("o", TOKENS).matched_tokens == 8
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("{not json", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ("[1, 2]", "a layout must be a mapping of field names to values, not list"),
+    ('{"name": "rows", "page_tokens": 4, "page_bytes": 16, "scale": NaN}',
+     "layout field 'scale' must be a finite number, got nan"),
+])
+def test_a_layout_row_that_does_not_decode(open_store, spec: str, reason: str) -> None:
+    store = two_users(open_store)
+    damage(store, "UPDATE layouts SET spec = :spec", spec=spec)
+    store = open_store()
+    message = f"layout 1 in the catalog does not decode ({reason}): the row is damaged"
+    refused(store, message)
+    with pytest.raises(dss.CatalogCorrupt, match=re.escape(message)):
+        store.sessions()
+    assert store.check() == [message]
+
+
+def test_an_audit_receipt_that_does_not_decode(open_store) -> None:
+    store = two_users(open_store)
+    store.forget_user("nobody", tenant_id="t")
+    damage(store, "UPDATE audit SET receipt = '{oops'")
+    with pytest.raises(dss.CatalogCorrupt, match="a catalog row does not decode"):
+        store.audit()
+    assert store.check() == ["audit receipt 1 does not decode: the row is damaged"]
+
+
+def test_a_damaged_catalog_file(tmp_path: Path) -> None:
+    folder = tmp_path / "s"
+    build(folder)
+    store = dss.open(folder)
+    path = folder / "catalog.db"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # everything after the first database page
+        f.seek(4096)
+        f.write(b"\xff" * (size - 4096))
+    assert store.check() == ["the catalog cannot be read: database disk image is malformed"]
+    with pytest.raises(dss.CatalogCorrupt, match="the catalog database is damaged: database disk image is malformed"):
+        store.sessions()
+    store.close()
+    with pytest.raises(dss.CatalogCorrupt, match="the catalog database is damaged: database disk image is malformed"):
+        dss.open(folder)
+    path.write_bytes(b"not a database" * 100)
+    with pytest.raises(dss.CatalogCorrupt, match="the catalog database is damaged: file is not a database"):
+        dss.open(folder)

@@ -215,7 +215,8 @@ def test_module_level_resume_uses_default_store(tmp_path, monkeypatch) -> None:
 # -- bad input: a typed error, and nothing changes ---------------------------------------------
 
 
-BAD_TOKENS = [[-1], [1, 2.5], ["a"], [1 << 32], np.array([[1, 2]]), np.array([1.0, 2.0]), "abc", b"abc", None]
+BAD_TOKENS = [[-1], [1, 2.5], ["a"], [1 << 32], np.array([[1, 2]]), np.array([1.0, 2.0]), "abc", b"abc", None,
+              [1, True], (0, False), [True] * 8, np.array([True, False])]
 
 
 @pytest.mark.parametrize("tokens", BAD_TOKENS, ids=repr)
@@ -325,6 +326,46 @@ def test_layout_is_validated_and_hashable() -> None:
         dss.Layout(name="x", page_tokens=32, page_bytes=10, shapes=[1, 2])
     with pytest.raises(dss.InvalidLayout):
         dss.Layout.from_dict({"name": "x"})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), np.float64("nan")], ids=repr)
+def test_layout_fields_must_be_finite(value: float) -> None:
+    """NaN and Infinity are no JSON: stored, they came back as null and broke every listing."""
+    with pytest.raises(dss.InvalidLayout, match="layout field 'scale' must be a finite number"):
+        dss.Layout(name="x", page_tokens=4, page_bytes=8, scale=value)
+    with pytest.raises(dss.InvalidLayout, match="layout field 'scale' must be a finite number"):
+        dss.Layout.from_dict({"name": "x", "page_tokens": 4, "page_bytes": 8, "scale": value})
+
+
+@pytest.mark.parametrize("data, message", [
+    (None, "a layout must be a mapping of field names to values, not NoneType"),
+    ([("name", "x")], "a layout must be a mapping of field names to values, not list"),
+    ("name=x", "a layout must be a mapping of field names to values, not str"),
+    ({"name": "x", "page_tokens": 4, "page_bytes": 8, 1: "y"}, "layout field names must be strings, got 1"),
+    ({"name": "x", "page_tokens": 4}, "layout lacks the field 'page_bytes'"),
+])
+def test_layout_from_dict_refuses_what_is_not_a_layout(data: object, message: str) -> None:
+    with pytest.raises(dss.InvalidLayout, match=message):
+        dss.Layout.from_dict(data)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pages, message", [
+    ([5], "page 0 must be a PageRef or a 16-byte page id, got 5"),
+    ([True], "page 0 must be a PageRef or a 16-byte page id, got True"),
+    ([b"short"], "page 0 must be a PageRef or a 16-byte page id, got b'short'"),
+    ([bytes(16), "00" * 16], "page 1 must be a PageRef or a 16-byte page id, got '0000"),
+    ([dss.PageRef(0, dss.PageId(b"x"), "host")], "page 0 must be a PageRef or a 16-byte page id"),
+    (bytes(16), "pages must be a list of PageRef or 16-byte page ids, not bytes"),
+    (7, "pages must be a list of PageRef or 16-byte page ids, not int"),
+])
+def test_read_pages_refuses_what_is_not_a_page_id(store: dss.Store, pages: object, message: str) -> None:
+    """An int was read as that many zero bytes (a silent None), a str raised TypeError."""
+    make(store)
+    store.commit("s", T, pages_for(T))
+    before = snapshot(store)
+    with pytest.raises(dss.InvalidInput, match=message.replace("(", r"\(")):
+        store.read_pages(pages)  # type: ignore[arg-type]
+    assert snapshot(store) == before
 
 
 def test_closed_store_refuses_calls(store: dss.Store) -> None:
