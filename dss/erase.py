@@ -9,13 +9,16 @@ at any instant leaves a state that the next run (or the next opening of the stor
                     and their page ids cannot be linked to any tokens;
 ``catalog_purged``  every row of the namespace is deleted in one transaction (sessions,
                     versions, page references, pages, locations, segments, quarantine, change
-                    feed, the user row); the files to delete are recorded with it;
-``files_deleted``   those page files are unlinked (and the folder fsynced);
-``compacted``       the catalog's free space is scrubbed (SQLite: ``secure_delete`` and a WAL
-                    truncate; PostgreSQL: ``VACUUM``);
+                    feed, the user row); the names of the files to delete are recorded with it;
+``files_deleted``   those page files are unlinked (and the folder fsynced); the job keeps only
+                    the SHA-256 of each name from here on;
+``compacted``       the catalog's free space is scrubbed (SQLite: ``secure_delete``, then the
+                    database rebuilt and the WAL truncated; PostgreSQL: ``VACUUM``);
 ``done``            verification passed and the receipt is in the ``audit`` table.
 
-Verification fails loudly (:class:`dss.errors.ErasureIncomplete`) and leaves the job open.
+The job never keeps a page id: a sample of them is kept as needles (a prefix and a SHA-256
+each, see :mod:`dss.rawscan`) for verification to look for. Verification fails loudly
+(:class:`dss.errors.ErasureIncomplete`) and leaves the job open.
 Pages of the tenant's registered shared prefixes belong to the tenant, not to the user, and
 stay.
 """
@@ -25,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sqlite3
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 from sqlalchemy import delete, func, select
 
-from dss import records
+from dss import rawscan, records
 from dss.catalog import Catalog, Tx, now
 from dss.errors import ErasureIncomplete
 from dss.tiers.disk import DiskTier
@@ -41,7 +45,7 @@ log = logging.getLogger("dss.erase")
 
 STATES = ("planned", "key_destroyed", "catalog_purged", "files_deleted", "compacted", "done")
 SAMPLE_IDS = 64
-"""Page ids kept in the job to scan the catalog's raw files for after the purge."""
+"""How many of the user's page ids verification looks for (kept as needles, never as ids)."""
 
 Progress = Callable[[str], None]
 
@@ -150,9 +154,12 @@ class Eraser:
             self._forget_cached(user_ref)
 
     def _after_catalog_purged(self, job: dict[str, Any]) -> None:
-        self.disk.remove(job["plan"]["removed"]["files"])
+        removed = job["plan"]["removed"]
+        self.disk.remove(removed["files"])
+        kept = {k: v for k, v in removed.items() if k != "files"}
+        kept["file_digests"] = sorted(_digest(name) for name in removed["files"])
         with self._write() as tx:
-            self._advance(job, "files_deleted", tx)
+            self._advance(job, "files_deleted", tx, {**job["plan"], "removed": kept})
 
     def _after_files_deleted(self, job: dict[str, Any]) -> None:
         self._compact()
@@ -182,10 +189,25 @@ class Eraser:
     # -- compaction and verification -------------------------------------------------------
 
     def _compact(self) -> None:
-        """Scrub the catalog's free space so deleted rows leave no bytes behind."""
+        """Scrub the catalog's free space so deleted rows leave no bytes behind.
+
+        SQLite: ``secure_delete`` zeroes a deleted row where it lies, but not the stale copies
+        that earlier page splits and merges left in a page's unused space, so the whole
+        database is rebuilt (``VACUUM``, outside any transaction) and the WAL checkpointed and
+        truncated; a checkpoint that other processes keep busy raises ``ErasureIncomplete``.
+        """
         if self.catalog.is_sqlite:
             with self.catalog.engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                raw = conn.connection.driver_connection  # VACUUM cannot run in the transaction SQLAlchemy opens
+                assert raw is not None
+                try:
+                    raw.execute("VACUUM")
+                    busy = raw.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                except sqlite3.OperationalError as exc:
+                    raise ErasureIncomplete(f"the catalog could not be rebuilt ({exc}); run the erasure again") from None
+            if busy:
+                raise ErasureIncomplete("the catalog's WAL could not be truncated: other processes kept it "
+                                        "busy; run the erasure again")
         else:
             with self.catalog.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 for table in ("user_keys", "versions", "sessions", "pages", "page_refs", "page_locations", "segments",
@@ -197,14 +219,15 @@ class Eraser:
         user_ref = job["user_ref"] if job["user_ref"] is not None else job["plan"].get("user_ref")
         removed = job["plan"]["removed"]
         checks = [_check("catalog rows", *self._catalog_rows(user_ref))]
-        on_disk = self.disk.files()
-        present = [name for name in removed["files"] if name in on_disk]
-        checks.append(_check("page files", not present, f"{len(present)} of {len(removed['files'])} files remain"))
+        on_disk = {_digest(name) for name in self.disk.files()}
+        files = removed["file_digests"]
+        present = [digest for digest in files if digest in on_disk]
+        checks.append(_check("page files", not present, f"{len(present)} of {len(files)} files remain"))
         self.disk.recover(self._recorded())
-        cached = sum(bytes.fromhex(p) in self.host for p in removed["sample"])
+        sampled = {n["sha256"] for n in removed["sample"]}
+        cached = sum(hashlib.sha256(page_id).hexdigest() in sampled for page_id in self.host.ids())
         checks.append(_check("host tier", not cached, f"{cached} sampled pages in this process's host tier"))
         checks.append(_check("catalog files", *self._raw_scan(removed["sample"])))
-        checks.append(_check("lsh index", True, "dss keeps no LSH index"))
         return checks
 
     def _catalog_rows(self, user_ref: int | None) -> tuple[bool, str]:
@@ -218,20 +241,21 @@ class Eraser:
         with self.catalog.read() as conn:
             return set(records.all_segments(conn, "disk"))
 
-    def _raw_scan(self, sample: list[str]) -> tuple[bool, str]:
-        """Scan the SQLite catalog's files (database, WAL) byte by byte for sampled page ids."""
+    def _raw_scan(self, sample: list[rawscan.Needle]) -> tuple[bool, str]:
+        """Scan the SQLite catalog's files (database, WAL) byte by byte for sampled page ids,
+        binary or hex, in a child process (this one must never open them: see :mod:`dss.rawscan`)."""
         if not self.catalog.is_sqlite:
             return True, "PostgreSQL: rows checked by SQL; dead row versions are sealed or keyed under the destroyed key"
-        path = self.catalog.engine.url.database
-        found = []
-        for file in (path, f"{path}-wal"):
-            try:
-                with open(file, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            found += [file for page in sample if bytes.fromhex(page) in data]
-        return not found, f"sampled page ids found in {sorted(set(found))}" if found else "no sampled page id found"
+        path = str(self.catalog.engine.url.database)
+        try:
+            found = {file: n for file, n in rawscan.scan([path, f"{path}-wal"], sample).items() if n}
+        except rawscan.ScanFailed as exc:
+            return False, str(exc)
+        return not found, f"sampled page ids found in {sorted(found)}" if found else "no sampled page id found"
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
 
 
 def _check(name: str, ok: bool, detail: str) -> dict[str, Any]:
@@ -305,6 +329,6 @@ def _purge(tx: Tx, user_ref: int, host: dict[str, int]) -> dict[str, Any]:
     records.destroy_key(conn, user_ref)
     conn.execute(delete(records.users).where(records.users.c.id == user_ref))
     return {"sessions": counts["sessions"], "versions": counts["versions"], "pages": len(page_ids), "files": files,
-            "sample": [pid.hex() for pid in page_ids[:SAMPLE_IDS]], "page_ids_sha256": digest.hexdigest(),
+            "sample": [rawscan.needle(pid) for pid in page_ids[:SAMPLE_IDS]], "page_ids_sha256": digest.hexdigest(),
             "tiers": {**counts["tiers"], "host": host}}
 

@@ -3,12 +3,15 @@
 ``python -m tests.crash_child FOLDER CATALOG_URL|- SEED``. A line ``ack <version_id>
 <num_tokens> <digest>`` is printed (and flushed) only after ``commit`` returned, so every
 acknowledged line names a commit the store promised to keep. Some steps roll back first,
-so the history branches; every commit carries the KV of all its full pages.
+so the history branches; every commit carries the KV of all its full pages. The first step
+after ``ready``, and some later ones, erase a user of their own first (a session with pages,
+then ``forget_user``) and print ``forgot <user_id>`` when the erasure returned.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import sys
 
@@ -26,13 +29,25 @@ def digest(tokens: list[int]) -> str:
     return hashlib.blake2b(repr(tokens).encode(), digest_size=8).hexdigest()
 
 
+def forget_one(store: dss.Store, user_id: str, rng: random.Random) -> None:
+    """Give ``user_id`` a session with pages, then erase them."""
+    store.create_session(user_id, user_id=user_id, layout=LAYOUT)
+    tokens = [rng.randrange(1000) for _ in range(rng.randrange(8, 40))]
+    store.commit(user_id, tokens, {i: payload(tokens, i) for i in range(len(tokens) // LAYOUT.page_tokens)})
+    receipt = store.forget_user(user_id)
+    assert receipt["verification"]["ok"] and receipt["removed"]["sessions"] == 1
+    print(f"forgot {user_id}", flush=True)
+
+
 def main() -> None:
     folder, url, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rng = random.Random(seed)
     store = dss.open(folder, catalog_url=None if url == "-" else url, disk_bytes=1 << 30)
     store.create_session("victim", user_id="u", layout=LAYOUT)
     print("ready", flush=True)
-    while True:
+    for step in itertools.count():
+        if step == 0 or rng.random() < 0.1:
+            forget_one(store, f"gone-{seed}-{step}", rng)
         versions = store.versions("victim")
         if versions and rng.random() < 0.2:
             store.rollback("victim", rng.choice(versions).version_id)

@@ -3,6 +3,10 @@
 After every kill the store is reopened: ``check()`` must be empty, every acknowledged
 commit must be there with its exact tokens, and its pages must resume and read back
 byte-exact. Unacknowledged commits may or may not have landed; nothing may be half there.
+The victim also erases users between commits; once it has finished its first erasure, this
+process opens and closes the store while the victim goes on committing (an erasure once made
+the victim's later commits vanish when another process closed the store), and every user
+whose erasure was acknowledged must be gone.
 """
 
 from __future__ import annotations
@@ -25,43 +29,48 @@ from tests.crash_child import LAYOUT, digest, payload
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_and_kill(folder: Path, url: str, seed: int, delay: float) -> list[tuple[int, int, str]]:
-    """Start the victim, SIGKILL it ``delay`` seconds after it is ready; return its acks."""
+def run_and_kill(folder: Path, url: str, seed: int, delay: float) -> tuple[list[tuple[int, int, str]], list[str]]:
+    """Start the victim; once it has erased a user, open and close the store here; SIGKILL the
+    victim ``delay`` seconds later; return its acknowledged commits and erased users."""
     child = subprocess.Popen([sys.executable, "-m", "tests.crash_child", str(folder), url, str(seed)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
-    ready = threading.Event()
+    erased = threading.Event()
 
     def pump() -> None:
         assert child.stdout is not None
         for line in child.stdout:
-            if line == "ready\n":
-                ready.set()
+            if line.startswith("forgot "):
+                erased.set()
             lines.append(line)
 
     reader = threading.Thread(target=pump)
     reader.start()
-    if not ready.wait(60):
+    if not erased.wait(60):
         child.kill()
         reader.join()
-        raise AssertionError(f"victim never got ready: {child.stderr.read() if child.stderr else ''}")
+        raise AssertionError(f"victim never erased a user: {child.stderr.read() if child.stderr else ''}")
+    dss.open(folder, catalog_url=None if url == "-" else url).close()
     time.sleep(delay)
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     reader.join()
     assert child.returncode == -signal.SIGKILL, child.stderr.read() if child.stderr else ""
-    acks = []
+    acks, forgotten = [], []
     for line in lines:
         parts = line.split()
         if line.endswith("\n") and len(parts) == 4 and parts[0] == "ack":
             acks.append((int(parts[1]), int(parts[2]), parts[3]))
-    return acks
+        if line.endswith("\n") and len(parts) == 2 and parts[0] == "forgot":
+            forgotten.append(parts[1])
+    return acks, forgotten
 
 
-def verify(folder: Path, url: str | None, acked: dict[int, tuple[int, str]]) -> None:
+def verify(folder: Path, url: str | None, acked: dict[int, tuple[int, str]], forgotten: list[str]) -> None:
     store = dss.open(folder, catalog_url=url)
     try:
         assert store.check() == []
+        assert [user for user in forgotten if store.sessions(user_id=user)] == []
         versions = {v.version_id: v for v in store.versions("victim")}
         for version_id, (num_tokens, expected) in acked.items():
             assert version_id in versions, f"acknowledged version {version_id} is lost"
@@ -84,12 +93,16 @@ def test_sigkill_loses_no_acknowledged_commit(tmp_path: Path, catalog: str, kill
     url = next(urls) if urls else None
     rng = random.Random(1234)
     acked: dict[int, tuple[int, str]] = {}
+    forgotten: list[str] = []
     try:
         for round_ in range(kills):
-            for version_id, num_tokens, expected in run_and_kill(tmp_path, url or "-", round_, rng.uniform(0, 0.4)):
+            acks, erased = run_and_kill(tmp_path, url or "-", round_, rng.uniform(0, 0.4))
+            for version_id, num_tokens, expected in acks:
                 acked[version_id] = (num_tokens, expected)
-            verify(tmp_path, url, acked)
+            forgotten += erased
+            verify(tmp_path, url, acked, forgotten)
         assert len(acked) >= kills, "the victim should have acknowledged commits before most kills"
+        assert len(forgotten) >= kills, "every round erases a user before the kill"
     finally:
         if urls:
             for _ in urls:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     {"errors"},
     {"types", "problems"},
-    {"config", "hashing", "tokens", "epoch", "validate", "crypto"},
+    {"config", "hashing", "tokens", "epoch", "validate", "crypto", "rawscan"},
     {"trie", "tiers", "schema", "server_config", "apikeys"},
     {"readonly_sql"},
     {"catalog"},

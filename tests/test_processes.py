@@ -6,6 +6,7 @@ as two processes do; the last test uses a real second process.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,10 @@ import pytest
 
 import dss
 from tests.conftest import LAYOUT, page, pages_for
+from tests.crash_child import LAYOUT as CRASH_LAYOUT
+from tests.crash_child import payload
+
+ROOT = Path(__file__).resolve().parents[1]
 
 T = list(range(1, 21))  # 5 pages
 
@@ -127,3 +132,94 @@ def test_a_reused_row_id_never_answers_for_a_deleted_session(open_store) -> None
     with pytest.raises(dss.UnknownSession):
         b.resume("old", T, tenant_id="default")
     assert b.session("new").user_id == "mallory"
+
+
+class Child:
+    """A ``tests.store_child`` process on the store: one command a line, one answer a line."""
+
+    def __init__(self, folder: Path, url: str | None) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.store_child", str(folder), url or "-"],
+                                        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.ask(None) == "ready"
+
+    def ask(self, command: str | None) -> str:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        if command is not None:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def exit(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("exit\n")
+        self.process.stdin.close()
+        assert self.process.wait(60) == 0
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        assert self.process.wait(60) == -signal.SIGKILL
+
+
+def assert_kept(folder: Path, url: str | None, acked: dict[str, list[str]]) -> None:
+    """Every acknowledged commit (``ack <version_id> <num_tokens>`` per session) is there, exact."""
+    with dss.open(folder, catalog_url=url) as store:
+        for session_id, answers in acked.items():
+            versions = {v.version_id: v for v in store.versions(session_id)}
+            for answer in answers:
+                _, version_id, num_tokens = answer.split()
+                assert int(version_id) in versions, f"acknowledged {answer} of {session_id} is lost"
+                tokens = [i % 1000 for i in range(int(num_tokens))]
+                assert store.tokens(session_id, int(version_id)) == tokens
+            tokens = store.tokens(session_id)
+            full = len(tokens) // CRASH_LAYOUT.page_tokens
+            result = store.resume(session_id, tokens + [1])
+            assert result.matched_tokens == full * CRASH_LAYOUT.page_tokens
+            assert store.read_pages(result.pages) == [payload(tokens, i) for i in range(full)]
+        assert store.check() == []
+
+
+def test_commits_after_an_erasure_survive_another_process(tmp_path: Path, catalog_url) -> None:
+    """A commits, forgets a user (here an unknown one), B opens and closes the store, A commits
+    again. Every acknowledged commit of A is seen by a fresh process and survives SIGKILL of A.
+
+    The erasure's raw-byte scan once read catalog.db with ``open()``: closing that file dropped
+    A's SQLite locks, so B, closing, took itself for the last user, checkpointed and deleted the
+    WAL under A, and A's later commits went to a deleted file.
+    """
+    folder = tmp_path / "store"
+    a = Child(folder, catalog_url)
+    acked = {"s": [a.ask("commit s u 20")]}
+    assert a.ask("forget nobody") == "forgot 0 True"
+    Child(folder, catalog_url).exit()
+    acked["s"] += [a.ask("commit s u 12") for _ in range(3)]
+    assert all(answer.startswith("ack ") for answer in acked["s"])
+    assert_kept(folder, catalog_url, acked)
+    acked["s"].append(a.ask("commit s u 5"))
+    a.kill()
+    assert_kept(folder, catalog_url, acked)
+
+
+def test_commits_interleaved_with_erasures_in_several_processes(tmp_path: Path, catalog_url) -> None:
+    """Three processes take turns: each commits to its own session, then either gives a user
+    pages and erases it, or this process (which holds no other handle) opens and closes the
+    store. Every acknowledged commit is kept, seen by a fresh process and after SIGKILL of all
+    three; every erased user is gone."""
+    folder = tmp_path / "store"
+    children = [Child(folder, catalog_url) for _ in range(3)]
+    acked: dict[str, list[str]] = {f"p{n}": [] for n in range(3)}
+    for turn in range(12):
+        for n, child in enumerate(children):
+            acked[f"p{n}"].append(child.ask(f"commit p{n} u{n} {4 + turn}"))
+            if (turn + n) % 2 == 0:
+                assert child.ask(f"commit gone-{turn}-{n} gone-{turn}-{n} 16").startswith("ack ")
+                assert child.ask(f"forget gone-{turn}-{n}") == "forgot 2 True"
+            else:
+                dss.open(folder, catalog_url=catalog_url).close()
+    assert all(answer.startswith("ack ") for answers in acked.values() for answer in answers)
+    assert_kept(folder, catalog_url, acked)
+    for child in children:
+        child.kill()
+    assert_kept(folder, catalog_url, acked)
+    with dss.open(folder, catalog_url=catalog_url) as store:
+        assert sorted(s.session_id for s in store.sessions()) == ["p0", "p1", "p2"]
+        assert len(store.audit()) == 18

@@ -3,6 +3,8 @@ commits finish and closes the store cleanly."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -123,3 +125,34 @@ def test_sigterm_finishes_in_flight_commits_then_exits_cleanly(tmp_path: Path) -
         assert_all_present(store, writers.acked)
         pages = store.read_pages(store.resume("big", list(range(16)), tenant_id="t").pages)
         assert pages == [bytes([i]) * (1 << 20) for i in range(16)]
+
+
+@pytest.mark.slow
+def test_commits_after_an_erasure_and_a_cli_command_are_kept(tmp_path: Path) -> None:
+    """The service commits, erases a user, an operator runs a CLI command (which opens and
+    closes the store in its own process), the service commits again: every acknowledged commit
+    is seen by a fresh process and survives kill -9 of the service. (The erasure's raw-byte
+    scan once dropped the service's SQLite locks, and the CLI then deleted the WAL under it.)"""
+    home = tmp_path / "home"
+    service = ServiceProcess(home).start()
+    key = service.add_key("t", is_admin=True)
+    client = dss.connect(service.url, api_key=key)
+    client.create_session("s", user_id="u", layout=LAYOUT)
+    client.create_session("gone", user_id="gone", layout=LAYOUT)
+    client.commit("gone", [9] * 8, {0: bytes(64), 1: bytes(64)})
+    acked = []
+    for n in range(1, 5):
+        tokens = list(range(4 * n))
+        acked.append(("s", client.commit("s", tokens, {n - 1: bytes([n]) * 64}).version_id, tokens))
+        if n == 1:
+            assert client.forget_user("gone")["removed"]["sessions"] == 1
+            cli = subprocess.run([sys.executable, "-m", "dss", "--home", str(home), "sessions"],
+                                 capture_output=True, text=True, timeout=120)
+            assert cli.returncode == 0 and "\ns " in cli.stdout, cli.stderr
+    with dss.open(home) as store:
+        assert_all_present(store, acked)
+    assert service.kill() == -9
+    client.close()
+    with dss.open(home) as store:
+        assert_all_present(store, acked)
+        assert [s.session_id for s in store.sessions()] == ["s"]

@@ -83,6 +83,27 @@ def test_rollback_moves_head_and_next_commit_is_its_child(store: dss.Store) -> N
     assert versions[v3.version_id].is_head
 
 
+def test_resume_runs_along_the_head_when_it_can(open_store) -> None:
+    """v1 = T (10 tokens, pages 0-1), v2 = T + 6 tokens (pages 0-3), then rollback to v1.
+
+    The prompt T + [7] matches 10 tokens of history, of which 8 have pages; both v1 (10
+    tokens) and v2 (16) run along those 8 tokens. v2 is the newer, but the head is v1, so
+    resume names v1; without the head's preference it would name v2. Moving the head to v2
+    names v2. A second handle, which loads the trie from the catalog, answers the same.
+    """
+    a = open_store()
+    make(a)
+    v1 = a.commit("s", T, pages_for(T))
+    v2 = a.commit("s", T + [1, 2, 3, 4, 5, 6], {2: page(9), 3: page(10)})
+    a.rollback("s", v1.version_id)
+    b = open_store()
+    for store in (a, b):
+        r = store.resume("s", T + [7])
+        assert (r.matched_tokens, r.version_id) == (8, v1.version_id)
+    a.rollback("s", v2.version_id)
+    assert [store.resume("s", T + [7]).version_id for store in (a, b)] == [v2.version_id, v2.version_id]
+
+
 def test_old_versions_never_change(store: dss.Store) -> None:
     make(store)
     v1 = store.commit("s", T, pages_for(T))

@@ -49,6 +49,8 @@ def test_hand_worked_example() -> None:
     assert trie.version_along(v1.node, 6, v4) == 2  # the head (v4) stops at 2; v2 is the newest passing 6
     assert trie.version_along(upper, 2, v4) == 4
     assert trie.version_along(v1.node, 5, v4) == 2
+    assert trie.version_along(v1.node, 5, v1) == 1  # v2 is newer and passes 5 too, but the head v1 does
+    assert trie.version_along(upper, 3, v3) == 3  # v3 ends below [1 2 3]: it runs along it; v4 (newer) stops at 2
     spans = trie.available(match, 0, lambda page_id: 0 if page_id == b"\x05\x06" else 2)
     assert [(s.first, s.count) for s in spans] == [(0, 1), (1, 1)]  # page 2 (5 6) is absent
 
