@@ -184,7 +184,7 @@ class Eraser:
         with self._write() as tx:
             if self._advance(job, "done", tx, {**plan, "receipt": receipt}):
                 records.insert_audit(tx.conn, "forget-user", job["tenant_id"], job["user_id"], json.dumps(receipt))
-        log.info("forgot user %r of tenant %r (erasure %d)", job["user_id"], job["tenant_id"], job["id"])
+        log.info("erasure %d finished; its receipt is in the audit table", job["id"])  # logs name no user
 
     # -- compaction and verification -------------------------------------------------------
 

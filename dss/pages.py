@@ -254,7 +254,8 @@ class PageStore:
                 try:
                     data = sealer.open(record.payload, entry.page_id)
                 except SealError:
-                    failures.append(ReadFailure(j, f"page {entry.page_id.hex()} fails authentication"))
+                    failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
+                                                   "fails authentication"))
                     continue
             else:
                 data = bytes(record.payload)
@@ -288,7 +289,7 @@ class PageStore:
                 assert entry.disk is not None
                 records.add_quarantine(tx.conn, entry.page_id, entry.ns.user_ref, "disk", entry.disk.segment,
                                        entry.disk.offset, reason)
-                log.error("quarantined page %s: %s", entry.page_id.hex(), reason)
+                log.error("quarantined a page: %s", reason)  # no page id: logs must outlive no erasure
             ids = [e.page_id for e, _ in bad]
             emptied = records.drop_pages(tx.conn, ids, tx.seq)
             self._note_gone(tx, "drop", [(e.page_id, e.ns.user_ref) for e, _ in bad])

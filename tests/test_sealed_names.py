@@ -191,3 +191,33 @@ def test_cli_upgrade_passes_the_master_key(tmp_path: Path) -> None:
                                 env={"DSS_MASTER_KEY_FILE": os.environ["DSS_MASTER_KEY_FILE"]})
     assert result.exit_code == 0, result.output
     assert result.output == "catalog upgraded from empty to 0003\n"
+
+
+def test_upgrade_scrubs_the_page_ids_and_file_names_older_erasure_jobs_kept(tmp_path: Path) -> None:
+    import json
+
+    from alembic import command
+
+    from dss.catalog import Catalog, _alembic_config
+    from dss.rawscan import needle
+
+    page_id = bytes(range(16))
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    old = Catalog(url)
+    with old.engine.begin() as conn:
+        config = _alembic_config()
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0002")
+        for job_id, state in ((1, "done"), (2, "catalog_purged")):
+            plan = {"removed": {"sample": [page_id.hex()], "files": ["w-0000000001.seg"], "pages": 1}}
+            conn.execute(sa.text("INSERT INTO erasures (id, tenant_id, user_id, user_ref, state, plan, started_at) "
+                                 "VALUES (:id, 't', 'u', NULL, :state, :plan, '2026-11-30')"),
+                         {"id": job_id, "state": state, "plan": json.dumps(plan)})
+    old.upgrade()
+    with old.engine.connect() as conn:
+        plans = dict(conn.exec_driver_sql("SELECT id, plan FROM erasures").all())
+    old.close()
+    digest = __import__("hashlib").sha256(b"w-0000000001.seg").hexdigest()
+    assert json.loads(plans[1]) == {"removed": {"sample": [needle(page_id)], "file_digests": [digest], "pages": 1}}
+    assert json.loads(plans[2]) == {"removed": {"sample": [needle(page_id)], "files": ["w-0000000001.seg"],
+                                                "pages": 1}}  # its files are still to delete

@@ -4,6 +4,9 @@
   catalog finds sessions by) and ``name`` (the id sealed under the owner's data key);
   ``versions.label`` becomes the label sealed the same way. An erasure then leaves neither
   readable anywhere, not even in a database's dead rows.
+* Erasure jobs keep no page id and no file name: a sampled id becomes a needle (a prefix
+  and a SHA-256, see :mod:`dss.rawscan`), and the file names of jobs past deleting their
+  files become SHA-256 digests.
 * On SQLite every table with a surrogate integer key is rebuilt with ``AUTOINCREMENT`` and
   its counter set above any id the table may ever have handed out (PostgreSQL's sequences
   never go back already).
@@ -16,12 +19,16 @@ Revises: 0002
 Create Date: 2026-12-01
 """
 
+import hashlib
+import json
+
 import sqlalchemy as sa
 from alembic import context, op
 
 from dss.crypto import Sealer, master_check, session_key, session_lookup_key, unwrap
 from dss.errors import ConfigError
 from dss.keys import label_aad, name_aad, owner_tag
+from dss.rawscan import needle
 
 revision = "0003"
 down_revision = "0002"
@@ -44,6 +51,7 @@ def upgrade() -> None:
     with op.batch_alter_table("versions", recreate="always" if sqlite else "auto") as batch:
         batch.add_column(sa.Column("sealed_label", sa.LargeBinary, nullable=True))
     _seal_existing(conn)
+    _scrub_erasure_plans(conn)
     with op.batch_alter_table("sessions", recreate="always" if sqlite else "auto",
                               table_kwargs={"sqlite_autoincrement": True}) as batch:
         batch.drop_column("session_id")
@@ -95,6 +103,19 @@ def _seal_existing(conn: sa.Connection) -> None:
         sealed = sealer.seal(label.encode(), label_aad(session_ref)) if sealer else None
         conn.execute(sa.text("UPDATE versions SET sealed_label = :label WHERE id = :id"),
                      {"label": sealed, "id": version_id})
+
+
+def _scrub_erasure_plans(conn: sa.Connection) -> None:
+    """Replace the page ids and file names older erasure jobs kept by needles and digests."""
+    for job_id, state, text in conn.execute(sa.text("SELECT id, state, plan FROM erasures")).all():
+        plan = json.loads(text)
+        removed = plan.get("removed")
+        if not removed:
+            continue
+        removed["sample"] = [needle(bytes.fromhex(s)) if isinstance(s, str) else s for s in removed.get("sample", [])]
+        if state not in ("planned", "key_destroyed", "catalog_purged") and "files" in removed:
+            removed["file_digests"] = sorted(hashlib.sha256(name.encode()).hexdigest() for name in removed.pop("files"))
+        conn.execute(sa.text("UPDATE erasures SET plan = :plan WHERE id = :id"), {"plan": json.dumps(plan), "id": job_id})
 
 
 def _sealer(master: bytes, user_ref: int, wrapped: bytes | None) -> Sealer | None:
