@@ -245,7 +245,9 @@ class Eraser:
         """Scan the SQLite catalog's files (database, WAL) byte by byte for sampled page ids,
         binary or hex, in a child process (this one must never open them: see :mod:`dss.rawscan`)."""
         if not self.catalog.is_sqlite:
-            return True, "PostgreSQL: rows checked by SQL; dead row versions are sealed or keyed under the destroyed key"
+            return True, ("PostgreSQL: rows checked by SQL; dead row versions left in its files hold only data sealed "
+                          "or page ids keyed under the destroyed key, session keys (keyed hashes of session ids), "
+                          "and the tenant and user ids this receipt names")
         path = str(self.catalog.engine.url.database)
         try:
             found = {file: n for file, n in rawscan.scan([path, f"{path}-wal"], sample).items() if n}
