@@ -1,7 +1,9 @@
 """Shared fixtures: stores on every catalog dss supports (SQLite embedded, PostgreSQL).
 
-PostgreSQL tests use the server on 127.0.0.1:5432 (database ``test``, trust auth), each in a
-schema of its own that is dropped afterwards. They run, never skip: CI has the server.
+PostgreSQL tests use the server at ``DSS_TEST_PG_URL`` (default 127.0.0.1:5432, database
+``test``, trust auth), each in a schema of its own that is dropped afterwards; where nothing
+answers there, the run starts a throwaway server of its own (:mod:`tests.servers`). They run,
+never skip, and the run's summary says which server they used.
 """
 
 from __future__ import annotations
@@ -16,16 +18,45 @@ import sqlalchemy as sa
 
 import dss
 from dss.readonly_sql import reader_role
+from tests import servers
 
-PG_URL = os.environ.get("DSS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+PG_URL = os.environ.get("DSS_TEST_PG_URL", servers.PG_DEFAULT)
+"""The PostgreSQL the tests use; :func:`pytest_configure` replaces it by a throwaway server's if none answers."""
+SERVERS: dict[str, servers.Server] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One master key for the whole run, outside every store folder (children inherit it)."""
+    """One master key for the whole run, outside every store folder, and a PostgreSQL (children inherit both)."""
     import tempfile
 
+    global PG_URL
     if "DSS_MASTER_KEY_FILE" not in os.environ:
         os.environ["DSS_MASTER_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="dss-test-keys-"), "master.key")
+    SERVERS["PostgreSQL"] = servers.postgres(PG_URL)
+    PG_URL = os.environ["DSS_TEST_PG_URL"] = SERVERS["PostgreSQL"].url
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the servers this run started (a server that was already running is left alone)."""
+    for server in SERVERS.values():
+        server.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say which servers the run used, so a bare machine's throwaway server is never a surprise."""
+    terminalreporter.section("servers")
+    for kind in ("PostgreSQL", "Redis"):
+        line = SERVERS[kind].describe() if kind in SERVERS else f"{kind}: not used by these tests"
+        terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The URL of the Redis the tests use: the one at ``DSS_TEST_REDIS_URL`` or a throwaway one."""
+    if "Redis" not in SERVERS:
+        SERVERS["Redis"] = servers.redis()
+        os.environ["DSS_TEST_REDIS_URL"] = SERVERS["Redis"].url
+    return SERVERS["Redis"].url
 
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
 
