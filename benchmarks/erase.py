@@ -33,6 +33,7 @@ import tempfile
 import time
 
 import dss
+from progress import track
 from dss.crypto import Sealer, new_data_key
 
 PAGE_BYTES = 16 << 10
@@ -42,7 +43,7 @@ LAYOUT = dss.Layout(name="bench-erase", page_tokens=32, page_bytes=PAGE_BYTES)
 def build_user(store: dss.Store, user: str, sessions: int, pages: int, rng: random.Random) -> None:
     per = pages // sessions
     payload = os.urandom(PAGE_BYTES)
-    for n in range(sessions):
+    for n in track(range(sessions), f"building {user}'s sessions"):
         session = f"{user}-{n}"
         store.create_session(session, user_id=user, tenant_id="bench", layout=LAYOUT)
         tokens = [rng.randrange(1 << 20) for _ in range(per * 32)]
@@ -111,7 +112,7 @@ def timing(samples: int, prefixes: int = 200) -> dict[str, float]:
     rng = random.Random(3)
     with dss.open(tempfile.mkdtemp(prefix="dss-bench-timing-")) as store:
         stored = []
-        for n in range(prefixes):  # the owner's prefixes: many, so neither side repeats one input
+        for n in track(range(prefixes), "storing the owner's prefixes"):  # the owner's prefixes: many, so neither side repeats one input
             prefix = [rng.randrange(1 << 20) for _ in range(64)]
             store.create_session(f"owner-{n}", user_id="owner", tenant_id="bench", layout=LAYOUT)
             store.commit(f"owner-{n}", prefix, {0: b"k" * PAGE_BYTES, 1: b"k" * PAGE_BYTES})
@@ -120,7 +121,7 @@ def timing(samples: int, prefixes: int = 200) -> dict[str, float]:
         # every prompt is made of fresh int objects, the two kinds alternately, so they lie alike
         # in memory and converting one costs the same whichever kind it is
         foreign, nobody = [], []
-        for n in range(samples):
+        for n in track(range(samples), "making the probes"):
             tail = [rng.randrange(1 << 20) for _ in range(4032)]
             made = {"foreign": stored[n % prefixes] + tail, "nobody": [rng.randrange(1 << 20) for _ in range(64)] + tail}
             for kind in rng.sample(sorted(made), 2):

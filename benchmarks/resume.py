@@ -42,6 +42,7 @@ import numpy as np
 import xxhash
 
 import dss
+from progress import track
 
 PAGE = 32
 TURNS = 40
@@ -67,7 +68,7 @@ def build(store: dss.Store, rng: random.Random) -> list[int]:
     store.create_session("big", user_id="u0", layout=LAYOUT)
     history: list[int] = []
     per_turn = TOTAL // TURNS
-    for turn in range(TURNS):
+    for turn in track(range(TURNS), "committing 40 turns"):
         grow = per_turn if turn < TURNS - 1 else TOTAL - len(history)
         history = history + [rng.randrange(128_000) for _ in range(grow)]
         store.commit("big", history, {i: b"k" * 64 for i in range(len(history) // PAGE)})
@@ -150,7 +151,7 @@ def main() -> None:
         return packed.tobytes().startswith(stored)
 
     rows = []
-    for case, prompt in prompts.items():
+    for case, prompt in track(prompts.items(), "timing resume and the chains"):
         buffer = np.array(prompt, dtype=np.uint32)
         result = store.resume("big", prompt)
         expected = {"full match + 200 new": TOTAL, "divergence at 16,000": 16_000, "no match": 0}[case]

@@ -32,6 +32,7 @@ from pathlib import Path
 import dss
 from dss.service_process import ServiceProcess
 from dss.tokens import pack
+from progress import wait
 
 ENDPOINTS = ("create_session", "resume", "commit", "rollback", "branch")
 
@@ -147,6 +148,7 @@ def main() -> int:
     start = time.perf_counter()
     for t in threads:
         t.start()
+    wait(deadline - time.monotonic(), f"{args.clients} clients chatting")
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start

@@ -46,6 +46,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from progress import track
+
 BLOCK = 32
 COLUMNS = ("recompute", "vllm-hit", "dss-host", "vllm-hit/dss-host", "dss-disk", "vllm-hit/dss-disk")
 
@@ -124,7 +126,6 @@ def timed(label: str, llm: Any, tokens: list[int], session: str | None, want_cac
     if cached != want_cached or (want_loaded is not None and loaded != want_loaded):
         raise SystemExit(f"{label}: expected {want_cached} cached and {want_loaded} loaded tokens, "
                          f"got {cached} and {loaded}")
-    print(f"{label}: {seconds * 1e3:.1f} ms", file=sys.stderr, flush=True)
     return seconds
 
 
@@ -152,13 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     with engine(model, prefix_caching=False, max_len=max_len) as llm:
         ttft(llm, prompts[sizes[0]][:64])  # warm-up
         for n in sizes:
-            for _ in range(args.reps):
+            for _ in track(range(args.reps), f"recompute {n}"):
                 fresh = [rng.randrange(3, 16384) for _ in range(n)]
                 res["recompute"][n].append(timed(f"recompute {n}", llm, fresh, None, 0))
     with engine(model, prefix_caching=True, max_len=max_len) as llm:
         for n in sizes:
             ttft(llm, prompts[n])  # computes the prompt into vLLM's prefix cache
-            for _ in range(args.hit_reps):
+            for _ in track(range(args.hit_reps), f"vllm-hit {n}"):
                 res["vllm-hit"][n].append(timed(f"vllm-hit {n}", llm, prompts[n], None, expected_hit(n)))
     # With dss: vLLM's own hit and the dss hit alternate in one engine (vLLM's prefix cache is
     # emptied before each dss request), so both see the same machine load; the ratios use them.
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                     ttft(llm, prompts[n], session)  # computes and saves the pages
                     llm.reset_prefix_cache()
                     ttft(llm, prompts[n], session)  # the first hit waits until the pages are written
-                for _ in range(args.hit_reps):
+                for _ in track(range(args.hit_reps), f"{condition} {n}"):
                     llm.reset_prefix_cache()
                     if args.cold_disk and condition == "dss-disk":
                         drop_page_cache(store)

@@ -16,7 +16,7 @@ import datetime as dt
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any, NamedTuple
@@ -134,10 +134,21 @@ class Catalog:
                 f"the catalog at {self.url} is at schema revision {current}, unknown to this dss "
                 f"(it needs {SCHEMA_REVISION}): it was made by a newer dss; upgrade dss")
 
-    def upgrade(self, master_key: bytes | None = None) -> tuple[str | None, str]:
+    def pending_revisions(self) -> list[str]:
+        """The migrations :meth:`upgrade` would apply now, oldest first; none when the catalog
+        is current or at a revision this dss does not know."""
+        current = self.revision()
+        scripts = [script.revision for script in _scripts().walk_revisions()][::-1]
+        if current is None:
+            return scripts
+        return scripts[scripts.index(current) + 1:] if current in scripts else []
+
+    def upgrade(self, master_key: bytes | None = None,
+                progress: Callable[[str], None] | None = None) -> tuple[str | None, str]:
         """Apply every pending migration in one transaction; return ``(from_revision, to_revision)``.
 
-        ``master_key`` is needed by migrations that seal rows already there (revision 0003).
+        ``master_key`` is needed by migrations that seal rows already there (revision 0003);
+        ``progress`` is called with each revision as it is applied (before the transaction commits).
         """
         from alembic import command
 
@@ -152,6 +163,7 @@ class Catalog:
                     config = _alembic_config()
                     config.attributes["connection"] = conn
                     config.attributes["master_key"] = master_key
+                    config.attributes["progress"] = progress
                     command.upgrade(config, "head")
                     if self.is_sqlite and conn.exec_driver_sql("PRAGMA foreign_key_check").first() is not None:
                         raise SchemaOutdated("the catalog's migration broke a foreign key; nothing was changed")

@@ -18,7 +18,9 @@ import dss
 from dss.catalog import catalog_errors, open_catalog
 from dss.config import load_config
 from dss.crypto import read_master_key
+from dss.erase import STATES as ERASURE_STATES
 from dss.errors import DssError
+from dss.progress import bar
 from dss.store import Store
 
 
@@ -175,8 +177,9 @@ def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: boo
                 raise DssCommandError("refusing to erase without --yes (stdin is not a terminal)")
             click.echo(_describe_plan(plan), err=True)
             click.confirm(f"Erase user {user_id!r} of tenant {tenant!r} for good?", abort=True, err=True)
-        receipt = store.forget_user(user_id, tenant_id=tenant,
-                                    progress=None if as_json else lambda step: click.echo(f"  {step}", err=True))
+        with bar(len(ERASURE_STATES) - 1, f"erasing user {user_id!r}", quiet=as_json) as steps:
+            receipt = store.forget_user(user_id, tenant_id=tenant, progress=steps.begin)
+            steps.finish()
     click.echo(json.dumps(receipt) if as_json else json.dumps(receipt, indent=2))
 
 
@@ -222,7 +225,9 @@ def upgrade(ctx: Context) -> None:
     try:
         with catalog_errors():
             hex_key = config.master_key.get_secret_value() if config.master_key else None
-            before, after = catalog.upgrade(read_master_key(config.master_key_file, config.home, hex_key))
+            with bar(len(catalog.pending_revisions()), "applying catalog migrations") as steps:
+                before, after = catalog.upgrade(read_master_key(config.master_key_file, config.home, hex_key),
+                                                progress=lambda revision: steps.advance(1, revision))
     finally:
         catalog.close()
     if before == after:

@@ -106,3 +106,23 @@ def test_processes_opening_an_empty_postgresql_catalog_at_once(pg_url: str, tmp_
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
     results = sorted(p.communicate(timeout=120) + (p.returncode,) for p in procs)
     assert results == [("", "", 0)] + [("ConfigError\n", "", 0)] * 3
+
+
+def test_pending_revisions_are_what_upgrade_would_apply(tmp_path) -> None:
+    from alembic import command
+
+    catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+    assert catalog.pending_revisions() == ["0001", "0002", "0003"]
+    with catalog.engine.begin() as conn:
+        config = catalog_module._alembic_config()
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+    assert catalog.pending_revisions() == ["0002", "0003"]
+    applied: list[str] = []
+    assert catalog.upgrade(progress=applied.append) == ("0001", "0003")
+    assert applied == ["0002", "0003"]
+    assert catalog.pending_revisions() == []
+    with catalog.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
+    assert catalog.pending_revisions() == []
+    catalog.close()

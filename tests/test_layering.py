@@ -27,7 +27,7 @@ LAYERS = [
     {"demo", "client", "tenancy", "service_metrics", "service_process"},
     {"server_middleware"},
     {"server"},
-    {"server_cli"},
+    {"server_cli", "progress"},
     {"cli"},
     {"__main__", "__init__"},
 ]
