@@ -34,7 +34,7 @@ import time
 
 import dss
 from progress import track
-from dss.crypto import Sealer, new_data_key
+from dss.core.crypto import Sealer, new_data_key
 
 PAGE_BYTES = 16 << 10
 LAYOUT = dss.Layout(name="bench-erase", page_tokens=32, page_bytes=PAGE_BYTES)
@@ -59,10 +59,10 @@ def erasure(sessions: int, pages: int) -> dict[str, float]:
         start = time.perf_counter()
         receipt = store.forget_user("target", tenant_id="bench")
         seconds = time.perf_counter() - start
-        assert receipt["verification"]["ok"] and receipt["removed"]["pages"] == pages
+        assert receipt.verification.ok and receipt.removed.pages == pages
         assert store.check() == []
     return {"seconds": seconds, "pages/s": pages / seconds, "sessions/s": sessions / seconds,
-            "bytes": receipt["removed"]["tiers"]["disk"]["bytes"]}
+            "bytes": receipt.removed.tiers["disk"].bytes}
 
 
 READER = """

@@ -1,4 +1,4 @@
-"""Progress for the benchmarks, shown as dss's commands show it (:mod:`dss.progress`): a bar on
+"""Progress for the benchmarks, shown as dss's commands show it (:mod:`dss.cli.progress`): a bar on
 standard error when it is a terminal, nothing when the output is piped or redirected, so the
 tables a benchmark prints stay clean.
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-from dss.progress import bar
+from dss.cli.progress import bar
 
 T = TypeVar("T")
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dss
-from dss.service_process import ServiceProcess
-from dss.tokens import pack
+from dss.service.process import ServiceProcess
+from dss.core.tokens import pack
 from progress import wait
 
 ENDPOINTS = ("create_session", "resume", "commit", "rollback", "branch")
@@ -53,7 +53,7 @@ def digest(tokens: list[int]) -> bytes:
 class ChatClient:
     """One simulated chat backend worker: sessions, turns, undo, regenerate."""
 
-    def __init__(self, index: int, client: dss.client.Client, layout: dss.Layout, deadline: float, seed: int) -> None:
+    def __init__(self, index: int, client: dss.service.client.Client, layout: dss.Layout, deadline: float, seed: int) -> None:
         self.index = index
         self.client = client
         self.layout = layout

@@ -14,8 +14,8 @@ import os
 import threading
 from typing import Any
 
-from dss.config import StoreConfig, load_config
-from dss.errors import (
+from dss.core.config import StoreConfig, load_config
+from dss.core.errors import (
     AmbiguousSession,
     CatalogCorrupt,
     CatalogUnavailable,
@@ -45,17 +45,19 @@ from dss.errors import (
 )
 from dss.resume import ResumeResult
 from dss.store import Store
-from dss.tokens import TokenInput
-from dss.types import Layout, Namespace, PageId, PageRef, Session, SessionId, SqlResult, Version, VersionId
+from dss.core.tokens import TokenInput
+from dss.core.version import VERSION
+from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.erasure import AuditEntry, Plan, Receipt
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
-    "AmbiguousSession", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
+    "AmbiguousSession", "AuditEntry", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
     "ErasureInProgress", "ErasureIncomplete", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
-    "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "Namespace", "NotFound",
-    "PageId", "PageRef", "ReadOnlyViolation", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
-    "SessionExists", "SessionId", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "UnknownSession",
+    "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NotFound",
+    "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
+    "SessionExists", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "UnknownSession",
     "UnknownVersion", "Version", "VersionId", "configure", "connect", "default_store", "open", "resume",
 ]
 
@@ -89,7 +91,7 @@ def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> S
 
 def connect(url: str, *, api_key: str | None = None, **options: Any) -> Any:
     """A client of a ``dss serve`` service, with the same methods and result types as :class:`Store`."""
-    from dss.client import Client
+    from dss.service.client import Client
 
     return Client(url, api_key=api_key, **options)
 

@@ -1,5 +1,5 @@
 """``python -m dss``: the command line."""
 
-from dss.cli import main
+from dss.cli.main import main
 
 main()

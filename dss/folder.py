@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dss import records
-from dss.catalog import Catalog
-from dss.errors import ConfigError
+from dss.catalog import namespaces
+from dss.catalog.database import Catalog
+from dss.core.errors import ConfigError
 
 ID_FILE = "store-id"
 _TAG = "dss-store-id v1"
@@ -44,7 +44,7 @@ def adopt_folder(catalog: Catalog, home: Path) -> None:
     """
     mine = _read_id(home)
     with catalog.read() as conn:
-        theirs = records.meta(conn, "store_id")
+        theirs = namespaces.meta(conn, "store_id")
     if theirs is not None and mine == theirs:
         return
     if theirs is not None:
@@ -55,8 +55,8 @@ def adopt_folder(catalog: Catalog, home: Path) -> None:
     if mine is None:
         mine = _write_id(home)
     with catalog.write() as tx:
-        if records.meta(tx.conn, "store_id") is None:
-            records.set_meta(tx.conn, "store_id", mine)
+        if namespaces.meta(tx.conn, "store_id") is None:
+            namespaces.set_meta(tx.conn, "store_id", mine)
     adopt_folder(catalog, home)  # another folder may have won the race: check again
 
 

@@ -1,50 +1,47 @@
 """``store.check()``: every invariant the store promises, verified from scratch.
 
-Each check reads the catalog, the files and this process's caches independently of the
-code paths that maintain them, and reports a broken invariant as one sentence. Read-only.
+Each check reads the catalog, the files and this process's caches independently of the code
+paths that maintain them, and reports a broken invariant as one sentence. Damage to the
+catalog (a row that does not decode, a file SQLite cannot read) is reported, never raised.
+Read-only; the store passes in the parts it checks.
 """
 
 from __future__ import annotations
 
-import json
-
-from typing import TYPE_CHECKING
-
-from sqlalchemy import func, select
-from sqlalchemy.exc import DatabaseError
-
-from dss import records
-from dss.errors import CatalogCorrupt, ErasureInProgress
-from dss.sessions import SessionState
-
-if TYPE_CHECKING:
-    from dss.store import Store
+from dss.catalog import erasures, namespaces, pages, sessions
+from dss.catalog.database import Catalog, catalog_errors
+from dss.catalog.sessions import VersionRecord
+from dss.core.errors import CatalogCorrupt, CatalogUnavailable, ErasureInProgress
+from dss.core.tokens import TOKEN_BYTES
+from dss.erasure import Receipt, stored
+from dss.mirror import Mirror
+from dss.state import SessionState
+from dss.tiers.disk import DiskTier
+from dss.tiers.host import HostTier
 
 
-def check(store: Store) -> list[str]:
-    """Damage to the catalog (a row that does not decode, a file SQLite cannot read) is
-    reported as a problem too, never raised."""
+def check(catalog: Catalog, mirror: Mirror, disk: DiskTier, host: HostTier, disk_capacity: int) -> list[str]:
+    """Every broken invariant, as a sentence each (``[]`` when the store is sound)."""
     problems: list[str] = []
     try:
-        with store.catalog.read() as conn:
+        with catalog_errors(), catalog.read() as conn:
             problems += _layouts(conn)
-            problems += _sessions(store, conn)
+            problems += _sessions(mirror, conn)
             problems += _pages(conn)
-            problems += _segments(store, conn)
-            problems += _index(store, conn)
+            problems += _segments(disk, disk_capacity, conn)
+            problems += _index(mirror, host, conn)
             problems += _audit(conn)
-    except DatabaseError as exc:
-        problems.append(f"the catalog cannot be read: {str(exc.orig or exc).strip().splitlines()[0]}")
-    problems += store.host.check()
+    except (CatalogCorrupt, CatalogUnavailable) as exc:  # the database itself, as its driver says
+        problems.append(f"the catalog cannot be read: {str(getattr(exc.__cause__, 'orig', None) or exc).splitlines()[0]}")
+    problems += host.check()
     return problems
 
 
 def _layouts(conn: object) -> list[str]:
     problems: list[str] = []
-    layouts = records.layouts
-    for ref, spec in conn.execute(select(layouts.c.id, layouts.c.spec)):  # type: ignore[attr-defined]
+    for ref, spec in namespaces.all_layouts(conn):  # type: ignore[arg-type]
         try:
-            records.stored_layout(ref, spec)
+            namespaces.stored_layout(ref, spec)
         except CatalogCorrupt as exc:
             problems.append(str(exc))
     return problems
@@ -52,27 +49,26 @@ def _layouts(conn: object) -> list[str]:
 
 def _audit(conn: object) -> list[str]:
     problems: list[str] = []
-    for row in records.audit_rows(conn):  # type: ignore[arg-type]
+    for row in erasures.audit_rows(conn):  # type: ignore[arg-type]
         try:
-            json.loads(row[5])
-        except ValueError:
-            problems.append(f"audit receipt {row[0]} does not decode: the row is damaged")
+            stored(Receipt, row.receipt)
+        except CatalogCorrupt:
+            problems.append(f"audit receipt {row.id} does not decode: the row is damaged")
     return problems
 
 
-def _sessions(store: Store, conn: object) -> list[str]:
+def _sessions(mirror: Mirror, conn: object) -> list[str]:
     problems: list[str] = []
     try:
-        listed = records.list_sessions(conn)  # type: ignore[arg-type]
+        listed = sessions.list_sessions(conn)  # type: ignore[arg-type]
     except CatalogCorrupt:
         return []  # a layout does not decode (reported by _layouts): no session can be rebuilt
     for record, _ in listed:
         try:
-            record = store.mirror.opened(record, conn)
+            record = mirror.opened(record, conn)
             name = f"session {record.session_id!r} (tenant {record.tenant_id!r})"
-            rows = records.session_versions(conn, record.ref)  # type: ignore[arg-type]
-            versions = store.mirror.unsealed(record, rows, conn)
-            key = store.mirror.keys(record.user_ref, conn).hash_key
+            versions = mirror.unsealed(record, sessions.session_versions(conn, record.ref), conn)  # type: ignore[arg-type]
+            key = mirror.keys.of(record.user_ref, conn).hash_key
         except CatalogCorrupt as exc:
             problems.append(str(exc))
             continue
@@ -87,17 +83,14 @@ def _sessions(store: Store, conn: object) -> list[str]:
         problems += broken
         if broken:  # the trie cannot be rebuilt from them; the checks below would only repeat it
             continue
-        fresh = SessionState(record, key, store.index.namespace(record.user_ref), versions, {})
+        fresh = SessionState(record, key, mirror.index.namespace(record.user_ref), versions, {})
         contained: set[bytes] = set()
         for version_id in fresh.positions:
             contained.update(fresh.page_ids(version_id))
-        refs = records.refs
-        committed = {bytes(r[0]) for r in conn.execute(  # type: ignore[attr-defined]
-            select(refs.c.page_id).where(refs.c.session_ref == record.ref, refs.c.version_ref != 0))}
-        stray = committed - contained
+        stray = pages.committed_pages(conn, record.ref) - contained  # type: ignore[arg-type]
         if stray:
             problems.append(f"{name} references {len(stray)} pages none of its versions contains")
-        cached = store.mirror.sessions.get(record.ref)
+        cached = mirror.sessions.get(record.ref)
         if cached is not None and record.seq == cached.record.seq:
             if cached.head_id != record.head_id or set(cached.versions) != set(by_id):
                 problems.append(f"{name}: this process's cached versions or head differ from the catalog")
@@ -107,8 +100,7 @@ def _sessions(store: Store, conn: object) -> list[str]:
     return problems
 
 
-def _broken_versions(versions: list[records.VersionRecord], by_id: dict[int, records.VersionRecord],
-                     name: str) -> list[str]:
+def _broken_versions(versions: list[VersionRecord], by_id: dict[int, VersionRecord], name: str) -> list[str]:
     """Versions whose stored delta does not rebuild their token history."""
     problems = []
     for v in versions:
@@ -116,36 +108,27 @@ def _broken_versions(versions: list[records.VersionRecord], by_id: dict[int, rec
             problems.append(f"version {v.version_id} of {name} builds on version {v.base_id} outside its session")
         elif v.base_id is not None and v.base_len > by_id[v.base_id].num_tokens:
             problems.append(f"version {v.version_id} of {name} takes {v.base_len} tokens of a shorter base")
-        if (v.base_len if v.base_id is not None else 0) + len(v.suffix) // 4 != v.num_tokens:
+        if (v.base_len if v.base_id is not None else 0) + len(v.suffix) // TOKEN_BYTES != v.num_tokens:
             problems.append(f"version {v.version_id} of {name} does not hold {v.num_tokens} tokens")
     return problems
 
 
 def _pages(conn: object) -> list[str]:
-    pages, refs, locations = records.pages, records.refs, records.locations
     problems: list[str] = []
-    orphaned = conn.execute(  # type: ignore[attr-defined]
-        select(func.count()).select_from(pages).where(~select(refs.c.page_id).where(
-            refs.c.page_id == pages.c.page_id).exists())).scalar_one()
-    if orphaned:
-        problems.append(f"{orphaned} pages are referenced by no session")
-    homeless = conn.execute(  # type: ignore[attr-defined]
-        select(func.count()).select_from(pages).where(~select(locations.c.page_id).where(
-            locations.c.page_id == pages.c.page_id).exists())).scalar_one()
+    unheld = pages.count_unheld_pages(conn)  # type: ignore[arg-type]
+    if unheld:
+        problems.append(f"{unheld} pages are referenced by no session")
+    homeless = pages.count_homeless_pages(conn)  # type: ignore[arg-type]
     if homeless:
         problems.append(f"{homeless} pages have no location on any tier")
     return problems
 
 
-def _segments(store: Store, conn: object) -> list[str]:
+def _segments(disk: DiskTier, capacity: int, conn: object) -> list[str]:
     problems: list[str] = []
-    rows = records.all_segments(conn, "disk")  # type: ignore[arg-type]
-    files = store.disk.files()
-    locations = records.locations
-    extents: dict[int, list[tuple[int, int]]] = {}
-    for seg, offset, length in conn.execute(  # type: ignore[attr-defined]
-            select(locations.c.segment_ref, locations.c.offset, locations.c.length).where(locations.c.tier == "disk")):
-        extents.setdefault(seg, []).append((offset, length))
+    rows = pages.all_segments(conn, "disk")  # type: ignore[arg-type]
+    files = disk.files()
+    extents = pages.disk_extents(conn)  # type: ignore[arg-type]
     for name, (ref, size) in rows.items():
         if name not in files:
             problems.append(f"page file {name} is in the catalog but missing on disk")
@@ -156,30 +139,30 @@ def _segments(store: Store, conn: object) -> list[str]:
         elif any(offset + length > size for offset, length in extents[ref]):
             problems.append(f"page file {name} has a page recorded beyond its end")
     for name in files:
-        if name not in rows and store.disk.is_orphan(name):
+        if name not in rows and disk.is_orphan(name):
             problems.append(f"page file {name} has no catalog row")
     used = sum(size for _, size in rows.values())
-    total = records.tier_bytes(conn, "disk")  # type: ignore[arg-type]
+    total = pages.tier_bytes(conn, "disk")  # type: ignore[arg-type]
     if total != used:
         problems.append(f"the disk tier's running total says {total} bytes, its segments hold {used}")
-    if used > store.config.disk_bytes:
-        problems.append(f"disk tier holds {used} bytes, over its capacity {store.config.disk_bytes}")
+    if used > capacity:
+        problems.append(f"disk tier holds {used} bytes, over its capacity {capacity}")
     return problems
 
 
-def _index(store: Store, conn: object) -> list[str]:
+def _index(mirror: Mirror, host: HostTier, conn: object) -> list[str]:
     """This process's page entries agree with the catalog, and host pages are known."""
     problems: list[str] = []
-    entries = store.index.entries
+    entries = mirror.index.entries
     durable = {e.page_id: e for e in entries.values() if e.disk is not None}
-    found = {r.page_id: r for r in records.pages_by_id(conn, list(durable))}  # type: ignore[arg-type]
+    found = {r.page_id: r for r in pages.pages_by_id(conn, list(durable))}  # type: ignore[arg-type]
     for page_id, entry in durable.items():
         row = found.get(page_id)
         if row is None:
             problems.append(f"page {page_id.hex()} is cached as on disk but the catalog lost it")
         elif (row.segment, row.offset, row.length, row.checksum) != (*entry.disk, entry.checksum):  # type: ignore[misc]
             problems.append(f"page {page_id.hex()} is cached with another location or checksum than the catalog's")
-    for page_id in store.host.ids():
+    for page_id in host.ids():
         if page_id not in entries:
             problems.append(f"host tier holds page {page_id.hex()} that no entry describes")
     return problems

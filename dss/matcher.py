@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dss.hashing import chain_ids, chain_root
+from dss.core.hashing import chain_ids, chain_root
+from dss.core.tokens import TOKEN_BYTES
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.resume import Rates, ResumeResult
-from dss.sessions import SessionState
+from dss.state import SessionState
 from dss.trie import Match, Span
-from dss.types import Layout, PageId, VersionId
+from dss.core.types import Layout, PageId, VersionId
 
 SHARED_PREFIX = "~shared-"
 """Session ids of a tenant's registered shared prefixes (one session per layout)."""
@@ -40,7 +41,7 @@ class Matcher:
               state: SessionState | None) -> ResumeResult:
         """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
         page_tokens = layout.page_tokens
-        total = len(buf) // 4 // page_tokens
+        total = len(buf) // TOKEN_BYTES // page_tokens
         code_of = self.index.code_of
         spans: list[Span] = []
         history = 0
@@ -49,7 +50,7 @@ class Matcher:
         if state is not None:
             match = state.trie.walk(buf)
             history = match.num_tokens
-            spans = state.trie.available(match, state.ns.gen, code_of)
+            spans = state.trie.available(match, state.namespace.gen, code_of)
         num_pages = sum(span.count for span in spans)
         shared = self.mirror.shared(tenant_id, layout, shared_session_id(layout))
         if shared is not None:
@@ -63,7 +64,7 @@ class Matcher:
             node = next(n for n in match.path if n.start < depth <= n.depth)
             version_id = state.trie.version_along(node, depth, state.head)
         if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
-            key = self.mirror.keys(user_ref).hash_key
+            key = self.mirror.keys.of(user_ref).hash_key
             prev = self._user_page_id(buf, key, layout, own_ids, spans, num_pages)
 
             def chain(prev_id: PageId, k: int) -> PageId:
@@ -77,7 +78,7 @@ class Matcher:
                 num_pages += extra.count
         return ResumeResult(state.session_id if state is not None else None,
                             VersionId(version_id) if version_id is not None else None, num_pages * page_tokens,
-                            len(buf) // 4, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates)
+                            len(buf) // TOKEN_BYTES, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates)
 
     def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, match: Match | None,
                           shared: SessionState, first: int) -> tuple[Span | None, Sequence[PageId]]:
@@ -88,8 +89,8 @@ class Matcher:
         own_codes = bytearray()
         if state is not None:
             assert match is not None
-            own_ids, own_codes = state.trie.page_table(match, state.ns.gen, code_of)
-        shared_ids, shared_codes = shared.trie.page_table(shared.trie.walk(buf), shared.ns.gen, code_of)
+            own_ids, own_codes = state.trie.page_table(match, state.namespace.gen, code_of)
+        shared_ids, shared_codes = shared.trie.page_table(shared.trie.walk(buf), shared.namespace.gen, code_of)
         ids: list[PageId] = []
         codes = bytearray()
         k = first

@@ -1,60 +1,122 @@
 """This process's mirror of the catalog: session states and the page index, kept current.
 
-Several processes may share one store. Each keeps a :class:`Mirror` of what it read from
-the catalog (sessions with their tries, the pages of each namespace) and catches up before
-every operation: when the epoch file moved (:mod:`dss.epoch`), it reads the change feed
-(:meth:`dss.catalog.Catalog.changes_since`) and drops or refreshes exactly what changed.
-Its own writes it applies directly, and skips them in the feed.
+Several processes may share one store. Each keeps a :class:`Mirror` of what it read from the
+catalog (sessions with their tries, the pages of each namespace) and applies every write's
+events (:mod:`dss.catalog.feed`) with one function, :meth:`Mirror.apply`: its own writes'
+events right after they commit, carrying what was written in detail (applied in place),
+and other processes' events read back from the feed when the epoch file says the catalog
+moved on (:meth:`Mirror.sync`; without the detail, they drop or reload what changed).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import Any
 
-from sqlalchemy import select
-
-from dss import records
-from dss.catalog import Catalog, Tx
-from dss.crypto import Sealer, SealError, namespace_hash_key, session_key, session_lookup_key, unwrap
-from dss.epoch import Epoch
-from dss.errors import AmbiguousSession, CatalogCorrupt, ErasureInProgress, UnknownSession
-from dss.keys import label_aad, name_aad, owner_tag, tokens_aad
-from dss.pageindex import Namespace, PageIndex
-from dss.records import SessionRecord, VersionRecord
-from dss.sessions import SessionState
-from dss.types import PageId
-from dss.validate import check_name
-
-
-class Keys(NamedTuple):
-    """What a namespace's data key yields: the page-id hashing key, the sealer of pages and
-    token histories (``None`` when the store does not encrypt), and the sealer of session ids
-    and labels (always)."""
-
-    hash_key: bytes
-    sealer: Sealer | None
-    names: Sealer
+from dss.catalog import feed, namespaces, pages, sessions
+from dss.catalog.change import SessionWrite
+from dss.catalog.database import Catalog
+from dss.catalog.feed import Event, NamespaceForgotten, PagesDropped, PagesEvicted, PagesStored, SessionChanged
+from dss.catalog.sessions import SessionRecord, VersionRecord
+from dss.core.crypto import SealError
+from dss.core.epoch import Epoch
+from dss.core.errors import AmbiguousSession, CatalogCorrupt, UnknownSession
+from dss.core.tokens import TOKEN_BYTES
+from dss.core.types import Layout, PageId
+from dss.core.validate import check_name
+from dss.keys import DataKeys, label_aad, name_aad, tokens_aad
+from dss.pageindex import NamespacePages, PageIndex
+from dss.state import SessionState
 
 
 class Mirror:
     """Session states and namespaces of one process. Not thread-safe; the store locks."""
 
-    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, master: bytes, *, encrypt: bool) -> None:
+    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, keys: DataKeys) -> None:
         self.catalog = catalog
         self.epoch = epoch
         self.index = index
-        self._master = master
-        self._lookup = session_lookup_key(master)
-        self._encrypt = encrypt
+        self.keys = keys
         self.sessions: dict[int, SessionState] = {}
         self._names: dict[tuple[str, str | None], int] = {}
-        self._keys: dict[int, Keys] = {}
         self._no_shared: set[tuple[str, bytes]] = set()
         self._tenants: dict[int, str] = {}
         self._users: dict[tuple[str, str], int] = {}
         self._own: set[int] = set()
-        self._seq = catalog.latest_seq()
+        with catalog.read() as conn:
+            self._seq = feed.latest_seq(conn)
         self._epoch_seen = epoch.read()
+
+    # -- applying writes -------------------------------------------------------------------
+
+    def apply(self, events: Iterable[Event]) -> None:
+        """Bring the caches up to date with a write's events (this process's or another's)."""
+        for event in events:
+            match event:
+                case SessionChanged(own=SessionWrite() as own):
+                    self._apply_own(event.session_ref, own)
+                case SessionChanged():
+                    self.drop_session(event.session_ref)
+                case PagesStored(records=None):
+                    namespace = self.index.namespaces.get(event.user_ref)
+                    if namespace is not None and namespace.loaded:
+                        with self.catalog.read() as conn:
+                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, event.seq))
+                case PagesStored(records=stored):
+                    self.index.apply(self.namespace(event.user_ref), stored)
+                case PagesDropped():
+                    self.index.forget([PageId(p) for p in event.page_ids])
+                case PagesEvicted():
+                    self.index.lose_durable([PageId(p) for p in event.page_ids])
+                case NamespaceForgotten():
+                    self.drop_namespace(event.user_ref)
+
+    def _apply_own(self, ref: int, write: SessionWrite) -> None:
+        """Apply this process's own write to the session's cached state, in place when the
+        state is the one the write was built on (else drop it: it reloads when next used)."""
+        change = write.change
+        if change.delete:
+            self.drop_session(ref)
+            return
+        if change.create is not None:
+            state = self._new_state(ref, write)
+        else:
+            state = self.sessions.get(ref)
+            if state is None or state.record.seq != change.base_seq:
+                self.drop_session(ref)
+                return
+        head = change.head
+        version = change.version
+        if version is not None:
+            assert write.version_id is not None
+            num_tokens = len(version.tokens) // TOKEN_BYTES
+            record = VersionRecord(write.version_id, ref, version.parent_id, version.base_id, version.base_len,
+                                   num_tokens, version.tokens[TOKEN_BYTES * version.base_len:], version.label, False,
+                                   write.stamp)
+            state.add(record, version.tokens, version.walk)
+            head = write.version_id
+        for page_id in write.unheld:
+            state.held.pop(page_id, None)
+        if write.version_id is not None:
+            retagged = set(change.retag)
+            for page_id, tag in state.held.items():
+                if tag in retagged:
+                    state.held[page_id] = write.version_id
+            state.held.update(dict.fromkeys(change.touch, write.version_id))
+        state.held.update(dict.fromkeys(write.held, write.version_id or 0))
+        if change.pin is not None:
+            version_id, pinned = change.pin
+            state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
+        state.record = state.record._replace(seq=write.seq, last_access=write.stamp,
+                                             head_id=head if head is not None else state.head_id)
+
+    def _new_state(self, ref: int, write: SessionWrite) -> SessionState:
+        new = write.change.create
+        assert new is not None and write.change.user_ref is not None
+        record = SessionRecord(ref, new.session_id, new.tenant_id, new.user_id, new.tenant_ref, write.change.user_ref,
+                               write.layout_ref, new.layout, None, write.stamp, write.stamp, write.seq,
+                               new.session_key, new.sealed_name)
+        return self.build(record, [], {})
 
     # -- catching up -----------------------------------------------------------------------
 
@@ -78,40 +140,25 @@ class Mirror:
         if seen == self._epoch_seen:
             return
         self._epoch_seen = seen
-        latest, rows = self.catalog.changes_since(self._seq)
-        if rows is None:
-            self.sessions.clear()
-            self._names.clear()
-            self._keys.clear()
-            self._users.clear()
-            self._tenants.clear()
-            self._no_shared.clear()
-            for user_ref in list(self.index.namespaces):
-                self.index.drop_namespace(user_ref)
+        with self.catalog.read() as conn:
+            latest, events = feed.read_since(conn, self._seq)
+        if events is None:
+            self._reset()
         else:
-            reload: dict[int, int] = {}
-            for seq, kind, session_ref, user_ref, page_id in rows:
-                if seq in self._own:
-                    continue
-                if kind == "session":
-                    self.sessions.pop(session_ref, None)
-                    self._names = {k: v for k, v in self._names.items() if k[1] is not None}
-                    self._no_shared.clear()
-                elif kind == "pages":
-                    reload[user_ref] = min(seq, reload.get(user_ref, seq))
-                elif kind == "drop":
-                    self.index.forget([PageId(bytes(page_id))])
-                elif kind == "evict":
-                    self.index.lose_durable([PageId(bytes(page_id))])
-                elif kind == "forget":
-                    self.forget_user(user_ref)
-            for user_ref, since in reload.items():
-                ns = self.index.namespaces.get(user_ref)
-                if ns is not None and ns.loaded:
-                    with self.catalog.read() as conn:
-                        self.index.apply(ns, records.namespace_pages(conn, user_ref, since))
+            self.apply(event for seq, event in events if seq not in self._own)
         self._own = {s for s in self._own if s > latest}
         self._seq = latest
+
+    def _reset(self) -> None:
+        """Forget everything cached (this process fell behind the pruned feed)."""
+        self.sessions.clear()
+        self._names.clear()
+        self.keys.clear()
+        self._users.clear()
+        self._tenants.clear()
+        self._no_shared.clear()
+        for user_ref in list(self.index.namespaces):
+            self.index.drop_namespace(user_ref)
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -127,12 +174,11 @@ class Mirror:
                 return state
             with self.catalog.read() as conn:
                 loaded = self.loaded(ref, conn)
-            # a deleted session's row number may now belong to another session (SQLite reuses it)
-            if loaded is not None and loaded.session_id == session_id and tenant_id in (None, loaded.record.tenant_id):
+            if loaded is not None:
                 return loaded
             del self._names[(session_id, tenant_id)]
         with self.catalog.read() as conn:
-            found = records.find_sessions(conn, self.session_key(session_id), tenant_id)
+            found = sessions.find_sessions(conn, self.keys.session_key(session_id), tenant_id)
             if not found:
                 where = f" in tenant {tenant_id!r}" if tenant_id is not None else ""
                 raise UnknownSession(f"no session {session_id!r}{where}")
@@ -143,7 +189,7 @@ class Mirror:
         self._names[(session_id, tenant_id)] = state.ref
         return state
 
-    def shared(self, tenant_id: str, layout: Any, session_id: str) -> SessionState | None:
+    def shared(self, tenant_id: str, layout: Layout, session_id: str) -> SessionState | None:
         """The tenant's shared-prefix session for a layout, or ``None`` (remembered until a
         session changes somewhere)."""
         if (tenant_id, layout.digest) in self._no_shared:
@@ -159,33 +205,30 @@ class Mirror:
         state = self.sessions.get(ref)
         if state is not None:
             return state
-        record = records.session_by_ref(conn, ref)
+        record = sessions.session_by_ref(conn, ref)
         if record is None:
             return None
-        return self.build(record, records.session_versions(conn, ref), records.session_refs(conn, ref), conn)
-
-    def build(self, record: SessionRecord, versions: list[VersionRecord], refs: dict[bytes, int],
-              conn: Any) -> SessionState:
-        """Make and cache the state of a session from its catalog rows."""
-        self._no_shared.discard((record.tenant_id, record.layout.digest))
-        keys = self.keys(record.user_ref, conn)
         record = self.opened(record, conn)
-        state = SessionState(record, keys.hash_key, self.namespace(record.user_ref, conn),
-                             self.unsealed(record, versions, conn), refs)
+        versions = self.unsealed(record, sessions.session_versions(conn, ref), conn)
+        return self.build(record, versions, pages.held_pages(conn, ref), conn)
+
+    def build(self, record: SessionRecord, versions: list[VersionRecord], held: dict[bytes, int],
+              conn: Any = None) -> SessionState:
+        """Make and cache the state of a session from its (opened) catalog rows."""
+        self._no_shared.discard((record.tenant_id, record.layout.digest))
+        keys = self.keys.of(record.user_ref, conn)
+        state = SessionState(record, keys.hash_key, self.namespace(record.user_ref, conn), versions, held)
         self.sessions[record.ref] = state
         return state
-
-    def session_key(self, session_id: str) -> bytes:
-        """The keyed hash the catalog finds a session id by."""
-        return session_key(self._lookup, session_id)
 
     def opened(self, record: SessionRecord, conn: Any = None) -> SessionRecord:
         """``record`` with its session id unsealed. Raises ``ErasureInProgress`` when the
         owner's key is destroyed, ``CatalogCorrupt`` when the sealed id does not authenticate."""
         if record.session_id:
             return record
+        sealer = self.keys.of(record.user_ref, conn).names
         try:
-            name = self.keys(record.user_ref, conn).names.open(record.sealed_name, name_aad(record.session_key))
+            name = sealer.open(record.sealed_name, name_aad(record.session_key))
             return record._replace(session_id=name.decode())
         except (SealError, UnicodeDecodeError):
             raise CatalogCorrupt(f"the sealed id of session {record.session_key.hex()} (tenant {record.tenant_id!r}) "
@@ -195,10 +238,10 @@ class Mirror:
         """The version rows with their token histories and labels in clear."""
         if not any(v.sealed or v.sealed_label is not None for v in versions):
             return versions
-        keys = self.keys(record.user_ref, conn)
+        keys = self.keys.of(record.user_ref, conn)
         tokens = keys.sealer or keys.names
-        aad, labels = tokens_aad(record.ref), label_aad(record.ref)
-        try:
+        aad, labels = tokens_aad(record.session_key), label_aad(record.session_key)
+        try:  # only the sealed blobs, not the key above: a damaged key says so itself
             return [v._replace(suffix=tokens.open(v.suffix, aad) if v.sealed else v.suffix, sealed=False,
                                label=keys.names.open(v.sealed_label, labels).decode() if v.sealed_label is not None
                                else None, sealed_label=None) for v in versions]
@@ -206,98 +249,33 @@ class Mirror:
             raise CatalogCorrupt(f"a token history or label of session {record.session_id!r} (tenant "
                                  f"{record.tenant_id!r}) does not authenticate: the catalog row is damaged") from None
 
-    def fresh(self, tx: Tx, state: SessionState) -> SessionState:
-        """``state`` as of write transaction ``tx``, reloaded if another process changed it."""
-        row = tx.conn.execute(select(records.sessions.c.seq).where(records.sessions.c.id == state.ref)).first()
-        if row is None:
-            self.drop(state.ref)
-            raise UnknownSession(f"session {state.session_id!r} was deleted")
-        if row[0] == state.record.seq:
-            return state
-        self.sessions.pop(state.ref, None)
-        fresh = self.loaded(state.ref, tx.conn)
-        assert fresh is not None
-        return fresh
-
-    def drop(self, ref: int) -> None:
-        """Forget a session this process deleted."""
+    def drop_session(self, ref: int) -> None:
+        """Forget a session's cached state (it reloads from the catalog when next used)."""
         self.sessions.pop(ref, None)
         self._no_shared.clear()
-        self._names = {k: v for k, v in self._names.items() if v != ref}
+        self._names = {k: v for k, v in self._names.items() if v != ref and k[1] is not None}
 
     # -- namespaces ------------------------------------------------------------------------
 
-    def namespace(self, user_ref: int, conn: Any = None) -> Namespace:
+    def namespace(self, user_ref: int, conn: Any = None) -> NamespacePages:
         """The page index of a namespace, loaded from the catalog on first use."""
-        ns = self.index.namespace(user_ref)
-        if not ns.loaded:
+        namespace = self.index.namespace(user_ref)
+        if not namespace.loaded:
             if conn is None:
                 with self.catalog.read() as own:
-                    self.index.apply(ns, records.namespace_pages(own, user_ref))
+                    self.index.apply(namespace, pages.namespace_pages(own, user_ref))
             else:
-                self.index.apply(ns, records.namespace_pages(conn, user_ref))
-            ns.loaded = True
-        return ns
+                self.index.apply(namespace, pages.namespace_pages(conn, user_ref))
+            namespace.loaded = True
+        return namespace
 
-    def keys(self, user_ref: int, conn: Any = None) -> Keys:
-        """The keys of a namespace, unwrapped from the catalog on first use.
-
-        Raises ``ErasureInProgress`` when the namespace's data key was destroyed.
-        """
-        keys = self._keys.get(user_ref)
-        if keys is not None:
-            return keys
-        data_key = self._data_key(user_ref, conn)
-        names = Sealer(data_key)
-        keys = self._keys[user_ref] = Keys(namespace_hash_key(data_key), names if self._encrypt else None, names)
-        return keys
-
-    def _data_key(self, user_ref: int, conn: Any) -> bytes:
-        if conn is None:
-            with self.catalog.read() as own:
-                wrapped = records.wrapped_key(own, user_ref)
-        else:
-            wrapped = records.wrapped_key(conn, user_ref)
-        if wrapped is None:
-            raise ErasureInProgress("this user's data key is destroyed: their data is being (or was) erased")
-        try:
-            return unwrap(self._master, wrapped, owner_tag(user_ref))
-        except SealError:
-            raise CatalogCorrupt(f"the data key of namespace {user_ref} does not authenticate under the master key: "
-                                 "the catalog row is damaged") from None
-
-    def seal_tokens(self, tx: Tx, user_ref: int, session_ref: int, buf: bytes) -> tuple[bytes, bool]:
-        """A token history as stored: sealed under the owner's data key, bound to its session
-        (``(buf, False)`` when the store does not encrypt)."""
-        sealer = self.keys(user_ref, tx.conn).sealer
-        if sealer is None:
-            return buf, False
-        return sealer.seal(buf, tokens_aad(session_ref)), True
-
-    def seal_name(self, tx: Tx, user_ref: int, session_key: bytes, session_id: str) -> bytes:
-        """A session id as stored: sealed under the owner's data key, bound to its keyed hash."""
-        return self.keys(user_ref, tx.conn).names.seal(session_id.encode(), name_aad(session_key))
-
-    def seal_label(self, tx: Tx, user_ref: int, session_ref: int, label: str | None) -> bytes | None:
-        """A version label as stored: sealed under the owner's data key, bound to its session."""
-        if label is None:
-            return None
-        return self.keys(user_ref, tx.conn).names.seal(label.encode(), label_aad(session_ref))
-
-    def sealer_of(self, user_ref: int) -> Sealer | None:
-        """The sealer of a namespace, or ``None`` if its key is gone (its pages are then unreadable)."""
-        try:
-            return self.keys(user_ref).sealer
-        except ErasureInProgress:
-            return None
-
-    def forget_user(self, user_ref: int) -> None:
-        """Drop every cached trace of a namespace: key, sessions, page entries, host copies."""
-        self._keys.pop(user_ref, None)
+    def drop_namespace(self, user_ref: int) -> None:
+        """Drop every cached trace of a namespace: keys, sessions, page entries, host copies."""
+        self.keys.forget(user_ref)
         self._tenants.pop(user_ref, None)
         self._users = {k: v for k, v in self._users.items() if v != user_ref}
-        for ref in [ref for ref, state in self.sessions.items() if state.record.user_ref == user_ref]:
-            self.drop(ref)
+        for ref in [ref for ref, state in self.sessions.items() if state.user_ref == user_ref]:
+            self.drop_session(ref)
         self.index.drop_namespace(user_ref)
 
     def tenant_of(self, user_ref: int) -> str | None:
@@ -305,18 +283,18 @@ class Mirror:
         tenant = self._tenants.get(user_ref)
         if tenant is None:
             with self.catalog.read() as conn:
-                tenant = records.tenant_of(conn, user_ref)
+                tenant = namespaces.tenant_of(conn, user_ref)
             if tenant is not None:
                 self._tenants[user_ref] = tenant
         return tenant
 
     def user_ref(self, tenant_id: str, user_id: str) -> int | None:
         """The namespace's row number, or ``None`` if it has none (found ones are remembered
-        until the user is forgotten)."""
+        until the namespace is dropped)."""
         ref = self._users.get((tenant_id, user_id))
         if ref is None:
             with self.catalog.read() as conn:
-                ref = records.find_user(conn, tenant_id, user_id)
+                ref = namespaces.find_user(conn, tenant_id, user_id)
             if ref is not None:
                 self._users[(tenant_id, user_id)] = ref
         return ref

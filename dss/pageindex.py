@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 
-from dss.records import PageRecord
+from dss.catalog.pages import PageRecord
 from dss.tiers.base import Located
 from dss.tiers.host import HostTier
-from dss.types import TIER_CODE, PageId
+from dss.core.types import TIER_CODE, PageId
 
 HOST = TIER_CODE["host"]
 DISK = TIER_CODE["disk"]
@@ -23,7 +23,7 @@ DISK = TIER_CODE["disk"]
 _generations = itertools.count(1)
 
 
-class Namespace:
+class NamespacePages:
     """The pages of one namespace (one user of one tenant) known to this process.
 
     ``gen`` values are unique across every namespace object ever made, so a cache keyed
@@ -45,12 +45,12 @@ class Namespace:
 class PageEntry:
     """One page: where its bytes are durable (``disk``) and what they must hash to."""
 
-    __slots__ = ("page_id", "ns", "page_index", "size", "checksum", "disk")
+    __slots__ = ("checksum", "disk", "namespace", "page_id", "page_index", "size")
 
-    def __init__(self, page_id: PageId, ns: Namespace, page_index: int, size: int, checksum: int,
+    def __init__(self, page_id: PageId, namespace: NamespacePages, page_index: int, size: int, checksum: int,
                  disk: Located | None) -> None:
         self.page_id = page_id
-        self.ns = ns
+        self.namespace = namespace
         self.page_index = page_index
         self.size = size
         self.checksum = checksum
@@ -63,7 +63,7 @@ class PageIndex:
     def __init__(self, host: HostTier) -> None:
         self.host = host
         self.entries: dict[PageId, PageEntry] = {}
-        self.namespaces: dict[int, Namespace] = {}
+        self.namespaces: dict[int, NamespacePages] = {}
         self.code_of = self._make_code_of()
 
     def _make_code_of(self) -> Callable[[PageId], int]:
@@ -78,29 +78,29 @@ class PageIndex:
 
         return code_of
 
-    def namespace(self, user_ref: int) -> Namespace:
-        ns = self.namespaces.get(user_ref)
-        if ns is None:
-            ns = self.namespaces[user_ref] = Namespace(user_ref)
-        return ns
+    def namespace(self, user_ref: int) -> NamespacePages:
+        namespace = self.namespaces.get(user_ref)
+        if namespace is None:
+            namespace = self.namespaces[user_ref] = NamespacePages(user_ref)
+        return namespace
 
-    def apply(self, ns: Namespace, records: Iterable[PageRecord]) -> None:
-        """Install or replace entries from catalog rows of namespace ``ns``."""
+    def apply(self, namespace: NamespacePages, records: Iterable[PageRecord]) -> None:
+        """Install or replace entries from catalog rows of namespace ``namespace``."""
         for r in records:
             disk = Located(r.segment, r.offset, r.length) if r.segment else None
-            self.entries[PageId(r.page_id)] = PageEntry(PageId(r.page_id), ns, r.page_index, r.size, r.checksum, disk)
-        ns.bump()
+            self.entries[PageId(r.page_id)] = PageEntry(PageId(r.page_id), namespace, r.page_index, r.size, r.checksum, disk)
+        namespace.bump()
 
     def add(self, entry: PageEntry) -> None:
         self.entries[entry.page_id] = entry
-        entry.ns.bump()
+        entry.namespace.bump()
 
     def forget(self, page_ids: Iterable[PageId]) -> None:
         """Drop the entries (and host copies) of pages that are gone from every durable tier."""
         for page_id in page_ids:
             entry = self.entries.pop(page_id, None)
             if entry is not None:
-                entry.ns.bump()
+                entry.namespace.bump()
         self.host.discard(page_ids)
 
     def lose_durable(self, page_ids: Iterable[PageId]) -> None:
@@ -111,10 +111,10 @@ class PageIndex:
                 continue
             if page_id in self.host:
                 entry.disk = None
-                entry.ns.bump()
+                entry.namespace.bump()
             else:
                 del self.entries[page_id]
-                entry.ns.bump()
+                entry.namespace.bump()
 
     def left_host(self, page_ids: Iterable[PageId]) -> None:
         """These pages were evicted from host; entries of pages with no durable copy go."""
@@ -122,17 +122,17 @@ class PageIndex:
             entry = self.entries.get(page_id)
             if entry is None:
                 continue
-            entry.ns.bump()
+            entry.namespace.bump()
             if entry.disk is None:
                 del self.entries[page_id]
 
     def drop_namespace(self, user_ref: int) -> None:
         """Forget everything cached of a namespace (it will reload from the catalog)."""
-        ns = self.namespaces.pop(user_ref, None)
-        if ns is None:
+        namespace = self.namespaces.pop(user_ref, None)
+        if namespace is None:
             return
-        ns.bump()
-        gone = [pid for pid, e in self.entries.items() if e.ns is ns]
+        namespace.bump()
+        gone = [pid for pid, e in self.entries.items() if e.namespace is namespace]
         for page_id in gone:
             del self.entries[page_id]
         self.host.discard(gone)

@@ -8,10 +8,10 @@ lazily where it is not (one :class:`PageRef` per page), from a snapshot taken wh
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from dss.trie import Span
-from dss.types import TIER_CODE, TIERS, PageId, PageRef, VersionId
+from dss.core.types import TIER_CODE, TIERS, PageId, PageRef, VersionId
 
 
 class Rates(NamedTuple):
@@ -98,18 +98,6 @@ class ResumeResult:
     def should_load(self) -> bool:
         """Whether loading the matched pages is estimated to beat recomputing them."""
         return self.matched_tokens > 0 and self.load_seconds < self.recompute_seconds
-
-    def to_dict(self, *, with_pages: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "session_id": self.session_id, "version_id": self.version_id, "matched_tokens": self.matched_tokens,
-            "num_prompt_tokens": self.num_prompt_tokens, "num_history_tokens": self.num_history_tokens,
-            "num_new_tokens": self.num_new_tokens, "page_tokens": self.page_tokens, "page_bytes": self.page_bytes,
-            "tiers": self.tiers, "load_seconds": self.load_seconds, "recompute_seconds": self.recompute_seconds,
-            "should_load": self.should_load,
-        }
-        if with_pages:
-            out["pages"] = [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in self.pages]
-        return out
 
     def __repr__(self) -> str:
         return (f"ResumeResult(session_id={self.session_id!r}, matched_tokens={self.matched_tokens}, "

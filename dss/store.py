@@ -1,12 +1,15 @@
 """The embedded store: sessions, versions, resume, pages across host and disk.
 
-:class:`Store` is the public API. Every method is thread-safe (one lock per store) and
-several processes may open the same store folder: each catches up with the others'
-commits (see :mod:`dss.mirror`) before it answers.
+:class:`Store` is the public API, a thin facade: it validates arguments, asks
+:mod:`dss.versions` for the :class:`~dss.catalog.change.Change` a write makes, applies it
+(:meth:`Store._apply`: segment files, one catalog transaction, this process's caches), and
+answers reads from the mirror (:mod:`dss.mirror`) and the matcher (:mod:`dss.matcher`).
+Every method is thread-safe (one lock per store) and several processes may open the same
+store folder: each catches up with the others' writes before it answers.
 
 Contracts that hold for every method:
 
-* An argument that is wrong raises a :class:`dss.errors.DssError` subclass and changes
+* An argument that is wrong raises a :class:`dss.core.errors.DssError` subclass and changes
   nothing.
 * A method that returns after a write has committed it durably (catalog transaction and
   fsynced page files); a process killed at any instant loses no returned commit and
@@ -18,36 +21,23 @@ Contracts that hold for every method:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import logging
-import threading
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dss import integrity, records
-from dss.catalog import Catalog, Tx, catalog_errors, open_catalog
-from dss.config import StoreConfig
-from dss.crypto import read_master_key
-from dss.epoch import Epoch
-from dss.erase import Eraser
-from dss.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens, SessionExists, StoreClosed, UnknownSession
-from dss.folder import adopt_folder, folder_lock
-from dss.keys import adopt_master_key, ensure_key
-from dss.matcher import SHARED_USER, Matcher, shared_session_id
-from dss.mirror import Mirror
-from dss.pageindex import PageIndex
-from dss.pages import NewPage, PageStore, Placement
-from dss.records import SessionRecord, VersionRecord
-from dss.resume import Rates, ResumeResult
-from dss.sessions import SessionState
-from dss.tiers.disk import DiskTier
-from dss.tiers.host import HostTier
-from dss.tokens import TokenInput, pack, unpack, view
-from dss.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
-from dss.validate import (
+from dss import integrity, versions
+from dss.catalog import erasures, pages, sessions
+from dss.catalog.change import Applied, Change
+from dss.catalog.database import catalog_errors, open_catalog
+from dss.core.config import StoreConfig
+from dss.core.crypto import read_master_key
+from dss.core.epoch import Epoch
+from dss.core.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens
+from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
+from dss.core.types import Layout, PageRef, Session, SqlResult, Version
+from dss.core.validate import (
     check_callback,
     check_flag,
     check_label,
@@ -56,6 +46,19 @@ from dss.validate import (
     check_page_ids,
     check_pages,
 )
+from dss.erase import Eraser
+from dss.erasure import AuditEntry, Plan, Receipt, stored
+from dss.folder import adopt_folder, folder_lock
+from dss.keys import DataKeys, adopt_master_key
+from dss.matcher import SHARED_USER, Matcher, shared_session_id
+from dss.mirror import Mirror
+from dss.pageindex import PageIndex
+from dss.pages import PageStore
+from dss.resume import Rates, ResumeResult
+from dss.state import SessionState, session_of
+from dss.tiers.disk import DiskTier
+from dss.tiers.host import HostTier
+from dss.writer import Guard, Writer
 
 log = logging.getLogger("dss.store")
 
@@ -69,7 +72,6 @@ class Store:
     def __init__(self, config: StoreConfig) -> None:
         """Open the store; a refused open (``DssError``) releases what it opened, and leaves
         no master key file it made."""
-        self._closed = True
         try:
             with catalog_errors():
                 self._open(config)
@@ -93,21 +95,22 @@ class Store:
             self.catalog.ensure_schema()
             self._master = adopt_master_key(self.catalog, master, config.master_key_file)
             adopt_folder(self.catalog, home)
-            epoch = self._epoch = Epoch(home / "epoch")
+            self._epoch = Epoch(home / "epoch")
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
         self.index = PageIndex(self.host)
-        self.mirror = Mirror(self.catalog, epoch, self.index, self._master, encrypt=config.encrypt)
-        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, disk_bytes=config.disk_bytes,
-                               segment_bytes=config.segment_bytes, pinned_pages=self._pinned_pages)
+        self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
+        self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys)
+        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys,
+                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes)
         self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
                            config.recompute_tokens_per_s)
         self.matcher = Matcher(self.mirror, self.index, self.rates)
-        self.eraser = Eraser(self.catalog, self.disk, self.host, write=self._write, forget_cached=self._forget_cached)
-        self._lock = threading.RLock()
-        self._closed = False
+        self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
+        self.guard = Guard(self.mirror)
+        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master)
         with self.catalog.read() as conn:
-            removed = self.disk.recover(set(records.all_segments(conn, "disk")))
+            removed = self.disk.recover(set(pages.all_segments(conn, "disk")))
         if removed:
             log.info("removed %d page files left behind by dead writers", len(removed))
         finished = self.eraser.resume_all()
@@ -116,9 +119,9 @@ class Store:
 
     def close(self) -> None:
         """Release files and connections. Idempotent; the store is unusable afterwards."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
+        with self.guard.lock:
+            if not self.guard.is_closed:
+                self.guard.is_closed = True
                 self._release()
 
     def _release(self) -> None:
@@ -130,7 +133,7 @@ class Store:
     @property
     def is_closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return self.guard.is_closed
 
     def __enter__(self) -> Store:
         return self
@@ -151,44 +154,37 @@ class Store:
         check_name("session_id", session_id)
         if session_id.startswith("~"):
             raise InvalidInput("session ids starting with '~' are reserved for dss")
-        return self._create(session_id, user_id, tenant_id, layout)
+        return self._create(session_id, user_id, tenant_id, layout).info()
 
     def session(self, session_id: str, *, tenant_id: str | None = None) -> Session:
         """The session's owner, layout and head. Raises ``UnknownSession``."""
         with self._reading():
-            return _session_info(self.mirror.state(session_id, tenant_id))
+            return self.mirror.state(session_id, tenant_id).info()
 
     def sessions(self, *, tenant_id: str | None = None, user_id: str | None = None) -> list[Session]:
         """Every session (optionally of one tenant or user), oldest first."""
         check_name("tenant_id", tenant_id, optional=True)
         check_name("user_id", user_id, optional=True)
-        with self._reading():
-            with self.catalog.read() as conn:
-                rows = records.list_sessions(conn, tenant_id, user_id)
-                out = []
-                for rec, count in rows:
-                    try:
-                        out.append(_session_of(self.mirror.opened(rec, conn), count))
-                    except ErasureInProgress:  # the owner's key is gone: the erasure deletes the row next
-                        continue
+        with self._reading(), self.catalog.read() as conn:
+            out = []
+            for rec, count in sessions.list_sessions(conn, tenant_id, user_id):
+                try:
+                    out.append(session_of(self.mirror.opened(rec, conn), count))
+                except ErasureInProgress:  # the owner's key is gone: the erasure deletes the row next
+                    continue
             return out
+
+    def count_sessions(self) -> int:
+        """How many sessions the store holds (every tenant)."""
+        with self._reading(), self.catalog.read() as conn:
+            return sessions.count_sessions(conn)
 
     def delete_session(self, session_id: str, *, tenant_id: str | None = None) -> int:
         """Delete a session and its versions; release the pages no other session references.
 
         Returns the number of pages released (gone from every tier).
         """
-        with self._reading():
-            state = self.mirror.state(session_id, tenant_id)
-            with self._write() as tx:
-                released = [PageId(p) for p in records.delete_session(tx.conn, state.ref)]
-                emptied = records.drop_pages(tx.conn, released, tx.seq)
-                self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
-                self.catalog.note(tx, "drop", user_ref=state.record.user_ref, page_ids=released)
-            self.disk.remove(emptied)
-            self.index.forget(released)
-            self.mirror.drop(state.ref)
-            return len(released)
+        return len(self.writer.write(session_id, tenant_id, versions.delete).dropped)
 
     # -- versions --------------------------------------------------------------------------
 
@@ -201,27 +197,9 @@ class Store:
         the namespace are not written again. Returns the new version.
         """
         buf = pack(tokens)
-        if not buf:
-            raise InvalidTokens("commit needs at least one token")
         check_label(label)
-        with self._reading():
-            state = self.mirror.state(session_id, tenant_id)
-            payloads = check_pages(pages, len(buf) // 4, state.record.layout)
-            ids = state.prompt_page_ids(buf)
-            fresh = self.pages.fresh(ids, payloads, self.mirror.keys(state.record.user_ref).sealer)
-
-        def record(tx: Tx, state: SessionState, held: set[bytes]) -> VersionRecord:
-            version = self._record_version(tx, state, buf, label)
-            records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], version.version_id)
-            self._retag(tx, state, [p for p in held if p in state.refs], version.version_id)
-            return version
-
-        def applied(state: SessionState, version: VersionRecord) -> Version:
-            state.add(version, buf)
-            state.head_id = version.version_id
-            return state.version(version.version_id)
-
-        return self._store_pages(state, ids, payloads, fresh, ids, record, applied)
+        applied = self.writer.write(session_id, tenant_id, versions.commit, buf, pages, label)
+        return self._version(applied)
 
     def save_pages(self, session_id: str | None, tokens: TokenInput, pages: Mapping[int, bytes], *,
                    tenant_id: str | None = None, user_id: str | None = None, layout: Layout | None = None) -> int:
@@ -234,47 +212,22 @@ class Store:
         session (they resume through :meth:`lookup`). Returns how many pages were new.
         """
         buf = pack(tokens)
-        with self._reading():
-            if session_id is None:  # checked before the page-cache session is made
-                namespace = _sessionless(tenant_id, user_id, layout)
-                payloads = check_pages(pages, len(buf) // 4, namespace[2])
-                if not payloads:
-                    return 0
-                state = self._cache_session(*namespace)
-            else:
-                state = self.mirror.state(session_id, tenant_id)
-                payloads = check_pages(pages, len(buf) // 4, state.record.layout)
-                if not payloads:
-                    return 0
-            ids = state.prompt_page_ids(buf)
-            fresh = self.pages.fresh(ids, payloads, self.mirror.keys(state.record.user_ref).sealer)
-
-        def record(tx: Tx, state: SessionState, held: set[bytes]) -> None:
-            records.add_refs(tx.conn, state.ref, [p for p in held if p not in state.refs], 0)
-            records.update_session(tx.conn, state.ref, tx.seq)
-            self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
-
-        def applied(state: SessionState, placement: Placement) -> int:
-            return len(placement.inserted)
-
-        return self._store_pages(state, ids, payloads, fresh, [ids[i] for i in payloads], record, applied)
+        if session_id is None:
+            tenant_id, user_id, layout = _sessionless(tenant_id, user_id, layout)
+            if not check_pages(pages, len(buf) // TOKEN_BYTES, layout):  # before the page-cache session is made
+                return 0
+            state = self._cache_session(tenant_id, user_id, layout)
+            session_id, tenant_id = state.session_id, state.record.tenant_id
+        applied = self.writer.write(session_id, tenant_id, versions.save, buf, pages)
+        return len(applied.stored)
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """Move the session's head to ``version_id``; the next commit's parent is that version.
 
         Copies nothing and deletes nothing: later versions stay and still resume.
         """
-        with self._reading():
-            state = self.mirror.state(session_id, tenant_id)
-            state.version_record(version_id)
-            with self._write() as tx:
-                state = self.mirror.fresh(tx, state)
-                state.version_record(version_id)
-                records.update_session(tx.conn, state.ref, tx.seq, head_id=version_id)
-                self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
-            state.head_id = version_id
-            state.record = state.record._replace(head_id=version_id, seq=tx.seq)
-            return state.version(version_id)
+        applied = self.writer.write(session_id, tenant_id, versions.rollback, version_id)
+        return self._version(applied, version_id)
 
     def branch(self, session_id: str, version_id: int, new_session_id: str, *, tenant_id: str | None = None,
                label: str | None = None) -> Session:
@@ -287,31 +240,7 @@ class Store:
         if new_session_id.startswith("~"):
             raise InvalidInput("session ids starting with '~' are reserved for dss")
         check_label(label)
-        with self._reading():
-            state = self.mirror.state(session_id, tenant_id)
-            state.version_record(version_id)
-            with self._write() as tx:
-                state = self.mirror.fresh(tx, state)
-                source = state.version_record(version_id)
-                rec = state.record
-                key = self.mirror.session_key(new_session_id)
-                if records.find_sessions(tx.conn, key, rec.tenant_id):
-                    raise SessionExists(f"session {new_session_id!r} already exists in tenant {rec.tenant_id!r}")
-                ref = records.insert_session(tx.conn, key, self.mirror.seal_name(tx, rec.user_ref, key, new_session_id),
-                                             rec.tenant_ref, rec.user_ref, rec.layout_ref, tx.seq)
-                buf = state.tokens(version_id)
-                stored, sealed = self.mirror.seal_tokens(tx, rec.user_ref, ref, buf)
-                vid = records.insert_version(tx.conn, ref, source.version_id, None, 0, len(buf) // 4, stored,
-                                             self.mirror.seal_label(tx, rec.user_ref, ref, label), sealed)
-                records.update_session(tx.conn, ref, tx.seq, head_id=vid)
-                held = records.existing_pages(tx.conn, state.page_ids(version_id))
-                records.add_refs(tx.conn, ref, held, vid)
-                held_tags = dict.fromkeys(held, vid)
-                self.catalog.note(tx, "session", session_ref=ref, user_ref=rec.user_ref)
-                new_record = records.session_by_ref(tx.conn, ref)
-                assert new_record is not None
-                branched = self.mirror.build(new_record, records.session_versions(tx.conn, ref), held_tags, tx.conn)
-            return _session_info(branched)
+        return self.writer.branch(session_id, tenant_id, version_id, new_session_id, label).info()
 
     def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
         """Every version of the session, oldest first."""
@@ -333,18 +262,8 @@ class Store:
     def pin(self, session_id: str, version_id: int, *, pinned: bool = True, tenant_id: str | None = None) -> Version:
         """Pin (or unpin) a version: disk eviction never drops pages a pinned version holds."""
         check_flag("pinned", pinned)
-        with self._reading():
-            state = self.mirror.state(session_id, tenant_id)
-            state.version_record(version_id)
-            with self._write() as tx:
-                state = self.mirror.fresh(tx, state)
-                state.version_record(version_id)
-                records.set_pinned(tx.conn, version_id, pinned)
-                records.update_session(tx.conn, state.ref, tx.seq)
-                self.catalog.note(tx, "session", session_ref=state.ref, user_ref=state.record.user_ref)
-            state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
-            state.record = state.record._replace(seq=tx.seq)
-            return state.version(version_id)
+        applied = self.writer.write(session_id, tenant_id, versions.pin, version_id, pinned)
+        return self._version(applied, version_id)
 
     # -- resume and pages ------------------------------------------------------------------
 
@@ -386,21 +305,19 @@ class Store:
         buf = pack(tokens)
         if not buf:
             raise InvalidTokens("a shared prefix needs at least one token")
-        check_pages(pages, len(buf) // 4, layout)  # all checked before the tenant's shared session is made
-        with self._reading():
-            session_id = shared_session_id(layout)
-            self._create(session_id, SHARED_USER, tenant_id, layout)
-            version = self.commit(session_id, tokens, pages, label=label, tenant_id=tenant_id)
-            return self.pin(session_id, version.version_id, tenant_id=tenant_id)
+        check_pages(pages, len(buf) // TOKEN_BYTES, layout)  # all checked before the tenant's shared session is made
+        session_id = shared_session_id(layout)
+        self._create(session_id, SHARED_USER, tenant_id, layout)
+        version = self.commit(session_id, tokens, pages, label=label, tenant_id=tenant_id)
+        return self.pin(session_id, version.version_id, tenant_id=tenant_id)
 
     def shared_prefixes(self, *, tenant_id: str = "default") -> list[Version]:
         """The registered shared prefixes of a tenant (every layout), oldest first."""
         check_name("tenant_id", tenant_id)
-        with self._reading():
-            out: list[Version] = []
-            for info in self.sessions(tenant_id=tenant_id, user_id=SHARED_USER):
-                out.extend(self.versions(info.session_id, tenant_id=tenant_id))
-            return out
+        out: list[Version] = []
+        for info in self.sessions(tenant_id=tenant_id, user_id=SHARED_USER):
+            out.extend(self.versions(info.session_id, tenant_id=tenant_id))
+        return out
 
     def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None) -> list[bytes | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
@@ -413,17 +330,30 @@ class Store:
         ids = check_page_ids(pages)
         check_name("tenant_id", tenant_id, optional=True)
         with self._reading():
-            if tenant_id is None:
-                return self.pages.read(ids, self._write, self.mirror.sealer_of)
-            allowed = self.pages.owned_by(ids, lambda user_ref: self.mirror.tenant_of(user_ref) == tenant_id)
-            found = iter(self.pages.read([i for i, ok in zip(ids, allowed) if ok], self._write,
-                                         self.mirror.sealer_of))
-            return [next(found) if ok else None for ok in allowed]
+            if tenant_id is not None:
+                owners = self.pages.owners(ids)
+                allowed = [o is not None and self.mirror.tenant_of(o) == tenant_id for o in owners]
+                ids = [i for i, ok in zip(ids, allowed) if ok]
+            read = self.pages.read(ids)
+        if read.bad:
+            self.writer.apply(Change(quarantine=tuple(read.bad)))
+        if tenant_id is None:
+            return read.payloads
+        found = iter(read.payloads)
+        return [next(found) if ok else None for ok in allowed]
+
+    def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:
+        """``page_id -> size`` of the pages the catalog holds (of ``tenant_id`` only, if given)."""
+        ids = check_page_ids(page_ids)
+        check_name("tenant_id", tenant_id, optional=True)
+        with self._reading(), self.catalog.read() as conn:
+            owners = pages.page_owners(conn, ids)
+        return {p: size for p, (tenant, size) in owners.items() if tenant_id is None or tenant == tenant_id}
 
     # -- erasure ---------------------------------------------------------------------------
 
     def forget_user(self, user_id: str, *, tenant_id: str = "default", dry_run: bool = False,
-                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[str], None] | None = None) -> Receipt | Plan:
         """Erase everything of one user (GDPR Art. 17) and return the receipt.
 
         Destroys the user's data key first (crypto-shredding), then deletes every session,
@@ -439,20 +369,17 @@ class Store:
         check_callback("progress", progress)
         with self._reading():
             if dry_run:
-                plan = self.eraser.plan(tenant_id, user_id)
-                user_ref = self.mirror.user_ref(tenant_id, user_id)
-                plan["tiers"]["host"] = dict(zip(("pages", "bytes"), self._host_usage(user_ref)))
-                return plan
+                return self.eraser.plan(tenant_id, user_id)
             return self.eraser.forget(tenant_id, user_id, progress)
 
-    def audit(self, *, tenant_id: str | None = None) -> list[dict[str, Any]]:
+    def audit(self, *, tenant_id: str | None = None) -> list[AuditEntry]:
         """Receipts of erasures (and other audited operations), oldest first."""
         check_name("tenant_id", tenant_id, optional=True)
-        with self._reading():
-            with self.catalog.read() as conn:
-                rows = records.audit_rows(conn, tenant_id)
-            return [{"audit_id": r[0], "kind": r[1], "tenant_id": r[2], "user_id": r[3],
-                     "created_at": r[4].isoformat(), "receipt": json.loads(r[5])} for r in rows]
+        with self._reading(), self.catalog.read() as conn:
+            rows = erasures.audit_rows(conn, tenant_id)
+        return [AuditEntry(audit_id=r.id, kind=r.kind, tenant_id=r.tenant_id, user_id=r.user_id,
+                           created_at=r.created_at.isoformat(), receipt=stored(Receipt, r.receipt))
+                for r in rows]
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -464,174 +391,42 @@ class Store:
     def check(self) -> list[str]:
         """Every broken invariant, as a sentence each; ``[]`` when the store is sound. Read-only."""
         with self._reading():
-            return integrity.check(self)
+            return integrity.check(self.catalog, self.mirror, self.disk, self.host, self.config.disk_bytes)
 
     def stats(self) -> dict[str, Any]:
         """Sizes of the tiers as this process sees them."""
-        with self._reading():
-            with self.catalog.read() as conn:
-                disk_used = records.tier_bytes(conn, "disk")
-            return {
-                "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
-                "disk": {"bytes": disk_used, "capacity": self.config.disk_bytes},
-            }
+        with self._reading(), self.catalog.read() as conn:
+            disk_used = pages.tier_bytes(conn, "disk")
+            disk_pages = pages.count_located(conn, "disk")
+        return {
+            "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
+            "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
+        }
 
     # -- internals -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed("this store is closed")
+        self.guard.check_open()
 
-    @contextmanager
-    def _reading(self) -> Iterator[None]:
-        """Hold the store lock, caught up with other processes; catalog failures surface as
-        ``CatalogUnavailable`` or ``CatalogCorrupt``."""
-        with self._lock:
-            self._check_open()
-            with catalog_errors():
-                self.mirror.sync()
-                yield
+    def _reading(self) -> contextlib.AbstractContextManager[None]:
+        return self.guard.reading()
 
-    @contextmanager
-    def _write(self) -> Iterator[Tx]:
-        """A catalog write transaction whose changes this process applies itself."""
-        self._check_open()
-        with self.catalog.write() as tx:
-            yield tx
-        self.mirror.wrote(tx.seq)
+    def _version(self, applied: Applied, version_id: int | None = None) -> Version:
+        state = self.writer.state_of(applied)
+        with self._reading():
+            return state.version(version_id if version_id is not None else applied.version_id)
 
-    def _create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> Session:
+    def _create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> SessionState:
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
         check_layout(layout)
-        with self._reading():
-            with self._write() as tx:
-                key = self.mirror.session_key(session_id)
-                found = records.find_sessions(tx.conn, key, tenant_id)
-                if found:
-                    rec = found[0]
-                    if rec.user_id != user_id or rec.layout != layout:
-                        raise SessionExists(
-                            f"session {session_id!r} exists in tenant {tenant_id!r} with another owner or layout")
-                    state = self.mirror.loaded(rec.ref, tx.conn)
-                    assert state is not None
-                    return _session_info(state)
-                tenant_ref = records.ensure_tenant(tx.conn, tenant_id)
-                user_ref = records.ensure_user(tx.conn, tenant_ref, user_id)
-                ensure_key(tx, user_ref, self._master)
-                layout_ref = records.ensure_layout(tx.conn, layout)
-                ref = records.insert_session(tx.conn, key, self.mirror.seal_name(tx, user_ref, key, session_id),
-                                             tenant_ref, user_ref, layout_ref, tx.seq)
-                self.catalog.note(tx, "session", session_ref=ref, user_ref=user_ref)
-                record = records.session_by_ref(tx.conn, ref)
-                assert record is not None
-                state = self.mirror.build(record, [], {}, tx.conn)
-            return _session_info(state)
-
-    def _store_pages(self, state: SessionState, ids: list[PageId], payloads: dict[int, bytes], fresh: list[NewPage],
-                     wanted: Sequence[PageId], record: Callable[[Tx, SessionState, set[bytes]], Any],
-                     applied: Callable[[SessionState, Any], Any]) -> Any:
-        """Write the new pages' files (outside the store lock), then record them and run
-        ``record(tx, state, held)`` in one catalog transaction, then settle.
-
-        ``held`` is every page of ``wanted`` the session holds once the transaction commits
-        (only pages new to the session are looked up in the catalog). Returns what
-        ``applied(state, result)`` returns — ``result`` being ``record``'s, or the placement
-        when ``record`` returns ``None`` — run under the lock right after the commit.
-        """
-        placement = Placement()
-        committed = False
-        try:
-            written = self.pages.write(placement, fresh)
-            with self._reading():
-                with self._write() as tx:
-                    state = self.mirror.fresh(tx, state)
-                    rec = state.record
-                    self.pages.place(tx, placement, user_ref=rec.user_ref, layout_ref=rec.layout_ref,
-                                     written=written, wanted=[p for p in wanted if p not in state.refs])
-                    evicted = set(placement.evicted)  # this transaction may evict pages the session held
-                    held = placement.held | {p for p in wanted if p in state.refs and p not in evicted}
-                    result = record(tx, state, held)
-                committed = True
-                for page_id in evicted:
-                    state.refs.pop(page_id, None)
-                if isinstance(result, VersionRecord):
-                    state.record = state.record._replace(head_id=result.version_id, seq=tx.seq)
-                    state.refs.update(dict.fromkeys(held, result.version_id))
-                else:
-                    state.record = state.record._replace(seq=tx.seq)
-                    state.refs.update((p, 0) for p in held if p not in state.refs)
-                self.pages.settle(placement, state.ns, ids, payloads)
-                return applied(state, result if result is not None else placement)
-        except BaseException:
-            if not committed:
-                self.pages.abort(placement)
-            raise
-
-    def _retag(self, tx: Tx, state: SessionState, pages: list[bytes], version_id: int) -> None:
-        """Mark ``version_id`` as the newest version holding these pages of the session: one
-        statement for each group of pages that carries the same tag and is held whole."""
-        groups: dict[int, list[bytes]] = {}
-        for page_id in pages:
-            groups.setdefault(state.refs[page_id], []).append(page_id)
-        sizes = Counter(state.refs.values())
-        for tag, group in groups.items():
-            if tag == version_id:
-                continue
-            if len(group) == sizes[tag]:
-                records.retag_refs(tx.conn, state.ref, tag, version_id)
-            else:
-                records.touch_refs(tx.conn, state.ref, group, version_id)
-
-    def _record_version(self, tx: Tx, state: SessionState, buf: bytes, label: str | None) -> VersionRecord:
-        """Insert a version of ``buf`` under the head, stored as a delta from the version it
-        shares the longest prefix with, and make it the head."""
-        rec = state.record
-        match = state.trie.walk(buf)
-        base_id = state.trie.version_along(match.path[-1], match.num_tokens, state.head) if match.num_tokens else None
-        suffix = buf[4 * match.num_tokens:]
-        stored, sealed = self.mirror.seal_tokens(tx, rec.user_ref, rec.ref, suffix)
-        vid = records.insert_version(tx.conn, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4,
-                                     stored, self.mirror.seal_label(tx, rec.user_ref, rec.ref, label), sealed)
-        records.update_session(tx.conn, rec.ref, tx.seq, head_id=vid)
-        self.catalog.note(tx, "session", session_ref=rec.ref, user_ref=rec.user_ref)
-        return VersionRecord(vid, rec.ref, state.head_id, base_id, match.num_tokens, len(buf) // 4, suffix, label,
-                             False, records.now())
-
-
-    def _pinned_pages(self, tx: Tx) -> list[bytes]:
-        """Every page of every pinned version (disk eviction never drops them)."""
-        pinned: list[bytes] = []
-        for session_ref, version_id in records.pinned_versions(tx.conn):
-            state = self.mirror.loaded(session_ref, tx.conn)
-            if state is not None and version_id in state.positions:
-                pinned.extend(state.page_ids(version_id))
-        return pinned
-
-    def _host_usage(self, user_ref: int | None) -> tuple[int, int]:
-        """Pages and bytes of a namespace in this process's host tier."""
-        if user_ref is None:
-            return 0, 0
-        held = [e.page_id for e in self.index.entries.values() if e.ns.user_ref == user_ref and e.page_id in self.host]
-        return len(held), sum(len(p) for p in self.host.get_many(held) if p is not None)
-
-    def _forget_cached(self, user_ref: int) -> tuple[int, int]:
-        """Drop every cached trace of a namespace in this process; return the host pages and bytes dropped."""
-        usage = self._host_usage(user_ref)
-        self.mirror.forget_user(user_ref)
-        return usage
+        return self.writer.create(session_id, user_id, tenant_id, layout)
 
     def _cache_session(self, tenant_id: str, user_id: str, layout: Layout) -> SessionState:
         """The session holding pages saved without a session, one per namespace and layout
         (made on first use; the arguments were checked by :func:`_sessionless`)."""
         session_id = f"{CACHE_PREFIX}{layout.digest.hex()[:16]}-{_short(user_id)}"
-        try:
-            state = self.mirror.state(session_id, tenant_id)
-        except UnknownSession:
-            self._create(session_id, user_id, tenant_id, layout)
-            state = self.mirror.state(session_id, tenant_id)
-        if state.record.user_id != user_id or state.record.layout != layout:
-            raise SessionExists(f"the page cache {session_id!r} of tenant {tenant_id!r} belongs to another user")
+        state = self._create(session_id, user_id, tenant_id, layout)
         return state
 
 
@@ -649,16 +444,3 @@ def _sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, L
 
 def _short(value: str) -> str:
     return hashlib.blake2b(value.encode(), digest_size=8).hexdigest()
-
-
-def _session_info(state: SessionState) -> Session:
-    rec = state.record
-    return Session(rec.session_id, rec.tenant_id, rec.user_id, rec.layout,
-                   VersionId(state.head_id) if state.head_id is not None else None, len(state.versions),
-                   rec.created_at, rec.last_access)
-
-
-def _session_of(rec: SessionRecord, num_versions: int) -> Session:
-    return Session(rec.session_id, rec.tenant_id, rec.user_id, rec.layout,
-                   VersionId(rec.head_id) if rec.head_id is not None else None, num_versions, rec.created_at,
-                   rec.last_access)

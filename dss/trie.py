@@ -1,7 +1,7 @@
 """The token trie of one session: a radix tree over packed token runs.
 
 Every committed token sequence of a session is a path from the root. Edges are compressed
-runs of tokens (packed bytes, see :mod:`dss.tokens`) and nodes exist only where histories
+runs of tokens (packed bytes, see :mod:`dss.core.tokens`) and nodes exist only where histories
 diverge, so a 40-turn conversation that only ever grew is a single edge, and a walk is one
 ``memcmp``. A version is a :class:`Position` — a node and a depth on its edge — that stays
 valid when later inserts split edges. Each node holds the ids of the pages whose last token
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dss.types import PageId, VersionId
+from dss.core.tokens import TOKEN_BYTES
+from dss.core.types import PageId, VersionId
 
 PageIdsFn = Callable[[PageId, bytes, int, int], list[PageId]]
 """``page_ids(prev_id, buf, first, count)``: ids of pages first..first+count-1 of ``buf``."""
@@ -102,7 +103,7 @@ class Trie:
         end = len(view)
         path: list[Node] = []
         while pos < end:
-            child = node.children.get(int.from_bytes(view[pos : pos + 4], "little"))
+            child = node.children.get(int.from_bytes(view[pos : pos + TOKEN_BYTES], "little"))
             if child is None:
                 break
             path.append(child)
@@ -112,9 +113,9 @@ class Trie:
                 pos = stop
                 node = child
                 continue
-            pos += 4 * _common(edge, view, pos)
+            pos += TOKEN_BYTES * _common(edge, view, pos)
             break
-        return Match(pos // 4, path)
+        return Match(pos // TOKEN_BYTES, path)
 
     def available(self, match: Match, gen: int, code_of: Callable[[PageId], int]) -> list[Span]:
         """The leading pages of ``match`` whose bytes some tier holds, as spans in order.
@@ -170,7 +171,7 @@ class Trie:
     def tokens_of(self, position: Position) -> bytes:
         """The packed tokens from the root to ``position``."""
         path = self._path_to(position.node)
-        return b"".join(n.tokens for n in path)[: 4 * position.depth]
+        return b"".join(n.tokens for n in path)[: TOKEN_BYTES * position.depth]
 
     def page_ids_of(self, position: Position) -> list[PageId]:
         """Ids of every full page up to ``position``, in order."""
@@ -185,18 +186,25 @@ class Trie:
 
     # -- growing ---------------------------------------------------------------------------
 
-    def insert(self, buf: bytes, version_id: VersionId) -> Position:
+    def insert(self, buf: bytes, version_id: VersionId, walk: Match | None = None) -> Position:
         """Add the packed sequence ``buf`` as version ``version_id``; return where it ends.
 
         Extends a leaf in place when the sequence continues it, splits an edge where the
         sequence diverges inside it, and computes page ids only for new tokens.
-        ``version_id`` must be larger than every id inserted before.
+        ``version_id`` must be larger than every id inserted before. ``walk`` is what
+        :meth:`walk` returned for ``buf`` on this trie, unchanged since: the insert starts
+        where it ended instead of comparing the matched edges again.
         """
         node = self.root
         pos = 0
         end = len(buf)
+        if walk is not None:
+            for entered in walk.path:
+                if entered.depth > walk.num_tokens:
+                    break
+                node, pos = entered, TOKEN_BYTES * entered.depth
         while pos < end:
-            child = node.children.get(int.from_bytes(buf[pos : pos + 4], "little"))
+            child = node.children.get(int.from_bytes(buf[pos : pos + TOKEN_BYTES], "little"))
             if child is None:
                 if node is not self.root and not node.children:
                     self._extend(node, buf)
@@ -208,12 +216,12 @@ class Trie:
                 node = child
                 continue
             common = _common(child.tokens, memoryview(buf), pos)
-            if pos + 4 * common == end:
+            if pos + TOKEN_BYTES * common == end:
                 node = child
                 break
             node = self._split(child, child.start + common)
-            pos += 4 * common
-        position = Position(version_id, node, end // 4)
+            pos += TOKEN_BYTES * common
+        position = Position(version_id, node, end // TOKEN_BYTES)
         node.versions.append(position)
         parent = node.parent
         while parent is not None:
@@ -229,28 +237,28 @@ class Trie:
         return tuple(self._page_ids(self._last_page_id(parent), buf, first, count))
 
     def _add_leaf(self, parent: Node, buf: bytes, pos: int) -> Node:
-        start, depth = pos // 4, len(buf) // 4
+        start, depth = pos // TOKEN_BYTES, len(buf) // TOKEN_BYTES
         leaf = Node(buf[pos:], start, depth, parent, self._new_ids(parent, buf, start, depth))
-        parent.children[int.from_bytes(buf[pos : pos + 4], "little")] = leaf
+        parent.children[int.from_bytes(buf[pos : pos + TOKEN_BYTES], "little")] = leaf
         self.num_nodes += 1
         return leaf
 
     def _extend(self, leaf: Node, buf: bytes) -> None:
         """Grow a childless leaf so its edge reaches the end of ``buf`` (which continues it)."""
-        depth = len(buf) // 4
+        depth = len(buf) // TOKEN_BYTES
         leaf.page_ids = leaf.page_ids + self._new_ids(leaf, buf, leaf.depth, depth)
-        leaf.tokens = leaf.tokens + buf[4 * leaf.depth :]
+        leaf.tokens = leaf.tokens + buf[TOKEN_BYTES * leaf.depth :]
         leaf.depth = depth
         leaf.gen = -1
 
     def _split(self, node: Node, at: int) -> Node:
         """Cut ``node``'s edge at depth ``at``; return the new upper node ending at ``at``."""
         assert node.start < at < node.depth and node.parent is not None
-        cut = 4 * (at - node.start)
+        cut = TOKEN_BYTES * (at - node.start)
         num_upper = at // self.page_tokens - node.start // self.page_tokens
         upper = Node(node.tokens[:cut], node.start, at, node.parent, node.page_ids[:num_upper])
-        node.parent.children[int.from_bytes(node.tokens[:4], "little")] = upper
-        upper.children[int.from_bytes(node.tokens[cut : cut + 4], "little")] = node
+        node.parent.children[int.from_bytes(node.tokens[:TOKEN_BYTES], "little")] = upper
+        upper.children[int.from_bytes(node.tokens[cut : cut + TOKEN_BYTES], "little")] = node
         node.tokens = node.tokens[cut:]
         node.start = at
         node.parent = upper
@@ -306,10 +314,10 @@ def _passes(position: Position, node: Node, depth: int) -> bool:
 
 def _common(edge: bytes, view: memoryview, pos: int) -> int:
     """How many leading tokens ``edge`` shares with ``view[pos:]`` (both packed, 4 bytes a token)."""
-    low, high = 0, min(len(edge), len(view) - pos) // 4
+    low, high = 0, min(len(edge), len(view) - pos) // TOKEN_BYTES
     while low < high:
         mid = (low + high + 1) // 2
-        if edge.startswith(view[pos : pos + 4 * mid]):
+        if edge.startswith(view[pos : pos + TOKEN_BYTES * mid]):
             low = mid
         else:
             high = mid - 1

@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from dss.schema import Base
+from dss.catalog.schema import Base
 
 config = context.config
 connection = config.attributes.get("connection")

@@ -39,7 +39,7 @@ def main() -> None:
 
     pathlib.Path.unlink = counted_unlink  # type: ignore[method-assign]
     receipt = store.forget_user("alice", tenant_id="acme")
-    print(f"done {counts['sql']} {counts['unlink']} {receipt['verification']['ok']}", flush=True)
+    print(f"done {counts['sql']} {counts['unlink']} {receipt.verification.ok}", flush=True)
 
 
 if __name__ == "__main__":

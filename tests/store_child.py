@@ -38,7 +38,7 @@ def main() -> None:
             answer = commit(store, args[0], args[1], int(args[2]))
         elif command == "forget":
             receipt = store.forget_user(args[0])
-            answer = f"forgot {receipt['removed']['pages']} {receipt['verification']['ok']}"
+            answer = f"forgot {receipt.removed.pages} {receipt.verification.ok}"
         else:
             break
         print(answer, flush=True)

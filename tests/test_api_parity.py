@@ -1,6 +1,6 @@
 """The same API-level tests against ``dss.open(...)`` and ``dss.connect(...)``.
 
-``api`` is an embedded :class:`dss.Store`, or a :class:`dss.client.Client` of a real
+``api`` is an embedded :class:`dss.Store`, or a :class:`dss.service.client.Client` of a real
 ``dss serve`` process on loopback (SQLite catalog, and PostgreSQL), so code can switch
 between them by one line. Every test acts in a fresh tenant (``tenant``): the client's
 admin key belongs to it, and the store is passed it explicitly, so both see exactly the
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import dss
-from dss.service_process import ServiceProcess
+from dss.service.process import ServiceProcess
 from tests.conftest import _pg_schema
 
 LAYOUT = dss.Layout(name="parity", page_tokens=4, page_bytes=32, model="tiny", dtype="int8")
@@ -314,16 +314,16 @@ def test_forget_user_erases_only_that_user_and_leaves_a_receipt(api: Any, tenant
     api.commit("a", T, {0: page(1), 1: page(2)})
     api.commit("b", T, {0: page(3)})
     plan = api.forget_user("gone", tenant_id=tenant, dry_run=True)
-    assert (plan["user_id"], plan["sessions"], plan["versions"], plan["pages"]) == ("gone", 1, 1, 2)
+    assert (plan.user_id, plan.sessions, plan.versions, plan.pages) == ("gone", 1, 1, 2)
     receipt = api.forget_user("gone", tenant_id=tenant)
-    assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["key_destroyed"]) == (
+    assert (receipt.kind, receipt.tenant_id, receipt.user_id, receipt.key_destroyed) == (
         "forget-user", tenant, "gone", True)
-    assert receipt["removed"]["pages"] == 2 and receipt["verification"]["ok"] is True
+    assert receipt.removed.pages == 2 and receipt.verification.ok is True
     assert [s.session_id for s in api.sessions(tenant_id=tenant)] == ["b"]
     with pytest.raises(dss.UnknownSession):
         api.resume("a", T)
     assert api.resume("b", T).matched_tokens == 4
-    assert [(r["kind"], r["user_id"], r["receipt"]) for r in api.audit(tenant_id=tenant)] == [
+    assert [(r.kind, r.user_id, r.receipt) for r in api.audit(tenant_id=tenant)] == [
         ("forget-user", "gone", receipt)]
     assert api.check() == []
 

@@ -9,10 +9,10 @@ from alembic.migration import MigrationContext
 from sqlalchemy import text
 
 import dss
-import dss.catalog as catalog_module
-from dss.catalog import Catalog
-from dss.crypto import OVERHEAD
-from dss.schema import Base
+import dss.catalog.database as catalog_module
+from dss.catalog.database import Catalog
+from dss.core.crypto import OVERHEAD
+from dss.catalog.schema import Base
 from tests.conftest import LAYOUT, pages_for
 
 T = list(range(1, 13))
@@ -70,7 +70,7 @@ def test_views_summarise_sessions_and_users(store: dss.Store) -> None:
     v1 = store.commit("s", T, pages_for(T))  # 3 pages of 16 bytes
     store.commit("s", T + [1, 2, 3, 4], {3: b"z" * 16})
     store.branch("s", v1.version_id, "s2")
-    key = {store.mirror.session_key(name).hex(): name for name in ("s", "s2")}  # views name sessions by key
+    key = {store.keys.session_key(name).hex(): name for name in ("s", "s2")}  # views name sessions by key
     rows = store.sql("SELECT session_key, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
                      "page_bytes, disk_bytes FROM session_summary").rows
     record = 32 + OVERHEAD + 16  # record header, nonce and tag, payload

@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 import dss
-from dss.schema import SCHEMA_REVISION
-from dss.cli import main
-from dss.demo import run as run_demo
+from dss.catalog.schema import SCHEMA_REVISION
+from dss.cli.main import main
+from dss.cli.demo import run as run_demo
 from tests.conftest import LAYOUT, pages_for
 
 T = list(range(1, 13))

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 import dss
-from dss.config import load_config, parse_size
+from dss.core.config import load_config, parse_size
 from tests.conftest import LAYOUT, _pg_schema
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 import dss
-from dss.cli import main
+from dss.cli.main import main
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import dss
-from dss.tokens import pack
+from dss.core.tokens import pack
 
 LAYOUT = dss.Layout(name="e", page_tokens=8, page_bytes=256)
 CANARY_TOKENS = [0xC0FFEE00 + i for i in range(64)]  # 8 pages; distinctive as packed bytes
@@ -65,28 +65,28 @@ NEEDLES = [canary_page(i)[:32] for i in (*range(9), 16, 24)] + [pack(CANARY_TOKE
 def test_plan_receipt_and_audit(store: dss.Store) -> None:
     populate(store)
     plan = store.forget_user("alice", tenant_id="acme", dry_run=True)
-    assert {k: plan[k] for k in ("user_known", "key_present", "sessions", "versions", "pages")} == {
+    assert {k: getattr(plan, k) for k in ("user_known", "key_present", "sessions", "versions", "pages")} == {
         "user_known": True, "key_present": True, "sessions": 4, "versions": 5, "pages": 11}
-    assert plan["tiers"]["disk"]["pages"] == 11 and plan["tiers"]["disk"]["files"] == 3
-    assert plan["tiers"]["host"] == {"pages": 11, "bytes": 11 * 256}
+    assert plan.tiers["disk"].pages == 11 and plan.tiers["disk"].files == 3
+    assert plan.tiers["host"].model_dump(exclude_none=True) == {"pages": 11, "bytes": 11 * 256}
     assert len(store.sessions()) == 6  # a dry run changes nothing
     receipt = store.forget_user("alice", tenant_id="acme")
-    assert {k: receipt[k] for k in ("kind", "tenant_id", "user_id", "user_known", "key_destroyed")} == {
+    assert {k: getattr(receipt, k) for k in ("kind", "tenant_id", "user_id", "user_known", "key_destroyed")} == {
         "kind": "forget-user", "tenant_id": "acme", "user_id": "alice", "user_known": True, "key_destroyed": True}
-    assert receipt["removed"] == {"sessions": 4, "versions": 5, "pages": 11, "tiers": {
-        "disk": {"pages": 11, "bytes": plan["tiers"]["disk"]["bytes"], "files": 3},
+    assert receipt.removed.model_dump(exclude_none=True) == {"sessions": 4, "versions": 5, "pages": 11, "tiers": {
+        "disk": {"pages": 11, "bytes": plan.tiers["disk"].bytes, "files": 3},
         "host": {"pages": 11, "bytes": 11 * 256}}}
-    assert receipt["verification"]["ok"] and [c["name"] for c in receipt["verification"]["checks"]] == [
+    assert receipt.verification.ok and [c.name for c in receipt.verification.checks] == [
         "catalog rows", "page files", "host tier", "catalog files"]
-    assert len(receipt["page_ids_sha256"]) == 64
+    assert len(receipt.page_ids_sha256) == 64
     (entry,) = store.audit()
-    assert entry["receipt"] == receipt and entry["user_id"] == "alice"
+    assert entry.receipt == receipt and entry.user_id == "alice"
     assert [s.session_id for s in store.sessions()] == ["bob-0", "bob-1"]
     assert store.resume("bob-1", [101] * 64).matched_tokens == 64
     assert store.read_pages(store.resume("bob-1", [101] * 64).pages)[0] == other_page(8)
     assert store.check() == []
     again = store.forget_user("alice", tenant_id="acme")  # nothing left: a receipt that says so
-    assert (again["user_known"], again["removed"]["pages"], again["verification"]["ok"]) == (False, 0, True)
+    assert (again.user_known, again.removed.pages, again.verification.ok) == (False, 0, True)
     assert len(store.audit()) == 2
 
 
@@ -121,7 +121,7 @@ def test_shared_prefix_pages_stay_and_user_pages_go(store: dss.Store) -> None:
     store.commit("a", tokens, {i: canary_page(i) for i in range(4, 12)})  # alice's own pages only
     assert store.resume("a", tokens + [1]).matched_tokens == 96
     receipt = store.forget_user("alice", tenant_id="acme")
-    assert receipt["removed"]["pages"] == 8
+    assert receipt.removed.pages == 8
     store.create_session("b", user_id="bob", tenant_id="acme", layout=LAYOUT)
     result = store.resume("b", tokens)
     assert result.matched_tokens == 32
@@ -129,15 +129,28 @@ def test_shared_prefix_pages_stay_and_user_pages_go(store: dss.Store) -> None:
     assert store.check() == []
 
 
+def first_step(store: dss.Store, user_id: str, tenant_id: str) -> int:
+    """Start an erasure job and run only its first step (the key is destroyed); return its id."""
+    from dss.catalog import erasures, namespaces
+    from dss.catalog.database import now
+    from dss.erase import _plan
+    from dss.erasure import Job
+
+    with store.catalog.write() as tx:
+        user_ref = namespaces.find_user(tx.conn, tenant_id, user_id)
+        job = Job(**_plan(tx.conn, tenant_id, user_id, user_ref).model_dump(), started_at=now().isoformat())
+        job_id = erasures.insert_job(tx.conn, tenant_id, user_id, user_ref, job.model_dump_json())
+    with store.catalog.read() as conn:
+        row = erasures.job(conn, job_id)
+    store.eraser._destroy_key(row, job)
+    return job_id
+
+
 def test_key_goes_first_and_blocks_the_user_until_done(store: dss.Store) -> None:
     populate(store)
     refs = store.resume("alice-1", CANARY_TOKENS).pages
     other = dss.open(store.config.home, catalog_url=store.config.catalog_url)  # opening finishes open jobs
-    with store.catalog.write() as tx:
-        user_ref = dss.store.records.find_user(tx.conn, "acme", "alice")
-        job = dss.store.records.insert_erasure(tx.conn, "acme", "alice", user_ref,
-                                                json.dumps(store.eraser.plan_in(tx, "acme", "alice", user_ref)))
-    store.eraser._after_planned(store.eraser._job(job))  # only the first step: the key is gone
+    job = first_step(store, "alice", "acme")  # only the first step: the key is gone
     try:
         assert other.read_pages(refs) == [None] * len(refs)  # nothing readable, though the files are there
         with pytest.raises(dss.ErasureInProgress):
@@ -148,7 +161,7 @@ def test_key_goes_first_and_blocks_the_user_until_done(store: dss.Store) -> None
     finally:
         other.close()
     receipt = store.eraser.run(job)
-    assert receipt["verification"]["ok"] and receipt["removed"]["sessions"] == 4
+    assert receipt.verification.ok and receipt.removed.sessions == 4
     store.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)  # a new namespace, empty
     assert store.resume("new", CANARY_TOKENS).matched_tokens == 0
 
@@ -184,8 +197,8 @@ def test_the_job_keeps_no_page_id_and_no_file_name(store: dss.Store) -> None:
     assert (len(ids), len(names)) == (11, 3)
     receipt = store.forget_user("alice", tenant_id="acme")
     (plan,) = [r[0] for r in store.sql("SELECT plan FROM erasures").rows]
-    assert json.loads(plan)["receipt"] == receipt
-    kept = plan + json.dumps(store.audit())
+    assert json.loads(plan)["receipt"] == receipt.model_dump(exclude_none=True)
+    kept = plan + json.dumps([e.model_dump() for e in store.audit()])
     assert [n for n in names if n in kept] == []
     assert [i for i in ids if i.hex() in kept.lower() or i in kept.encode()] == []
     removed = json.loads(plan)["removed"]
@@ -193,7 +206,7 @@ def test_the_job_keeps_no_page_id_and_no_file_name(store: dss.Store) -> None:
 
 
 def test_the_scanner_finds_hex_and_binary_ids_by_their_needles(tmp_path: Path, monkeypatch) -> None:
-    from dss import rawscan
+    from dss.core import rawscan
 
     binary, text, upper, absent = (bytes([n]) * 4 + os.urandom(12) for n in (1, 2, 3, 4))
     needles = [rawscan.needle(i) for i in (binary, text, upper, absent)]
@@ -236,7 +249,7 @@ def test_erasures_among_many_commits_leave_no_page_id_in_the_catalog(tmp_path: P
                 erased += [bytes(r[0]) for r in store.sql(
                     "SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref WHERE u.user_id = :u",
                     {"u": user}).rows]
-                assert store.forget_user(user, tenant_id="acme")["verification"]["ok"]
+                assert store.forget_user(user, tenant_id="acme").verification.ok
             versions = store.versions("busy")
             if versions and rng.random() < 0.3:
                 store.rollback("busy", rng.choice(versions).version_id)

@@ -65,11 +65,11 @@ def test_kill_at_every_step_then_finish(template: Path, tmp_path: Path) -> None:
         if not started or n % 2 == 0:
             store.forget_user("alice", tenant_id="acme")  # running it again finishes (or starts) it too
         try:
-            receipts = [e["receipt"] for e in store.audit() if e["user_id"] == "alice"]
-            erased = [r for r in receipts if r["user_known"]]
+            receipts = [e.receipt for e in store.audit() if e.user_id == "alice"]
+            erased = [r for r in receipts if r.user_known]
             assert len(erased) == 1, point  # one erasure removed alice's data (a rerun after it finds none)
-            assert erased[0]["key_destroyed"] and erased[0]["removed"]["sessions"] == 4, point
-            assert all(r["verification"]["ok"] for r in receipts), point
+            assert erased[0].key_destroyed and erased[0].removed.sessions == 4, point
+            assert all(r.verification.ok for r in receipts), point
             assert store.sessions(user_id="alice") == []
             assert store.resume("bob-1", [101] * 64).matched_tokens == 64
             assert store.check() == [], point

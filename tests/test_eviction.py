@@ -8,7 +8,7 @@ segment is 32 + 4 * (32 + 1052) = 4368 bytes.
 from __future__ import annotations
 
 import dss
-from dss.crypto import OVERHEAD
+from dss.core.crypto import OVERHEAD
 
 LAYOUT = dss.Layout(name="e", page_tokens=4, page_bytes=1024)
 SEGMENT = 32 + 4 * (32 + OVERHEAD + 1024)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from dss.crypto import namespace_hash_key
-from dss.hashing import chain_ids, chain_root, checksum
-from dss.tokens import pack
-from dss.types import Layout
+from dss.core.crypto import namespace_hash_key
+from dss.core.hashing import chain_ids, chain_root, checksum
+from dss.core.tokens import pack
+from dss.core.types import Layout
 
 
 def test_chain_by_hand() -> None:

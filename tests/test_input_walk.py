@@ -98,6 +98,8 @@ def rows(v1: int) -> list[Row]:
         Row("shared_prefixes", {"tenant_id": "t"}, {"tenant_id": "id"}),
         Row("read_pages", {"pages": REFS, "tenant_id": "t"}, {"pages": "page ids", "tenant_id": "optional id"},
             ("pages",)),
+        Row("page_sizes", {"page_ids": REFS, "tenant_id": "t"}, {"page_ids": "page ids", "tenant_id": "optional id"},
+            ("page_ids",)),
         Row("forget_user", {"user_id": "u", "tenant_id": "t", "dry_run": True, "progress": None},
             {"user_id": "id", "tenant_id": "id", "dry_run": "flag", "progress": "callback"}, ("user_id",)),
         Row("audit", {"tenant_id": "t"}, {"tenant_id": "optional id"}),
@@ -108,7 +110,7 @@ def rows(v1: int) -> list[Row]:
     ]
 
 
-WITHOUT_ARGUMENTS = {"check", "stats", "close", "is_closed"}
+WITHOUT_ARGUMENTS = {"check", "stats", "count_sessions", "close", "is_closed"}
 
 
 def test_the_table_covers_every_public_method() -> None:
@@ -120,7 +122,7 @@ def catalog_state(store: dss.Store, folder: Path) -> tuple[Any, ...]:
     """Row counts of every catalog table, heads, pins and sequence numbers, and the store
     folder's files (read on the store's own engine: ``sql()`` is under test here)."""
     tables = ["tenants", "users", "user_keys", "layouts", "sessions", "versions", "pages", "page_locations",
-              "page_refs", "segments", "quarantine", "erasures", "audit", "changes", "catalog_seq", "store_meta"]
+              "session_pages", "segments", "quarantine", "erasures", "audit", "feed", "catalog_seq", "store_meta"]
     with store.catalog.engine.connect() as conn:
         counts = conn.execute(sa.text(" UNION ALL ".join(f"SELECT '{t}', COUNT(*) FROM {t}" for t in tables))).all()
         pinned = conn.execute(sa.text("SELECT id, pinned FROM versions ORDER BY id")).all()

@@ -1,6 +1,9 @@
-"""Layering: a dss module imports only from layers below it; no engine is ever imported by dss/.
+"""Layering: the floors of dss/ you can see in its folder names, each importing only from floors
+below it (``TYPE_CHECKING`` imports included); no engine is ever imported by dss/.
 
-Layers, lowest first (DESIGN §7). Adapters use only the public ``dss`` API.
+Floors, lowest first (DESIGN §7). A unit is a package (``core``, ``catalog``, ``tiers``,
+``service``, ``cli``) or a module; modules of one package may import each other. Adapters use
+only the public ``dss`` API.
 """
 
 from __future__ import annotations
@@ -10,73 +13,81 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LAYERS = [
-    {"errors"},
-    {"types", "problems"},
-    {"config", "hashing", "tokens", "epoch", "validate", "crypto", "rawscan"},
-    {"trie", "tiers", "schema", "server_config", "apikeys"},
-    {"readonly_sql"},
-    {"catalog"},
-    {"records"},
-    {"keys", "folder"},
-    {"pageindex", "resume", "placement"},
-    {"sessions", "pages", "api_models"},
-    {"mirror", "integrity", "erase"},
-    {"matcher"},
+FLOORS = [
+    {"core"},
+    {"catalog", "tiers", "trie"},
+    {"keys", "folder", "pageindex", "policy", "erasure"},
+    {"state"},
+    {"mirror", "pages", "resume"},
+    {"versions", "matcher"},
+    {"erase", "integrity", "writer"},
     {"store"},
-    {"demo", "client", "tenancy", "service_metrics", "service_process"},
-    {"server_middleware"},
-    {"server"},
-    {"server_cli", "progress"},
+    {"service"},
     {"cli"},
-    {"__main__", "__init__"},
+    {"__init__", "__main__"},
 ]
 ENGINES = {"vllm", "transformers", "torch"}
 
 
-def layer_of(module: str) -> int:
-    for level, names in enumerate(LAYERS):
-        if module in names:
+def floor_of(unit: str) -> int:
+    for level, names in enumerate(FLOORS):
+        if unit in names:
             return level
-    raise AssertionError(f"dss.{module} is in no layer: add it to LAYERS in {__file__}")
+    raise AssertionError(f"dss.{unit} is on no floor: add it to FLOORS in {__file__}")
 
 
 def imports(path: Path) -> set[str]:
-    """Modules a file imports, leaving out ``if TYPE_CHECKING:`` blocks (annotations only)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            node.body = []
+    """Modules a file imports, ``if TYPE_CHECKING:`` blocks and function bodies included."""
     found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+            if node.module != "dss":  # ``from dss import x`` imports the module dss.x, not the package's names
+                found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
-def top(module: str) -> str:
+def unit(module: str) -> str:
+    """The floor unit of a dotted module name (``dss.catalog.schema`` -> ``catalog``; ``dss`` -> ``__init__``)."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "dss" and len(parts) > 1 else ""
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_core_modules_import_only_lower_layers() -> None:
+def test_every_unit_imports_only_lower_floors() -> None:
     problems = []
+    units = {name for floor in FLOORS for name in floor}
     for path in sorted((ROOT / "dss").rglob("*.py")):
         rel = path.relative_to(ROOT / "dss").with_suffix("")
         own = rel.parts[0]
-        level = layer_of(own)
+        level = floor_of(own)
         for name in imports(path):
             if name.split(".")[0] in ENGINES:
                 problems.append(f"dss/{rel}.py imports the engine {name}")
-            target = top(name)
-            if not target or target == own or target.startswith("_") and target != "__init__":
+            if name.split(".")[0] != "dss":
                 continue
-            if target in {m for layer in LAYERS for m in layer} and layer_of(target) >= level and own != "__init__":
-                problems.append(f"dss/{rel}.py (layer {level}) imports dss.{target} (layer {layer_of(target)})")
+            target = unit(name)
+            if target == own or target not in units:
+                continue  # its own package, or a name imported from a module (checked as the module)
+            if floor_of(target) >= level:
+                problems.append(f"dss/{rel}.py (floor {level}) imports dss.{target} (floor {floor_of(target)})")
     assert problems == []
+
+
+def test_every_module_is_on_a_floor() -> None:
+    units = {path.relative_to(ROOT / "dss").parts[0].removesuffix(".py") for path in (ROOT / "dss").glob("*")
+             if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())}
+    assert units == {name for floor in FLOORS for name in floor}
+
+
+def test_sql_is_written_only_in_the_catalog() -> None:
+    """Outside dss/catalog/, no module builds a statement (SQLAlchemy Core or raw text)."""
+    words = ("from sqlalchemy import", "exec_driver_sql", "sa.text(", "select(")
+    found = [f"{path.relative_to(ROOT)}: {word}" for path in sorted((ROOT / "dss").rglob("*.py"))
+             if "catalog" not in path.relative_to(ROOT / "dss").parts[:1]
+             for word in words if word in path.read_text()]
+    assert found == []
 
 
 def test_adapters_use_only_the_public_api() -> None:

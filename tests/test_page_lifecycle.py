@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import dss
-from dss.crypto import OVERHEAD
+from dss.core.crypto import OVERHEAD
 
 LAYOUT = dss.Layout(name="life", page_tokens=4, page_bytes=64)
 SEGMENT = 32 + 2 * (32 + OVERHEAD + 64)
@@ -45,7 +45,7 @@ def sound(*stores: dss.Store) -> None:
     """Every invariant holds, and every page row is held by some session."""
     for store in stores:
         assert store.check() == []
-    unheld = "SELECT COUNT(*) FROM pages p WHERE NOT EXISTS (SELECT 1 FROM page_refs r WHERE r.page_id = p.page_id)"
+    unheld = "SELECT COUNT(*) FROM pages p WHERE NOT EXISTS (SELECT 1 FROM session_pages r WHERE r.page_id = p.page_id)"
     assert stores[0].sql(unheld).rows == [(0,)]
 
 
@@ -80,7 +80,7 @@ def test_a_commit_after_its_session_pages_were_evicted_holds_them_again(open_sto
     for n in range(1, 4):
         store.commit("b", prompt(n), payloads(n))
         sound(store)
-    held_by_a = f"SELECT COUNT(*) FROM page_refs WHERE session_ref = {store.mirror.state('a', 't').ref}"
+    held_by_a = f"SELECT COUNT(*) FROM session_pages WHERE session_ref = {store.mirror.state('a', 't').ref}"
     assert store.sql(held_by_a).rows == [(0,)]  # a's pages were evicted
     store.commit("a", prompt(0) + [7], payloads(0))
     sound(store)
@@ -137,9 +137,9 @@ def test_deleting_sessions_that_share_pages_and_erasing_another_user(open_store:
         sound(store)
     assert page_count(store) == 6
     receipt = store.forget_user("v", tenant_id="t")
-    assert receipt["verification"]["ok"] is True
+    assert receipt.verification.ok is True
     sound(store)
-    feed = {bytes(r[0]) for r in store.sql("SELECT page_id FROM changes WHERE page_id IS NOT NULL").rows}
+    feed = {bytes(r[0]) for r in store.sql("SELECT page_id FROM feed WHERE page_id IS NOT NULL").rows}
     assert not feed & evicted  # the eviction's feed rows went with v's namespace
     assert save(store, 0) == 2
     sound(store)

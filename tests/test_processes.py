@@ -90,10 +90,10 @@ def test_a_second_process_sees_commits_at_once(tmp_path: Path, catalog_url) -> N
 
 
 def test_a_handle_behind_the_pruned_change_feed_reloads_everything(open_store, monkeypatch) -> None:
-    import dss.catalog
+    import dss.catalog.feed
 
-    monkeypatch.setattr(dss.catalog, "CHANGES_KEPT", 3)
-    monkeypatch.setattr(dss.catalog, "PRUNE_EVERY", 2)
+    monkeypatch.setattr(dss.catalog.feed, "KEPT", 3)
+    monkeypatch.setattr(dss.catalog.feed, "PRUNE_EVERY", 2)
     a, b = open_store(), open_store()
     a.create_session("s", user_id="u", layout=LAYOUT)
     a.create_session("gone", user_id="u", layout=LAYOUT)
@@ -109,7 +109,7 @@ def test_a_handle_behind_the_pruned_change_feed_reloads_everything(open_store, m
     a.rollback("s", v1.version_id)
     a.delete_session("gone")
     floor = a.sql("SELECT floor FROM catalog_seq").rows[0][0]
-    assert floor > 0 and a.sql(f"SELECT COUNT(*) FROM changes WHERE seq <= {floor}").rows == [(0,)]
+    assert floor > 0 and a.sql(f"SELECT COUNT(*) FROM feed WHERE seq <= {floor}").rows == [(0,)]
     r = b.resume("s", T + [5] * 4)
     assert (r.matched_tokens, b.session("s").head_id, len(b.versions("s"))) == (24, v1.version_id, 7)
     assert b.read_pages(r.pages)[5] == page(55)

@@ -1,4 +1,4 @@
-"""Progress on long commands (:mod:`dss.progress`): a bar on a terminal, nothing when the output
+"""Progress on long commands (:mod:`dss.cli.progress`): a bar on a terminal, nothing when the output
 is piped or ``--json``. The commands run as real processes, on a pseudo-terminal (``pty``)
 or on pipes, exactly as a person or a script would run them.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import dss
-from dss.catalog import Catalog, _alembic_config
+from dss.catalog.database import Catalog, _alembic_config
 from tests.conftest import LAYOUT, pages_for
 
 SESSIONS = 40
@@ -124,7 +124,7 @@ def test_db_upgrade_piped_prints_one_line(tmp_path: Path) -> None:
 
 
 def test_a_bar_never_counts_past_its_total_and_finish_fills_it() -> None:
-    from dss.progress import Bar
+    from dss.cli.progress import Bar
 
     steps = Bar(None, 3)
     steps.begin("a")

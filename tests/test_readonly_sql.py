@@ -1,4 +1,4 @@
-"""Read-only SQL (dss.readonly_sql): any text, on both catalogs, changes nothing and raises only
+"""Read-only SQL (dss.catalog.readonly): any text, on both catalogs, changes nothing and raises only
 ``SqlError`` or ``ReadOnlyViolation``; on PostgreSQL it runs as a role that may only read dss's
 tables and views. Every attack asserts the exact error class and that no catalog row changed."""
 
@@ -19,8 +19,8 @@ import pytest
 import sqlalchemy as sa
 
 import dss
-from dss.readonly_sql import PASSWORD_KEY, SECRET_TABLES, VIEWS, readable_relations, reader_role
-from dss.schema import Base
+from dss.catalog.readonly import PASSWORD_KEY, SECRET_TABLES, VIEWS, readable_relations, reader_role
+from dss.catalog.schema import Base
 from tests.conftest import LAYOUT, PG_URL, _pg_schema, pages_for
 
 ROV, ERR = dss.ReadOnlyViolation, dss.SqlError

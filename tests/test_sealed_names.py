@@ -51,7 +51,7 @@ def test_session_ids_and_labels_never_reach_postgresql_in_clear(pg_url: str, tmp
         assert [v.label for v in store.versions(CANARY_ID)] == [CANARY_LABEL]
         assert _found(_pg_files(), needles) == []
         receipt = store.forget_user("alice", tenant_id="acme")
-        assert receipt["removed"]["sessions"] == 2
+        assert receipt.removed.sessions == 2
         assert _found(_pg_files(), needles) == []
         assert store.check() == []
 
@@ -81,9 +81,9 @@ def test_the_views_name_sessions_by_their_key(store: dss.Store) -> None:
     store.create_session("chat-1", user_id="u", tenant_id="t", layout=LAYOUT)
     v1 = store.commit("chat-1", T, label="hello")
     rows = store.sql("SELECT session_key, tenant_id, num_versions FROM session_summary").rows
-    assert rows == [(store.mirror.session_key("chat-1").hex(), "t", 1)]
+    assert rows == [(store.keys.session_key("chat-1").hex(), "t", 1)]
     rows = store.sql("SELECT session_key, version_id, has_label FROM version_summary").rows
-    assert [(k, v, bool(h)) for k, v, h in rows] == [(store.mirror.session_key("chat-1").hex(), v1.version_id, True)]
+    assert [(k, v, bool(h)) for k, v, h in rows] == [(store.keys.session_key("chat-1").hex(), v1.version_id, True)]
 
 
 # -- ids are never handed out twice -----------------------------------------------------------
@@ -115,14 +115,14 @@ def test_user_rows_are_not_reused_after_an_erasure(open_store) -> None:
     store.forget_user("alice")
     store.create_session("b", user_id="bob", layout=LAYOUT)
     assert store.mirror.user_ref("default", "bob") > alice  # type: ignore[operator]
-    assert [a["erasure_id"] for a in (r["receipt"] for r in store.audit())] == [1]
+    assert [entry.receipt.erasure_id for entry in store.audit()] == [1]
 
 
 def test_sqlite_tables_with_surrogate_keys_use_autoincrement(sqlite_store: dss.Store) -> None:
     with sqlite_store.catalog.engine.connect() as conn:
         tables = dict(conn.exec_driver_sql("SELECT name, sql FROM sqlite_master WHERE type = 'table'").all())
     assert {name for name, sql in tables.items() if "AUTOINCREMENT" in sql} == {
-        "tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "changes", "erasures",
+        "tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "feed", "erasures",
         "audit"}
     assert [name for name, sql in tables.items() if "id INTEGER NOT NULL" in sql and "AUTOINCREMENT" not in sql] \
         == ["catalog_seq"]  # one row, id 1, never deleted
@@ -137,8 +137,8 @@ def test_upgrade_from_0002_seals_names_and_labels_and_keeps_ids_above_old_ones(t
     file, and new version ids start above 9 (``catalog_seq`` bounds every id ever given)."""
     from alembic import command
 
-    from dss.catalog import Catalog, _alembic_config
-    from dss.crypto import master_check, new_data_key, wrap
+    from dss.catalog.database import Catalog, _alembic_config
+    from dss.core.crypto import master_check, new_data_key, wrap
     from dss.keys import owner_tag
 
     master = bytes(range(32))
@@ -185,7 +185,7 @@ def test_upgrade_from_0002_seals_names_and_labels_and_keeps_ids_above_old_ones(t
 def test_cli_upgrade_passes_the_master_key(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from dss.cli import main
+    from dss.cli.main import main
 
     result = CliRunner().invoke(main, ["--home", str(tmp_path), "db", "upgrade"],
                                 env={"DSS_MASTER_KEY_FILE": os.environ["DSS_MASTER_KEY_FILE"]})
@@ -198,8 +198,8 @@ def test_upgrade_scrubs_the_page_ids_and_file_names_older_erasure_jobs_kept(tmp_
 
     from alembic import command
 
-    from dss.catalog import Catalog, _alembic_config
-    from dss.rawscan import needle
+    from dss.catalog.database import Catalog, _alembic_config
+    from dss.core.rawscan import needle
 
     page_id = bytes(range(16))
     url = f"sqlite:///{tmp_path / 'catalog.db'}"

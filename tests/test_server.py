@@ -1,4 +1,4 @@
-"""The HTTP API (dss.server) in process: every endpoint, its happy path and each error class,
+"""The HTTP API (dss.service.server) in process: every endpoint, its happy path and each error class,
 with exact status codes and bodies. A real store and the real app (FastAPI's TestClient)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 import dss
-from dss.apikeys import KeyRing, add_key
-from dss.problems import problem
-from dss.server import create_app
-from dss.server_config import load_server_config
+from dss.service.apikeys import KeyRing, add_key
+from dss.service.problems import problem
+from dss.service.server import create_app
+from dss.service.config import load_server_config
 from tests.test_readonly_sql import ATTACKS, snapshot
 
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny")
@@ -139,7 +139,7 @@ def test_an_unknown_or_revoked_key_is_401_and_a_new_key_works_at_once(service: S
     expect_problem(bad, "Unauthorized", 401, "unknown API key")
     key, entry = add_key(service.config.keys_file, "t3")
     assert service.http.get("/v1/sessions", headers={"Authorization": f"Bearer {key}"}).json() == []
-    from dss.apikeys import remove_key
+    from dss.service.apikeys import remove_key
 
     remove_key(service.config.keys_file, entry.key_id)
     gone = service.http.get("/v1/sessions", headers={"Authorization": f"Bearer {key}"})

@@ -1,4 +1,4 @@
-"""``dss keys`` and ``dss serve`` (dss.server_cli): exit codes and exact messages."""
+"""``dss keys`` and ``dss serve`` (dss.cli.service): exit codes and exact messages."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from dss.apikeys import read_keys
-from dss.cli import main
+from dss.service.apikeys import read_keys
+from dss.cli.main import main
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -71,7 +71,7 @@ def test_serve_refuses_bad_configuration_before_listening(tmp_path: Path) -> Non
 def test_the_cli_works_without_the_server_extra(tmp_path: Path) -> None:
     """With fastapi and uvicorn missing, every command but serve still runs."""
     script = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
-              "from dss.cli import main; main()")
+              "from dss.cli.main import main; main()")
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,

@@ -1,4 +1,4 @@
-"""The client (dss.client, dss.problems) against a real ``dss serve``: what differs from the
+"""The client (dss.service.client, dss.service.problems) against a real ``dss serve``: what differs from the
 embedded store — keys, tenants, admin rights, transport failures — and error mapping."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import dss
-from dss.client import Client
-from dss.problems import Forbidden, InternalError, PayloadTooLarge, Unauthorized, Unavailable, error_from_problem
-from dss.service_process import ServiceProcess, free_port
+from dss.service.client import Client
+from dss.service.problems import Forbidden, InternalError, PayloadTooLarge, Unauthorized, Unavailable, error_from_problem
+from dss.service.process import ServiceProcess, free_port
 
 LAYOUT = dss.Layout(name="client", page_tokens=4, page_bytes=32)
 T = list(range(300, 310))

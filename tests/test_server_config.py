@@ -1,4 +1,4 @@
-"""Server configuration (dss.server_config): arguments over DSS_SERVER_* over the file over defaults."""
+"""Server configuration (dss.service.config): arguments over DSS_SERVER_* over the file over defaults."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from dss.errors import ConfigError
-from dss.server_config import ServerConfig, default_api_key, load_server_config
+from dss.core.errors import ConfigError
+from dss.service.config import ServerConfig, default_api_key, load_server_config
 
 
 @pytest.fixture(autouse=True)

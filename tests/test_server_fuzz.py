@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks as st_checks
 
 import dss
-from dss.apikeys import KeyRing, add_key
-from dss.server import create_app
-from dss.server_config import load_server_config
+from dss.service.apikeys import KeyRing, add_key
+from dss.service.server import create_app
+from dss.service.config import load_server_config
 
 FUZZ_EXAMPLES = 40
 LAYOUT = dss.Layout(name="fuzz", page_tokens=2, page_bytes=4)

@@ -1,4 +1,4 @@
-"""API keys (dss.apikeys): stored hashed, atomically, 0600; the key ring follows the file."""
+"""API keys (dss.service.apikeys): stored hashed, atomically, 0600; the key ring follows the file."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dss.apikeys import KeyRing, Principal, add_key, hash_key, read_keys, remove_key
-from dss.errors import ConfigError, InvalidInput, NotFound
-from dss.problems import Unauthorized
+from dss.service.apikeys import KeyRing, Principal, add_key, hash_key, read_keys, remove_key
+from dss.core.errors import ConfigError, InvalidInput, NotFound
+from dss.service.problems import Unauthorized
 
 
 def test_add_key_stores_only_the_hash_in_a_versioned_private_file(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""GET /metrics (dss.service_metrics): who may scrape, and exact counts after known requests."""
+"""GET /metrics (dss.service.metrics): who may scrape, and exact counts after known requests."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import dss
-from dss.apikeys import KeyRing
-from dss.problems import problem
-from dss.server import create_app
+from dss.service.apikeys import KeyRing
+from dss.service.problems import problem
+from dss.service.server import create_app
 from tests.test_server import LAYOUT, Service, T, page
 
 

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import dss
-from dss.problems import Unavailable
-from dss.service_process import ServiceProcess
+from dss.service.problems import Unavailable
+from dss.service.process import ServiceProcess
 
 LAYOUT = dss.Layout(name="proc", page_tokens=4, page_bytes=64)
 
@@ -135,24 +135,27 @@ def test_commits_after_an_erasure_and_a_cli_command_are_kept(tmp_path: Path) -> 
     scan once dropped the service's SQLite locks, and the CLI then deleted the WAL under it.)"""
     home = tmp_path / "home"
     service = ServiceProcess(home).start()
-    key = service.add_key("t", is_admin=True)
-    client = dss.connect(service.url, api_key=key)
-    client.create_session("s", user_id="u", layout=LAYOUT)
-    client.create_session("gone", user_id="gone", layout=LAYOUT)
-    client.commit("gone", [9] * 8, {0: bytes(64), 1: bytes(64)})
-    acked = []
-    for n in range(1, 5):
-        tokens = list(range(4 * n))
-        acked.append(("s", client.commit("s", tokens, {n - 1: bytes([n]) * 64}).version_id, tokens))
-        if n == 1:
-            assert client.forget_user("gone")["removed"]["sessions"] == 1
-            cli = subprocess.run([sys.executable, "-m", "dss", "--home", str(home), "sessions"],
-                                 capture_output=True, text=True, timeout=120)
-            assert cli.returncode == 0 and "\ns " in cli.stdout, cli.stderr
-    with dss.open(home) as store:
-        assert_all_present(store, acked)
-    assert service.kill() == -9
-    client.close()
+    try:
+        key = service.add_key("t", is_admin=True)
+        client = dss.connect(service.url, api_key=key)
+        client.create_session("s", user_id="u", layout=LAYOUT)
+        client.create_session("gone", user_id="gone", layout=LAYOUT)
+        client.commit("gone", [9] * 8, {0: bytes(64), 1: bytes(64)})
+        acked = []
+        for n in range(1, 5):
+            tokens = list(range(4 * n))
+            acked.append(("s", client.commit("s", tokens, {n - 1: bytes([n]) * 64}).version_id, tokens))
+            if n == 1:
+                assert client.forget_user("gone").removed.sessions == 1
+                cli = subprocess.run([sys.executable, "-m", "dss", "--home", str(home), "sessions"],
+                                     capture_output=True, text=True, timeout=120)
+                assert cli.returncode == 0 and "\ns " in cli.stdout, cli.stderr
+        with dss.open(home) as store:
+            assert_all_present(store, acked)
+        assert service.kill() == -9
+        client.close()
+    finally:
+        service.kill()
     with dss.open(home) as store:
         assert_all_present(store, acked)
         assert [s.session_id for s in store.sessions()] == ["s"]

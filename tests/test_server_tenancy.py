@@ -1,4 +1,4 @@
-"""Tenant isolation through the HTTP API (dss.tenancy): two keys, identical session ids and tokens,
+"""Tenant isolation through the HTTP API (dss.service.tenancy): two keys, identical session ids and tokens,
 no cross visibility on any endpoint; another tenant's data answers exactly like missing data."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dss.apikeys import add_key
+from dss.service.apikeys import add_key
 from tests.test_server import LAYOUT_JSON, Service, T, b64, page
 
 X = [1, 2, 3, 4]  # one more page

@@ -25,7 +25,7 @@ def snapshot(store: dss.Store) -> tuple:
         [(s.session_id, s.tenant_id, s.head_id, s.num_versions) for s in sessions],
         {s.session_id: [tuple(v[:4]) for v in store.versions(s.session_id, tenant_id=s.tenant_id)] for s in sessions},
         store.sql("SELECT page_id, size, checksum FROM pages ORDER BY page_id").rows,
-        store.sql("SELECT session_ref, page_id, version_ref FROM page_refs ORDER BY session_ref, page_id").rows,
+        store.sql("SELECT session_ref, page_id, version_ref FROM session_pages ORDER BY session_ref, page_id").rows,
         sorted(store.disk.files()),
     )
 
@@ -156,7 +156,7 @@ def test_dedup_within_namespace_across_sessions(store: dss.Store) -> None:
     store.commit("b", T, pages_for(T))  # same tokens, same namespace: nothing new is written
     assert store.disk.files() == files
     assert store.sql("SELECT COUNT(*) FROM pages").rows[0][0] == 2
-    assert store.sql("SELECT COUNT(*) FROM page_refs").rows[0][0] == 4
+    assert store.sql("SELECT COUNT(*) FROM session_pages").rows[0][0] == 4
 
 
 def test_new_session_finds_namespace_pages_by_chain_hash(store: dss.Store) -> None:
@@ -176,7 +176,7 @@ def test_save_pages_before_commit(store: dss.Store) -> None:
     assert store.check() == []
     v = store.commit("s", T + [1, 2], {1: page(2)})
     assert store.resume("s", T).matched_tokens == 8
-    assert store.sql(f"SELECT COUNT(*) FROM page_refs WHERE version_ref = {v.version_id}").rows == [(2,)]
+    assert store.sql(f"SELECT COUNT(*) FROM session_pages WHERE version_ref = {v.version_id}").rows == [(2,)]
 
 
 def test_sessionless_pages_resume_by_lookup_in_their_namespace_only(store: dss.Store) -> None:

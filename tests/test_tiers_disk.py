@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dss.hashing import checksum
+from dss.core.hashing import checksum
 from dss.tiers.base import ReadRequest
 from dss.tiers.disk import HEADER_BYTES, MAGIC, RECORD, DiskTier
-from dss.types import PageId
+from dss.core.types import PageId
 
 PAGES = [(PageId(bytes([i]) * 16), checksum(bytes([i]) * 100), bytes([i]) * 100, i % 2) for i in range(5)]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dss.tiers.host import HostTier
-from dss.types import PageId
+from dss.core.types import PageId
 
 
 def ids(*names: str) -> list[PageId]:

@@ -7,8 +7,8 @@ import array
 import numpy as np
 import pytest
 
-from dss.errors import InvalidTokens
-from dss.tokens import MAX_TOKEN, pack, unpack
+from dss.core.errors import InvalidTokens
+from dss.core.tokens import MAX_TOKEN, pack, unpack
 
 EXPECTED = b"\x01\x00\x00\x00\xff\xff\xff\xff\x00\x01\x00\x00"  # 1, 2**32-1, 256 little-endian
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given
 
-from dss.tokens import pack
+from dss.core.tokens import pack
 from dss.trie import Trie
-from dss.types import PageId, VersionId
+from dss.core.types import PageId, VersionId
 
 
 def fake_ids(prev: PageId, buf: bytes, first: int, count: int) -> list[PageId]:

@@ -1,7 +1,7 @@
 """Tiers: where page payloads live (see :mod:`dss.tiers.base` for the contracts)."""
 
-from dss.tiers.base import CacheTier, DurableTier, Located, ReadFailure, ReadRequest, Record
+from dss.tiers.base import CacheTier, DurableTier, Located, ReadFailure, ReadRequest, StoredPage
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 
-__all__ = ["CacheTier", "DiskTier", "DurableTier", "HostTier", "Located", "ReadFailure", "ReadRequest", "Record"]
+__all__ = ["CacheTier", "DiskTier", "DurableTier", "HostTier", "Located", "ReadFailure", "ReadRequest", "StoredPage"]

@@ -14,9 +14,10 @@ in the catalog. Two kinds exist:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol
+from abc import ABC, abstractmethod
+from typing import NamedTuple
 
-from dss.types import PageId
+from dss.core.types import PageId
 
 
 class Located(NamedTuple):
@@ -37,8 +38,8 @@ class ReadRequest(NamedTuple):
     checksum: int
 
 
-class Record(NamedTuple):
-    """A page read back from a durable tier: its stored payload and the record's flags."""
+class StoredPage(NamedTuple):
+    """A page read back from a durable tier: its stored payload and its record's flags."""
 
     payload: memoryview
     flags: int
@@ -51,29 +52,40 @@ class ReadFailure(NamedTuple):
     reason: str
 
 
-class CacheTier(Protocol):
+class CacheTier(ABC):
+    """A tier holding payloads by page id in this process's memory, bounded in bytes; it
+    evicts by itself. Reads and writes change only the tier (and its recency order)."""
+
     name: str
     capacity_bytes: int
     used_bytes: int
 
+    @abstractmethod
     def get_many(self, page_ids: Sequence[PageId]) -> list[bytes | None]:
         """Payloads in order, ``None`` where absent; marks the found ones recently used."""
         ...
 
+    @abstractmethod
     def put(self, page_id: PageId, payload: bytes) -> list[PageId] | None:
         """Store a payload; return the ids evicted to make room, or ``None`` if it cannot fit."""
         ...
 
+    @abstractmethod
     def discard(self, page_ids: Iterable[PageId]) -> int:
         """Drop these pages if present; return the bytes freed. Never raises for absent ids."""
         ...
 
+    @abstractmethod
     def __contains__(self, page_id: object) -> bool: ...
 
 
-class DurableTier(Protocol):
+class DurableTier(ABC):
+    """A tier that writes batches of pages as one unit (a segment) and says where each page
+    landed; the store records those locations in the catalog transaction that uses them."""
+
     name: str
 
+    @abstractmethod
     def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
         """Publish ``(page_id, checksum, payload, flags)`` records atomically as one new segment.
 
@@ -82,11 +94,13 @@ class DurableTier(Protocol):
         """
         ...
 
-    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[Record | None], list[ReadFailure]]:
+    @abstractmethod
+    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[StoredPage | None], list[ReadFailure]]:
         """Records in request order, verified against id and checksum; ``None`` plus a
         failure for each record that is missing, torn or corrupt. Batches its I/O."""
         ...
 
+    @abstractmethod
     def remove(self, segments: Iterable[str]) -> None:
         """Delete segments; absent ones are ignored."""
         ...

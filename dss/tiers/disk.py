@@ -4,7 +4,7 @@ Segment file format ``dss-segment v1`` (all integers little-endian)::
 
     header   32 bytes   b"dss-segment v1\\n" + 17 zero bytes
     record   32 bytes   page id (16) | payload length u32 | flags u32 | XXH3-64 of payload i64
-             payload    (flags bit 0: the payload is sealed, see dss.crypto)
+             payload    (flags bit 0: the payload is sealed, see dss.core.crypto)
 
 A segment is written to ``tmp/``, fsynced, renamed into ``segments/`` and the directory
 fsynced, so it is either whole or absent. Files are never changed after that; deleting
@@ -28,9 +28,9 @@ import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from dss.hashing import checksum as page_checksum
-from dss.tiers.base import Located, ReadFailure, ReadRequest, Record
-from dss.types import PageId
+from dss.core.hashing import checksum as page_checksum
+from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
+from dss.core.types import PageId
 
 MAGIC = b"dss-segment v1\n".ljust(32, b"\0")
 RECORD = struct.Struct("<16sIIq")
@@ -39,7 +39,7 @@ COALESCE_GAP = 256 << 10
 """Records closer than this are read with one ``pread``."""
 
 
-class DiskTier:
+class DiskTier(DurableTier):
     """Segment files under ``root``; see the module docstring for the format and protocol."""
 
     name = "disk"
@@ -108,9 +108,9 @@ class DiskTier:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[Record | None], list[ReadFailure]]:
+    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[StoredPage | None], list[ReadFailure]]:
         """Verified records in request order; see DurableTier. Never raises for bad files."""
-        out: list[Record | None] = [None] * len(requests)
+        out: list[StoredPage | None] = [None] * len(requests)
         failures: list[ReadFailure] = []
         order = sorted(range(len(requests)), key=lambda i: (requests[i].segment, requests[i].offset))
         for segment, group in itertools.groupby(order, key=lambda i: requests[i].segment):
@@ -128,7 +128,7 @@ class DiskTier:
         return out, failures
 
     def _read_run(self, fd: int, run: list[int], requests: Sequence[ReadRequest],
-                  out: list[Record | None], failures: list[ReadFailure]) -> None:
+                  out: list[StoredPage | None], failures: list[ReadFailure]) -> None:
         start = requests[run[0]].offset
         end = max(requests[i].offset + requests[i].length for i in run)
         try:
@@ -143,7 +143,7 @@ class DiskTier:
             if problem:
                 failures.append(ReadFailure(i, problem))
             else:
-                out[i] = Record(record[RECORD.size :], RECORD.unpack_from(record)[2])
+                out[i] = StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])
 
     # -- inventory and recovery ------------------------------------------------------------
 

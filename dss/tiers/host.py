@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from dss.types import PageId
+from dss.core.types import PageId
+from dss.tiers.base import CacheTier
 
 
-class HostTier:
+class HostTier(CacheTier):
     """A byte-bounded LRU of payloads keyed by page id."""
 
     name = "host"

@@ -1,17 +1,23 @@
-"""Session ids and version labels sealed; surrogate ids never handed out twice.
+"""Session ids and version labels sealed; surrogate ids never handed out twice; tables renamed.
 
 * ``sessions.session_id`` (clear) becomes ``session_key`` (a keyed hash of the id, which the
   catalog finds sessions by) and ``name`` (the id sealed under the owner's data key);
   ``versions.label`` becomes the label sealed the same way. An erasure then leaves neither
   readable anywhere, not even in a database's dead rows.
 * Erasure jobs keep no page id and no file name: a sampled id becomes a needle (a prefix
-  and a SHA-256, see :mod:`dss.rawscan`), and the file names of jobs past deleting their
+  and a SHA-256, see :mod:`dss.core.rawscan`), and the file names of jobs past deleting their
   files become SHA-256 digests.
+* ``page_refs`` becomes ``session_pages`` (which pages a session holds), with ``pinned``
+  (a pinned version holds the page: eviction never drops it; set here for every page of a
+  session that has a pinned version, the next pin or unpin makes it exact), and ``changes``
+  becomes ``feed`` (the change feed).
 * On SQLite every table with a surrogate integer key is rebuilt with ``AUTOINCREMENT`` and
   its counter set above any id the table may ever have handed out (PostgreSQL's sequences
   never go back already).
 
-Sealing existing rows needs the master key: ``dss db upgrade`` passes it in. The views name
+Sealing existing rows needs the master key: ``dss db upgrade`` passes it in. Token histories,
+bound to their session's row number until now, are bound to its key instead (the binding
+strings are spelled out here, frozen with this revision). The views name
 sessions by ``session_key`` (hex) from now on.
 
 Revision ID: 0003
@@ -25,17 +31,16 @@ import json
 import sqlalchemy as sa
 from alembic import context, op
 
-from dss.crypto import Sealer, master_check, session_key, session_lookup_key, unwrap
-from dss.errors import ConfigError
-from dss.keys import label_aad, name_aad, owner_tag
-from dss.rawscan import needle
+from dss.core.crypto import Sealer, master_check, session_key, session_lookup_key, unwrap
+from dss.core.errors import ConfigError
+from dss.core.rawscan import needle
 
 revision = "0003"
 down_revision = "0002"
 branch_labels = None
 depends_on = None
 
-NEVER_REUSED = ("tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "changes",
+NEVER_REUSED = ("tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "feed",
                 "erasures", "audit")
 """Tables whose ids must never be handed out twice."""
 
@@ -45,6 +50,7 @@ def upgrade() -> None:
     sqlite = conn.dialect.name == "sqlite"
     for name in VIEW_NAMES:
         op.execute(f"DROP VIEW IF EXISTS {name}")
+    _rename_tables()
     with op.batch_alter_table("sessions", recreate="always" if sqlite else "auto") as batch:
         batch.add_column(sa.Column("session_key", sa.LargeBinary(16), nullable=True))
         batch.add_column(sa.Column("name", sa.LargeBinary, nullable=True))
@@ -76,14 +82,27 @@ def downgrade() -> None:
     raise NotImplementedError("revision 0003 seals session ids and labels; it cannot be undone")
 
 
+def _rename_tables() -> None:
+    op.rename_table("page_refs", "session_pages")
+    op.drop_index("ix_page_refs_page_id", table_name="session_pages")
+    op.create_index("ix_session_pages_page_id", "session_pages", ["page_id"])
+    op.add_column("session_pages", sa.Column("pinned", sa.Boolean, nullable=False, server_default=sa.false()))
+    op.execute("UPDATE session_pages SET pinned = TRUE WHERE session_ref IN "
+               "(SELECT session_ref FROM versions WHERE pinned)")
+    op.rename_table("changes", "feed")
+    op.drop_index("ix_changes_seq", table_name="feed")
+    op.create_index("ix_feed_seq", "feed", ["seq"])
+
+
 def _seal_existing(conn: sa.Connection) -> None:
-    """Give every session its key and sealed name, and seal every label, under the master key."""
+    """Give every session its key and sealed name, seal every label, and bind every sealed
+    token history to its session's key instead of its row number, under the master key."""
+    rows = conn.execute(sa.text(
+        "SELECT v.id, s.id, v.label, v.suffix, v.sealed FROM versions v JOIN sessions s ON s.id = v.session_ref "
+        "WHERE v.label IS NOT NULL OR v.sealed")).all()
     sessions = conn.execute(sa.text("SELECT s.id, s.session_id, s.user_ref, k.wrapped FROM sessions s "
                                     "LEFT JOIN user_keys k ON k.user_ref = s.user_ref")).all()
-    labels = conn.execute(sa.text("SELECT v.id, v.session_ref, v.label, s.user_ref, k.wrapped FROM versions v "
-                                  "JOIN sessions s ON s.id = v.session_ref LEFT JOIN user_keys k "
-                                  "ON k.user_ref = s.user_ref WHERE v.label IS NOT NULL")).all()
-    if not sessions and not labels:
+    if not sessions:
         return
     master = context.config.attributes.get("master_key")
     check = conn.execute(sa.text("SELECT value FROM store_meta WHERE key = 'master_check'")).scalar()
@@ -91,18 +110,25 @@ def _seal_existing(conn: sa.Connection) -> None:
         raise ConfigError("upgrading this catalog to revision 0003 seals its session ids and labels and needs the "
                           "store's master key: run `dss db upgrade` with the store's configuration")
     lookup = session_lookup_key(master)
+    keys: dict[int, tuple[bytes, Sealer | None]] = {}
     for ref, session_id, user_ref, wrapped in sessions:
         key = session_key(lookup, session_id)
-        sealer = _sealer(master, user_ref, wrapped)
+        sealer = keys.setdefault(ref, (key, _sealer(master, user_ref, wrapped)))[1]
         # a user under erasure has no key: the erasure deletes the row, so any unreadable name will do
-        name = sealer.seal(session_id.encode(), name_aad(key)) if sealer else b""
+        name = sealer.seal(session_id.encode(), b"dss-session-id v1\0" + key) if sealer else b""
         conn.execute(sa.text("UPDATE sessions SET session_key = :key, name = :name WHERE id = :ref"),
                      {"key": key, "name": name, "ref": ref})
-    for version_id, session_ref, label, user_ref, wrapped in labels:
-        sealer = _sealer(master, user_ref, wrapped)
-        sealed = sealer.seal(label.encode(), label_aad(session_ref)) if sealer else None
-        conn.execute(sa.text("UPDATE versions SET sealed_label = :label WHERE id = :id"),
-                     {"label": sealed, "id": version_id})
+    for version_id, ref, label, suffix, sealed in rows:
+        key, sealer = keys[ref]
+        if sealer is None:
+            continue
+        values = {"id": version_id, "suffix": bytes(suffix), "label": None}
+        if sealed:
+            plain = sealer.open(bytes(suffix), b"dss-tokens v1\0session:%d" % ref)
+            values["suffix"] = sealer.seal(plain, b"dss-tokens v2\0" + key)
+        if label is not None:
+            values["label"] = sealer.seal(label.encode(), b"dss-label v2\0" + key)
+        conn.execute(sa.text("UPDATE versions SET suffix = :suffix, sealed_label = :label WHERE id = :id"), values)
 
 
 def _scrub_erasure_plans(conn: sa.Connection) -> None:
@@ -119,7 +145,8 @@ def _scrub_erasure_plans(conn: sa.Connection) -> None:
 
 
 def _sealer(master: bytes, user_ref: int, wrapped: bytes | None) -> Sealer | None:
-    return Sealer(unwrap(master, bytes(wrapped), owner_tag(user_ref))) if wrapped is not None else None
+    owner = b"user:%d" % user_ref
+    return Sealer(unwrap(master, bytes(wrapped), owner)) if wrapped is not None else None
 
 
 def _raise_counters(conn: sa.Connection) -> None:
@@ -127,7 +154,7 @@ def _raise_counters(conn: sa.Connection) -> None:
 
     Without AUTOINCREMENT SQLite gave a new row the largest id present plus one, so no id
     ever exceeded the number of rows ever inserted; each write transaction (counted by
-    ``catalog_seq``) inserts at most one row into these tables, except segments, changes
+    ``catalog_seq``) inserts at most one row into these tables, except segments, feed
     and quarantine, whose ids nothing outside the catalog names.
     """
     seq = conn.execute(sa.text("SELECT seq FROM catalog_seq WHERE id = 1")).scalar() or 0
@@ -142,7 +169,7 @@ VIEW_NAMES = ("session_summary", "user_summary", "tier_usage", "version_summary"
 
 
 def _tier_bytes(owner: str, tier: str) -> str:
-    return (f"(SELECT COALESCE(SUM(loc.length), 0) FROM page_refs r JOIN page_locations loc "
+    return (f"(SELECT COALESCE(SUM(loc.length), 0) FROM session_pages r JOIN page_locations loc "
             f"ON loc.page_id = r.page_id AND loc.tier = '{tier}' WHERE r.session_ref = {owner})")
 
 
@@ -156,8 +183,8 @@ def views(sqlite: bool) -> list[str]:
                (SELECT COUNT(*) FROM versions v WHERE v.session_ref = s.id) AS num_versions,
                s.head_id AS head_version,
                (SELECT v.num_tokens FROM versions v WHERE v.id = s.head_id) AS head_tokens,
-               (SELECT COUNT(*) FROM page_refs r WHERE r.session_ref = s.id) AS num_pages,
-               (SELECT COALESCE(SUM(p.size), 0) FROM page_refs r JOIN pages p ON p.page_id = r.page_id
+               (SELECT COUNT(*) FROM session_pages r WHERE r.session_ref = s.id) AS num_pages,
+               (SELECT COALESCE(SUM(p.size), 0) FROM session_pages r JOIN pages p ON p.page_id = r.page_id
                  WHERE r.session_ref = s.id) AS page_bytes,
                {_tier_bytes("s.id", "disk")} AS disk_bytes,
                {_tier_bytes("s.id", "remote")} AS remote_bytes,

@@ -1,0 +1,277 @@
+"""Catalog rows of pages: pages, their locations in segment files, the segments, which
+sessions hold which pages (``session_pages``), quarantine and the tiers' running totals.
+
+Functions here run on an open connection and neither begin nor commit. Deleting rows never
+deletes a file: functions return the names of segment files left without a page, and the
+caller deletes them once the transaction committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from sqlalchemy import ColumnElement, and_, case, delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from dss.catalog.database import chunks, now
+from dss.catalog.schema import locations, pages, quarantine, segments, session_pages, sessions, tenants, tier_totals, users
+
+
+class PageRecord(NamedTuple):
+    """A page row with its disk location (``segment`` ``None``: on no disk segment)."""
+
+    page_id: bytes
+    user_ref: int
+    page_index: int
+    size: int
+    checksum: int
+    segment: str | None
+    offset: int
+    length: int
+
+
+_page_select = (
+    select(pages.c.page_id, pages.c.user_ref, pages.c.page_index, pages.c.size, pages.c.checksum,
+           segments.c.name, locations.c.offset, locations.c.length)
+    .outerjoin(locations, and_(locations.c.page_id == pages.c.page_id, locations.c.tier == "disk"))
+    .outerjoin(segments, segments.c.id == locations.c.segment_ref)
+)
+
+
+def _page_record(r: tuple) -> PageRecord:
+    return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6] or 0, r[7] or 0)
+
+
+def namespace_pages(conn: Connection, user_ref: int, since_seq: int | None = None) -> list[PageRecord]:
+    """Pages of a namespace with their disk location (``since_seq``: stored at or after it)."""
+    query = _page_select.where(pages.c.user_ref == user_ref)
+    if since_seq is not None:
+        query = query.where(pages.c.seq >= since_seq)
+    return [_page_record(r) for r in conn.execute(query)]
+
+
+def pages_by_id(conn: Connection, page_ids: Sequence[bytes]) -> list[PageRecord]:
+    """The rows of these pages (absent ones are left out)."""
+    out: list[PageRecord] = []
+    for part in chunks(page_ids):
+        out.extend(_page_record(r) for r in conn.execute(_page_select.where(pages.c.page_id.in_(part))))
+    return out
+
+
+def existing_pages(conn: Connection, page_ids: Sequence[bytes]) -> set[bytes]:
+    found: set[bytes] = set()
+    for part in chunks(page_ids):
+        found.update(bytes(r[0]) for r in conn.execute(select(pages.c.page_id).where(pages.c.page_id.in_(part))))
+    return found
+
+
+def page_owners(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, tuple[str, int]]:
+    """``page_id -> (tenant_id, size)`` for the pages the catalog knows (others are left out)."""
+    query = (select(pages.c.page_id, tenants.c.tenant_id, pages.c.size)
+             .join(users, users.c.id == pages.c.user_ref).join(tenants, tenants.c.id == users.c.tenant_ref))
+    out: dict[bytes, tuple[str, int]] = {}
+    for part in chunks(list(dict.fromkeys(page_ids))):
+        for page_id, tenant_id, size in conn.execute(query.where(pages.c.page_id.in_(part))):
+            out[bytes(page_id)] = (tenant_id, size)
+    return out
+
+
+def insert_segment(conn: Connection, name: str, tier: str, user_ref: int, size: int,
+                   page_rows: list[dict], location_rows: list[dict]) -> None:
+    """Record a segment file and the pages it holds (``segment_ref`` is filled in)."""
+    ref = int(conn.execute(insert(segments).values(
+        name=name, tier=tier, user_ref=user_ref, size=size, created_at=now())).inserted_primary_key[0])
+    _count(conn, tier, size, 1)
+    conn.execute(insert(pages), page_rows)
+    conn.execute(insert(locations), [{**row, "segment_ref": ref} for row in location_rows])
+
+
+def delete_segments(conn: Connection, where: ColumnElement[bool]) -> list[str]:
+    """Delete the segment rows matching ``where`` (keeping the tier totals); return their names."""
+    gone = conn.execute(select(segments.c.name, segments.c.tier, segments.c.size).where(where)).all()
+    conn.execute(delete(segments).where(where))
+    for tier in {row[1] for row in gone}:
+        rows = [row for row in gone if row[1] == tier]
+        _count(conn, tier, -sum(row[2] for row in rows), -len(rows))
+    return [row[0] for row in gone]
+
+
+def _count(conn: Connection, tier: str, size: int, num: int) -> None:
+    updated = conn.execute(update(tier_totals).where(tier_totals.c.tier == tier).values(
+        bytes=tier_totals.c.bytes + size, num_segments=tier_totals.c.num_segments + num)).rowcount
+    if not updated:
+        conn.execute(insert(tier_totals).values(tier=tier, bytes=size, num_segments=num))
+
+
+def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int) -> tuple[list[int], list[str]]:
+    """Delete pages with their holds and locations; delete the rows of segments left with no
+    page. Returns the sessions that held any of them and the names of the emptied files.
+
+    Every session that held one of the pages is stamped with ``seq`` (this transaction's):
+    what it holds changed, so a process that cached it reloads it before its next write.
+    """
+    touched: set[int] = set()
+    holders: set[int] = set()
+    for part in chunks(page_ids):
+        touched.update(r[0] for r in conn.execute(
+            select(locations.c.segment_ref).where(locations.c.page_id.in_(part)).distinct()))
+        holders.update(r[0] for r in conn.execute(
+            select(session_pages.c.session_ref).where(session_pages.c.page_id.in_(part)).distinct()))
+        conn.execute(delete(session_pages).where(session_pages.c.page_id.in_(part)))
+        conn.execute(delete(locations).where(locations.c.page_id.in_(part)))
+        conn.execute(delete(pages).where(pages.c.page_id.in_(part)))
+    for part in chunks(sorted(holders)):
+        conn.execute(update(sessions).where(sessions.c.id.in_(part)).values(seq=seq))
+    return sorted(holders), drop_empty_segments(conn, sorted(touched))
+
+
+def drop_empty_segments(conn: Connection, segment_refs: Sequence[int]) -> list[str]:
+    """Delete the rows of those segments that hold no page; return their names."""
+    emptied: list[str] = []
+    for part in chunks(segment_refs):
+        live = {r[0] for r in conn.execute(
+            select(locations.c.segment_ref).where(locations.c.segment_ref.in_(part)).distinct())}
+        dead = [s for s in part if s not in live]
+        if dead:
+            emptied.extend(delete_segments(conn, segments.c.id.in_(dead)))
+    return emptied
+
+
+def add_quarantine(conn: Connection, page_id: bytes, user_ref: int, tier: str, segment: str, offset: int,
+                   reason: str) -> None:
+    conn.execute(insert(quarantine).values(page_id=page_id, user_ref=user_ref, tier=tier, segment=segment,
+                                           offset=offset, reason=reason, detected_at=now()))
+
+
+# -- what sessions hold ------------------------------------------------------------------------
+
+
+def held_pages(conn: Connection, session_ref: int) -> dict[bytes, int]:
+    """The pages a session holds, with the newest of its versions holding each (0: saved ahead)."""
+    return {bytes(r[0]): r[1] for r in conn.execute(
+        select(session_pages.c.page_id, session_pages.c.version_ref).where(session_pages.c.session_ref == session_ref))}
+
+
+def committed_pages(conn: Connection, session_ref: int) -> set[bytes]:
+    """The pages a session holds that some committed version of it contains."""
+    return {bytes(r[0]) for r in conn.execute(select(session_pages.c.page_id).where(
+        session_pages.c.session_ref == session_ref, session_pages.c.version_ref != 0))}
+
+
+def hold(conn: Connection, session_ref: int, page_ids: Iterable[bytes], version_id: int,
+         pinned: frozenset[bytes] = frozenset()) -> None:
+    """The session holds these pages from now on, newest in ``version_id`` (0: saved ahead)."""
+    rows = [{"session_ref": session_ref, "page_id": p, "version_ref": version_id, "pinned": p in pinned}
+            for p in page_ids]
+    if rows:
+        conn.execute(insert(session_pages), rows)
+
+
+def retag(conn: Connection, session_ref: int, old_version: int, version_id: int) -> None:
+    """Move every page of the session whose newest version is ``old_version`` to ``version_id``."""
+    conn.execute(update(session_pages).where(session_pages.c.session_ref == session_ref,
+                                             session_pages.c.version_ref == old_version)
+                 .values(version_ref=version_id))
+
+
+def touch(conn: Connection, session_ref: int, page_ids: Sequence[bytes], version_id: int) -> None:
+    """Mark ``version_id`` as the newest version of the session containing these pages."""
+    for part in chunks(page_ids):
+        conn.execute(update(session_pages).where(session_pages.c.session_ref == session_ref,
+                                                 session_pages.c.page_id.in_(part))
+                     .values(version_ref=version_id))
+
+
+def set_pinned_pages(conn: Connection, session_ref: int, page_ids: Sequence[bytes], pinned: bool) -> None:
+    for part in chunks(page_ids):
+        conn.execute(update(session_pages).where(session_pages.c.session_ref == session_ref,
+                                                 session_pages.c.page_id.in_(part)).values(pinned=pinned))
+
+
+def release(conn: Connection, session_ref: int) -> list[bytes]:
+    """Drop every hold of a session; return the pages no session holds any more."""
+    held = [bytes(r[0]) for r in conn.execute(
+        select(session_pages.c.page_id).where(session_pages.c.session_ref == session_ref))]
+    conn.execute(delete(session_pages).where(session_pages.c.session_ref == session_ref))
+    still: set[bytes] = set()
+    for part in chunks(held):
+        still.update(bytes(r[0]) for r in conn.execute(
+            select(session_pages.c.page_id).where(session_pages.c.page_id.in_(part))))
+    return [p for p in held if p not in still]
+
+
+# -- tiers -----------------------------------------------------------------------------------
+
+
+class SegmentRow(NamedTuple):
+    """A segment file of a durable tier: ``ref`` its row id, ``newest`` the newest version
+    holding any of its pages (-1: none), ``is_pinned`` whether a pinned version holds one."""
+
+    ref: int
+    name: str
+    size: int
+    newest: int
+    is_pinned: bool
+
+
+def tier_bytes(conn: Connection, tier: str) -> int:
+    """Bytes of every segment file of a tier, the space it occupies (from the running total)."""
+    return int(conn.execute(select(tier_totals.c.bytes).where(tier_totals.c.tier == tier)).scalar() or 0)
+
+
+def tier_segments(conn: Connection, tier: str) -> list[SegmentRow]:
+    """Every segment of a tier with what eviction weighs, oldest newest-version first."""
+    newest = func.coalesce(func.max(session_pages.c.version_ref), -1)
+    pinned = func.coalesce(func.max(case((session_pages.c.pinned, 1), else_=0)), 0)
+    query = (
+        select(segments.c.id, segments.c.name, segments.c.size, newest, pinned)
+        .outerjoin(locations, locations.c.segment_ref == segments.c.id)
+        .outerjoin(session_pages, session_pages.c.page_id == locations.c.page_id)
+        .where(segments.c.tier == tier)
+        .group_by(segments.c.id, segments.c.name, segments.c.size)
+        .order_by(newest, segments.c.id)
+    )
+    return [SegmentRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in conn.execute(query)]
+
+
+def segment_pages(conn: Connection, segment_refs: Sequence[int]) -> list[tuple[bytes, int]]:
+    """``(page_id, user_ref)`` of every page in these segments."""
+    out: list[tuple[bytes, int]] = []
+    for part in chunks(segment_refs):
+        out.extend((bytes(r[0]), r[1]) for r in conn.execute(
+            select(locations.c.page_id, pages.c.user_ref).join(pages, pages.c.page_id == locations.c.page_id)
+            .where(locations.c.segment_ref.in_(part))))
+    return out
+
+
+def all_segments(conn: Connection, tier: str) -> dict[str, tuple[int, int]]:
+    """``name -> (ref, size)`` of every segment of a tier."""
+    return {r[0]: (r[1], r[2]) for r in conn.execute(
+        select(segments.c.name, segments.c.id, segments.c.size).where(segments.c.tier == tier))}
+
+
+def disk_extents(conn: Connection) -> dict[int, list[tuple[int, int]]]:
+    """``segment_ref -> [(offset, length), ...]`` of every page located on disk."""
+    extents: dict[int, list[tuple[int, int]]] = {}
+    for seg, offset, length in conn.execute(
+            select(locations.c.segment_ref, locations.c.offset, locations.c.length).where(locations.c.tier == "disk")):
+        extents.setdefault(seg, []).append((offset, length))
+    return extents
+
+
+def count_located(conn: Connection, tier: str) -> int:
+    """Pages located on a tier."""
+    return int(conn.execute(select(func.count()).select_from(locations).where(locations.c.tier == tier)).scalar_one())
+
+
+def count_unheld_pages(conn: Connection) -> int:
+    """Pages no session holds."""
+    return int(conn.execute(select(func.count()).select_from(pages).where(~select(session_pages.c.page_id).where(
+        session_pages.c.page_id == pages.c.page_id).exists())).scalar_one())
+
+
+def count_homeless_pages(conn: Connection) -> int:
+    """Pages with no location on any tier."""
+    return int(conn.execute(select(func.count()).select_from(pages).where(~select(locations.c.page_id).where(
+        locations.c.page_id == pages.c.page_id).exists())).scalar_one())

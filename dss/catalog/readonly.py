@@ -1,0 +1,366 @@
+"""Read-only SQL on the catalog: what ``store.sql()`` runs, on SQLite and on PostgreSQL.
+
+Whatever the text says, :meth:`ReadOnlySql.run` runs exactly one statement, changes nothing,
+reads nothing but dss's tables and views (never :data:`SECRET_TABLES`, which hold wrapped
+keys), stops after the time limit, and raises nothing but ``SqlError`` (a wrong query, a
+timeout) or ``ReadOnlyViolation`` (the statement tried something ``sql()`` may not do: a
+write, a command, a privileged function, a secret table). Parameters use the driver's own
+placeholders (``:name`` on SQLite, ``%(name)s`` on PostgreSQL); neither dss nor SQLAlchemy
+parses the text.
+
+SQLite: a second connection opened read-only (``mode=ro``, ``query_only``), an authorizer
+that allows reading and nothing else, a progress handler that enforces the time limit.
+
+PostgreSQL: a connection of its own, as a separate LOGIN role that is no superuser, may
+only SELECT dss's tables and views, and has ``default_transaction_read_only = on``. dss
+creates the role on first use when the catalog user may (CREATEROLE): its name is derived
+from the database and schema (:func:`reader_role`), its random password is kept in
+``store_meta`` (which the role cannot read), and an advisory lock makes concurrent stores
+agree on one role and one password. ``sql_url`` names a role of the operator's instead. The
+text goes through the extended query protocol (a prepared statement, which holds exactly
+one statement) in a ``READ ONLY`` transaction that is always rolled back, never committed,
+on a connection that is closed afterwards; a statement that returns no rows (``SET``,
+``LOCK``, ``NOTIFY``, ``DO`` ...) or that got a transaction id (it wrote, even where the
+server allowed it, as ``lo_creat``) is refused. The time limit is the server's
+``statement_timeout`` and, in case the statement lifted it, a timer that cancels the query
+from the client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import sqlite3
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import make_url
+from sqlalchemy.engine import Engine
+
+from dss.core.errors import ConfigError, DssError, ReadOnlyViolation, SqlError
+from dss.catalog.schema import Base
+from dss.core.types import SqlResult
+
+if TYPE_CHECKING:
+    import psycopg
+
+SECRET_TABLES = ("user_keys", "store_meta")
+"""Tables ``sql()`` never reads: data keys wrapped under the master key, and facts about the store."""
+
+VIEWS = ("session_summary", "user_summary", "tier_usage", "version_summary")
+"""The catalog's views (``sql()`` may read them)."""
+
+PASSWORD_KEY = "sql_password"
+"""``store_meta`` key of the password of the role dss creates for ``sql()``."""
+
+NO_ROWS = ("sql() runs queries that return rows (SELECT, WITH, VALUES, TABLE, SHOW, EXPLAIN); "
+           "this statement returns none")
+
+
+def readable_relations() -> list[str]:
+    """Every table and view ``sql()`` may read: dss's tables and views but the secret ones."""
+    names = set(Base.metadata.tables) | {"alembic_version"} | set(VIEWS)
+    return sorted(names - set(SECRET_TABLES))
+
+
+def reader_role(database: str, schema: str) -> str:
+    """The name of the role dss creates for ``sql()`` on a catalog in ``database`` and ``schema``
+    (roles are shared by the whole PostgreSQL cluster, so the name tells catalogs apart)."""
+    digest = hashlib.sha256(f"{database}\0{schema}".encode()).hexdigest()[:20]
+    return f"dss_sql_{digest}"
+
+
+def check_text(query: Any, params: Any, max_rows: Any) -> None:
+    """Refuse what is no query text, no parameter dict or no row limit (``SqlError``)."""
+    if not isinstance(query, str) or not query.strip():
+        raise SqlError("sql() needs a non-empty SQL string")
+    if "\0" in query:
+        raise SqlError("the query contains a NUL character")
+    if params is not None and not (isinstance(params, dict) and all(isinstance(k, str) for k in params)):
+        raise SqlError("params must be a dict from parameter names to values")
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+        raise SqlError(f"max_rows must be a positive integer, got {max_rows!r}")
+
+
+class ReadOnlySql:
+    """Runs ``sql()`` for one catalog. Thread-safe; each call uses a connection of its own."""
+
+    def __init__(self, engine: Engine, *, timeout_s: float, reader_url: str | None = None) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.is_sqlite = engine.url.get_backend_name() == "sqlite"
+        if reader_url is not None and self.is_sqlite:
+            raise ConfigError("sql_url (DSS_SQL_URL) applies to a PostgreSQL catalog only")
+        self._reader_url = reader_url
+        self._connect_args: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def run(self, query: str, params: dict[str, Any] | None, max_rows: int) -> SqlResult:
+        """Run one read-only statement; see the module docstring for what is refused and how."""
+        check_text(query, params, max_rows)
+        if self.is_sqlite:
+            return self._run_sqlite(query, params or {}, max_rows)
+        return self._run_server(query, params or None, max_rows)
+
+    # -- SQLite ----------------------------------------------------------------------------
+
+    def _run_sqlite(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
+        conn = sqlite3.connect(f"file:{self.engine.url.database}?mode=ro", uri=True, timeout=30)
+        try:
+            conn.execute("PRAGMA query_only = ON")
+            secrets_read: list[str] = []
+            conn.set_authorizer(_sqlite_authorizer(secrets_read))
+            deadline = time.monotonic() + self.timeout_s
+            conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+            try:
+                cursor = conn.execute(query, params)
+                rows = cursor.fetchmany(max_rows)
+            except sqlite3.DatabaseError as exc:
+                raise self._sqlite_error(str(exc), secrets_read) from None
+            except (sqlite3.Warning, sqlite3.ProgrammingError, ValueError, OverflowError) as exc:
+                raise SqlError(f"query failed: {exc}") from None
+            if cursor.description is None:
+                raise ReadOnlyViolation(NO_ROWS)
+            return SqlResult([d[0] for d in cursor.description], [tuple(r) for r in rows])
+        finally:
+            conn.close()
+
+    def _sqlite_error(self, message: str, secrets_read: list[str]) -> DssError:
+        if secrets_read:
+            return ReadOnlyViolation(f"sql() may not do this: permission denied for table {secrets_read[0]}")
+        if "not authorized" in message or "authorization denied" in message or "readonly" in message:
+            return ReadOnlyViolation(f"sql() runs read-only queries only: {message}")
+        if "interrupted" in message:
+            return SqlError(f"query ran longer than {self.timeout_s}s")
+        return SqlError(f"query failed: {message}")
+
+    # -- PostgreSQL ------------------------------------------------------------------------
+
+    def _run_server(self, query: str, params: dict[str, Any] | None, max_rows: int) -> SqlResult:
+        import psycopg
+
+        conn = self._connect()
+        timer = threading.Timer(self.timeout_s, _cancel, (conn,))
+        timer.daemon = True
+        timer.start()
+        try:
+            if params is not None:
+                try:
+                    psycopg.ClientCursor(conn).mogrify(query, params)  # checks them; sends nothing
+                except (psycopg.Error, ValueError, OverflowError, TypeError) as exc:
+                    raise SqlError(f"bad parameters: {exc}") from None
+            cursor = conn.cursor()
+            cursor.execute(query, params, prepare=True)  # a prepared statement: exactly one statement
+            if cursor.description is None:
+                raise ReadOnlyViolation(NO_ROWS)
+            columns = [column.name for column in cursor.description]
+            rows = cursor.fetchmany(max_rows)
+            cursor.execute("SELECT pg_catalog.txid_current_if_assigned()", prepare=True)
+            if cursor.fetchone() != (None,):
+                raise ReadOnlyViolation("sql() runs read-only queries only: the statement wrote to the "
+                                        "database (rolled back)")
+            return SqlResult(columns, [tuple(r) for r in rows])
+        except psycopg.Error as exc:
+            raise self._server_error(exc) from None
+        except (ValueError, OverflowError) as exc:  # a value psycopg cannot load, a text it cannot encode
+            raise SqlError(f"query failed: {exc}") from None
+        finally:
+            timer.cancel()
+            conn.close()  # never committed: the server rolls the transaction back
+
+    def _server_error(self, exc: psycopg.Error) -> DssError:
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        state = exc.sqlstate or ""
+        if state == "57014":
+            return SqlError(f"query ran longer than {self.timeout_s}s")
+        if state.startswith("25"):  # read-only transaction, or an attempt to change the transaction
+            return ReadOnlyViolation(f"sql() runs read-only queries only: {message}")
+        if state == "42501":
+            return ReadOnlyViolation(f"sql() may not do this: {message}")
+        return SqlError(f"query failed: {message}")
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        """A connection as the reader role, in a read-only transaction with the time limit set."""
+        import psycopg
+
+        args = self._reader_args()
+        try:
+            conn = psycopg.connect(**args)
+        except psycopg.Error as exc:
+            raise SqlError(f"cannot connect to the catalog as the SQL role {args.get('user')!r}: "
+                           f"{str(exc).strip()}") from None
+        conn.read_only = True
+        return conn
+
+    def _reader_args(self) -> dict[str, Any]:
+        with self._lock:
+            if self._connect_args is None:
+                self._connect_args = self._prepare_reader()
+            return self._connect_args
+
+    def _prepare_reader(self) -> dict[str, Any]:
+        """Connection arguments of the reader role, creating the role if need be, checked once."""
+        import psycopg
+
+        database, schema = _catalog_place(self.engine)
+        if self._reader_url is None:
+            role = reader_role(database, schema)
+            url = self.engine.url.set(username=role, password=_provision(self.engine, role, schema))
+        else:
+            url = make_url(self._reader_url)
+        _, args = self.engine.dialect.create_connect_args(url)
+        args.pop("context", None)  # psycopg's own adapters, not SQLAlchemy's
+        timeout_ms = max(1, int(self.timeout_s * 1000))
+        args["options"] = (f"{args.get('options', '')} -c statement_timeout={timeout_ms} "
+                           f"-c default_transaction_read_only=on").strip()
+        args["connect_timeout"] = max(2, math.ceil(self.timeout_s))
+        args["application_name"] = "dss sql"
+        try:
+            conn = psycopg.connect(**args)
+            try:
+                problems = _reader_problems(conn, schema)
+            finally:
+                conn.close()
+        except psycopg.Error as exc:
+            raise ConfigError(f"cannot connect to the catalog as the SQL role {url.username!r}: "
+                              f"{str(exc).strip()}") from None
+        if problems:
+            raise ConfigError(f"the SQL role {url.username!r} is not read-only ({'; '.join(problems)}): "
+                              f"{_HOW_TO}")
+        return args
+
+
+_HOW_TO = ("sql() on PostgreSQL runs as a LOGIN role that is no superuser and may only SELECT dss's tables; "
+           "grant the catalog user CREATEROLE so that dss creates that role itself, or create one and set "
+           "sql_url (DSS_SQL_URL) to it (see the README, section SQL)")
+
+
+def _cancel(conn: psycopg.Connection[Any]) -> None:
+    """Cancel the running query of ``conn`` (from the timer thread)."""
+    import psycopg
+
+    try:
+        conn.cancel()
+    except psycopg.Error:
+        pass  # the connection is already closed: nothing runs
+
+
+def _catalog_place(engine: Engine) -> tuple[str, str]:
+    """``(database, schema)`` the catalog user works in."""
+    with engine.connect() as conn:
+        database, schema = conn.exec_driver_sql("SELECT current_database(), current_schema()").one()
+    if schema is None:
+        raise ConfigError("the catalog user has no schema on its search_path")
+    return database, schema
+
+
+def _provision(engine: Engine, role: str, schema: str) -> str:
+    """Create or refresh ``role``, the reader role of the catalog in ``schema``; return its password.
+
+    Runs as the catalog user in one transaction under an advisory lock, so concurrent stores
+    (threads or processes) agree on one role and one password. Grants SELECT on exactly
+    :func:`readable_relations` (refreshed each time, so new tables of a migration are covered).
+    """
+    import psycopg
+    from psycopg import sql
+
+    raw = engine.raw_connection()
+    try:
+        conn = raw.driver_connection
+        with conn.cursor() as cur:
+            cur.execute("SELECT rolsuper OR rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = current_user")
+            (may_create,) = cur.fetchone()
+            lock = int.from_bytes(hashlib.sha256(role.encode()).digest()[:8], "big", signed=True)
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (lock,))
+            cur.execute("SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = %s", (role,))
+            exists = cur.fetchone() is not None
+            cur.execute("SELECT value FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
+            stored = cur.fetchone()
+            password = bytes(stored[0]).decode() if stored else None
+            if not exists or password is None:
+                if not may_create:
+                    raise ConfigError(f"the catalog user may not create the SQL role {role!r} (no CREATEROLE): "
+                                      f"{_HOW_TO}")
+                password = secrets.token_urlsafe(32)
+                verifier = conn.pgconn.encrypt_password(password.encode(), role.encode()).decode()
+                create = "ALTER ROLE {} WITH" if exists else "CREATE ROLE {}"
+                cur.execute(sql.SQL(create + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
+                                    "NOINHERIT PASSWORD {}").format(sql.Identifier(role), sql.Literal(verifier)))
+                cur.execute(sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(
+                    sql.Identifier(role)))
+                cur.execute(sql.SQL("ALTER ROLE {} SET search_path = {}").format(
+                    sql.Identifier(role), sql.Identifier(schema)))
+                cur.execute("DELETE FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
+                cur.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s)", (PASSWORD_KEY, password.encode()))
+            _grant(cur, role, schema)
+        conn.commit()
+        return password
+    except psycopg.Error as exc:
+        raise ConfigError(f"cannot set up the SQL role: {str(exc).strip()}: {_HOW_TO}") from None
+    finally:
+        raw.close()
+
+
+def _grant(cur: psycopg.Cursor[Any], role: str, schema: str) -> None:
+    """SELECT on :func:`readable_relations` that exist in ``schema``, and nothing else there."""
+    from psycopg import sql
+
+    cur.execute("SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname = ANY(%s)", (schema, readable_relations()))
+    present = sorted(name for (name,) in cur.fetchall())
+    who, where = sql.Identifier(role), sql.Identifier(schema)
+    cur.execute(sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM {}").format(where, who))
+    cur.execute(sql.SQL("REVOKE ALL ON ALL SEQUENCES IN SCHEMA {} FROM {}").format(where, who))
+    cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(where, who))
+    if present:
+        tables = sql.SQL(", ").join(sql.Identifier(schema, name) for name in present)
+        cur.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(tables, who))
+
+
+_POWERFUL_ROLES = ("pg_read_all_data", "pg_write_all_data", "pg_read_server_files", "pg_write_server_files",
+                   "pg_execute_server_program")
+
+
+def _reader_problems(conn: psycopg.Connection[Any], schema: str) -> list[str]:
+    """What makes the connected role unfit to run ``sql()`` (empty when it is fit)."""
+    problems = []
+    attributes = conn.execute(
+        "SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls FROM pg_catalog.pg_roles "
+        "WHERE rolname = current_user").fetchone()
+    for flag, name in zip(attributes, ("SUPERUSER", "CREATEROLE", "CREATEDB", "REPLICATION", "BYPASSRLS")):
+        if flag:
+            problems.append(f"it has {name}")
+    member = conn.execute("SELECT rolname FROM pg_catalog.pg_roles WHERE rolname = ANY(%s) "
+                          "AND pg_catalog.pg_has_role(current_user, oid, 'USAGE') ORDER BY rolname",
+                          (list(_POWERFUL_ROLES),)).fetchall()
+    problems += [f"it has the privileges of {name}" for (name,) in member]
+    rows = conn.execute(
+        "SELECT c.relname, pg_catalog.has_table_privilege(c.oid, 'SELECT'), "
+        "pg_catalog.has_table_privilege(c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER') "
+        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = ANY(%s) ORDER BY c.relname",
+        (schema, readable_relations() + list(SECRET_TABLES))).fetchall()
+    problems += [f"it may write to {name}" for name, _, writes in rows if writes]
+    problems += [f"it may read {name}" for name, reads, _ in rows if reads and name in SECRET_TABLES]
+    return problems
+
+
+_SQLITE_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_SQLITE_PRAGMAS = {"table_info", "table_xinfo", "index_list", "index_info"}
+
+
+def _sqlite_authorizer(secrets_read: list[str]) -> Any:
+    """An authorizer that allows reading and nothing else; a read of a secret table is
+    refused and its name appended to ``secrets_read``."""
+
+    def authorize(action: int, arg1: Any, arg2: Any, dbname: Any, source: Any) -> int:
+        if action == sqlite3.SQLITE_READ and arg1 in SECRET_TABLES:
+            secrets_read.append(arg1)
+            return sqlite3.SQLITE_DENY
+        if action in _SQLITE_ALLOWED or action == sqlite3.SQLITE_PRAGMA and arg1 in _SQLITE_PRAGMAS:
+            return sqlite3.SQLITE_OK
+        return sqlite3.SQLITE_DENY
+
+    return authorize

@@ -1,0 +1,322 @@
+"""The ``dss`` command line (also ``python -m dss``).
+
+Every command takes ``--home`` (default ``DSS_HOME`` or ``./dss-data``) and ``--catalog-url``;
+tabular output has ``--json``; errors print ``error: <Kind>: <message>`` and exit with 1.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+
+from dss.core.version import VERSION
+from dss.catalog.database import catalog_errors, open_catalog
+from dss.cli.progress import bar
+from dss.core.config import StoreConfig, load_config
+from dss.core.crypto import read_master_key
+from dss.core.errors import DssError
+from dss.erasure import JobState, Plan
+from dss.store import Store
+
+
+class DssCommandError(click.ClickException):
+    def format_message(self) -> str:
+        return self.message
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+def _guard(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a DssError into a one-line message and exit status 1."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except DssError as exc:
+            raise DssCommandError(f"{exc.kind}: {exc}") from None
+
+    return wrapper
+
+
+class Context:
+    def __init__(self, home: str | None, catalog_url: str | None) -> None:
+        self.home = home
+        self.catalog_url = catalog_url
+
+    def config(self) -> StoreConfig:
+        return load_config(self.home, catalog_url=self.catalog_url)
+
+    def open(self) -> Store:
+        return Store(self.config())
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--home", envvar="DSS_HOME", default=None, help="Store folder [default: $DSS_HOME or ./dss-data].")
+@click.option("--catalog-url", envvar="DSS_CATALOG_URL", default=None,
+              help="SQLAlchemy URL of the catalog [default: SQLite in the store folder].")
+@click.version_option(VERSION, prog_name="dss")
+@click.pass_context
+def main(ctx: click.Context, home: str | None, catalog_url: str | None) -> None:
+    """dss: a dialogue state store for LLM inference."""
+    ctx.obj = Context(home, catalog_url)
+
+
+@main.command()
+@pass_ctx
+@_guard
+def demo(ctx: Context) -> None:
+    """Run a scripted multi-turn conversation (with rollback and branch) and show what was reused."""
+    from dss.cli.demo import run
+
+    click.echo(f"dss demo in {ctx.config().home}\n")
+    run(ctx.open, click.echo)
+
+
+@main.command()
+@click.option("--tenant", default=None, help="Only this tenant's sessions.")
+@click.option("--user", default=None, help="Only this user's sessions.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def sessions(ctx: Context, tenant: str | None, user: str | None, as_json: bool) -> None:
+    """List sessions with their owner, head and number of versions."""
+    with ctx.open() as store:
+        rows = [{"session_id": s.session_id, "tenant_id": s.tenant_id, "user_id": s.user_id,
+                 "layout": s.layout.name, "head": s.head_id, "versions": s.num_versions,
+                 "last_access": s.last_access} for s in store.sessions(tenant_id=tenant, user_id=user)]
+    _emit(rows, as_json)
+
+
+@main.command()
+@click.argument("session_id")
+@click.option("--tenant", default=None, help="Tenant of the session (needed if several tenants use the id).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def versions(ctx: Context, session_id: str, tenant: str | None, as_json: bool) -> None:
+    """List the versions of a session (the head is marked)."""
+    with ctx.open() as store:
+        rows = [{"version_id": v.version_id, "parent_id": v.parent_id, "tokens": v.num_tokens, "label": v.label,
+                 "head": v.is_head, "pinned": v.is_pinned, "created_at": v.created_at}
+                for v in store.versions(session_id, tenant_id=tenant)]
+    _emit(rows, as_json)
+
+
+@main.command()
+@click.argument("query")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--max-rows", default=10_000, show_default=True, help="Stop after this many rows.")
+@pass_ctx
+@_guard
+def sql(ctx: Context, query: str, as_json: bool, max_rows: int) -> None:
+    """Run a read-only SQL query on the catalog (views: session_summary, user_summary, tier_usage, ...)."""
+    with ctx.open() as store:
+        result = store.sql(query, max_rows=max_rows)
+    _emit([dict(zip(result.columns, row)) for row in result.rows], as_json, columns=result.columns)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def check(ctx: Context, as_json: bool) -> None:
+    """Verify every invariant of the store; exit 1 if any is broken."""
+    with ctx.open() as store:
+        problems = store.check()
+    if as_json:
+        click.echo(json.dumps({"ok": not problems, "problems": problems}))
+    elif problems:
+        for problem in problems:
+            click.echo(f"problem: {problem}")
+    else:
+        click.echo("ok: every invariant holds")
+    if problems:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def stats(ctx: Context, as_json: bool) -> None:
+    """Show how full each tier is."""
+    with ctx.open() as store:
+        data = store.stats()
+    rows = [{"tier": tier, **values} for tier, values in data.items()]
+    _emit(rows, as_json)
+
+
+@main.command("forget-user")
+@click.argument("user_id")
+@click.option("--tenant", default="default", show_default=True, help="The user's tenant.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed (counts and bytes per tier); change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Erase a user everywhere (key first), verify, and print the receipt."""
+    with ctx.open() as store:
+        plan = store.forget_user(user_id, tenant_id=tenant, dry_run=True)
+        if dry_run:
+            click.echo(plan.model_dump_json(exclude_none=True) if as_json else _describe_plan(plan))
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                raise DssCommandError("refusing to erase without --yes (stdin is not a terminal)")
+            click.echo(_describe_plan(plan), err=True)
+            click.confirm(f"Erase user {user_id!r} of tenant {tenant!r} for good?", abort=True, err=True)
+        with bar(len(JobState) - 1, f"erasing user {user_id!r}", quiet=as_json) as steps:
+            receipt = store.forget_user(user_id, tenant_id=tenant, progress=steps.begin)
+            steps.finish()
+    click.echo(receipt.model_dump_json(exclude_none=True, indent=None if as_json else 2))
+
+
+def _describe_plan(plan: Plan) -> str:
+    if not plan.user_known:
+        return f"user {plan.user_id!r} of tenant {plan.tenant_id!r} has no data in this store"
+    tiers = ", ".join(f"{tier}: {v.pages} pages, {v.bytes} bytes" for tier, v in plan.tiers.items())
+    return (f"user {plan.user_id!r} of tenant {plan.tenant_id!r}: {plan.sessions} sessions, "
+            f"{plan.versions} versions, {plan.pages} pages ({tiers}); data key "
+            f"{'present' if plan.key_present else 'absent'}")
+
+
+@main.command()
+@click.option("--tenant", default=None, help="Only this tenant's receipts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the full receipts).")
+@pass_ctx
+@_guard
+def audit(ctx: Context, tenant: str | None, as_json: bool) -> None:
+    """List erasure receipts."""
+    with ctx.open() as store:
+        entries = store.audit(tenant_id=tenant)
+    if as_json:
+        click.echo(json.dumps([e.model_dump(exclude_none=True) for e in entries]))
+        return
+    _emit([{"audit_id": e.audit_id, "kind": e.kind, "tenant_id": e.tenant_id, "user_id": e.user_id,
+            "created_at": e.created_at[:19], "pages": e.receipt.removed.pages,
+            "verified": e.receipt.verification.ok} for e in entries], False)
+
+
+@main.group()
+def db() -> None:
+    """Manage the catalog database."""
+
+
+@db.command()
+@pass_ctx
+@_guard
+def upgrade(ctx: Context) -> None:
+    """Apply pending catalog migrations (back the catalog up first)."""
+    config = ctx.config()
+    config.home.mkdir(parents=True, exist_ok=True)
+    catalog = open_catalog(config.url, fsync=config.fsync)
+    try:
+        with catalog_errors():
+            hex_key = config.master_key.get_secret_value() if config.master_key else None
+            with bar(len(catalog.pending_revisions()), "applying catalog migrations") as steps:
+                before, after = catalog.upgrade(read_master_key(config.master_key_file, config.home, hex_key),
+                                                progress=lambda revision: steps.advance(1, revision))
+    finally:
+        catalog.close()
+    if before == after:
+        click.echo(f"catalog already at revision {after}")
+    else:
+        click.echo(f"catalog upgraded from {before or 'empty'} to {after}")
+
+
+@db.command()
+@pass_ctx
+@_guard
+def current(ctx: Context) -> None:
+    """Print the catalog's schema revision."""
+    config = ctx.config()
+    catalog = open_catalog(config.url, fsync=config.fsync)
+    try:
+        with catalog_errors():
+            click.echo(catalog.revision() or "empty")
+    finally:
+        catalog.close()
+
+
+def _register_service_commands() -> None:
+    """``dss serve`` and its key management live with the service (:mod:`dss.cli.service`)."""
+    try:
+        from dss.cli.service import register
+    except ModuleNotFoundError as exc:
+        if exc.name != "dss.cli.service":
+            raise
+        return
+    register(main)
+
+
+_register_service_commands()
+
+
+def _store_options(group: click.Group) -> None:
+    """Let every command (and group) below ``dss`` take ``--home`` and ``--catalog-url`` after
+    its name as well (``dss sessions --home H``): given there, they override ``dss --home``.
+    A command with a ``--home`` of its own (``dss serve``) keeps it."""
+    for command in group.commands.values():
+        names = {name for param in command.params for name in param.opts}
+        if "--home" not in names:
+            command.params.append(click.Option(["--home"], default=None, expose_value=False, callback=_override,
+                                               help="Store folder [default: dss --home, $DSS_HOME or ./dss-data]."))
+        if "--catalog-url" not in names:
+            command.params.append(click.Option(["--catalog-url"], default=None, expose_value=False, callback=_override,
+                                               help="SQLAlchemy URL of the catalog [default: dss --catalog-url, "
+                                                    "$DSS_CATALOG_URL or SQLite in the store folder]."))
+        if isinstance(command, click.Group):
+            _store_options(command)
+
+
+def _override(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        setattr(ctx.find_object(Context), param.name or "", value)
+
+
+_store_options(main)
+
+
+def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:
+    if as_json:
+        click.echo(json.dumps(list(rows), default=_json_default, indent=None))
+        return
+    columns = list(columns or (rows[0].keys() if rows else []))
+    if not columns:
+        click.echo("(none)")
+        return
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dt.datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot encode {type(value).__name__}")

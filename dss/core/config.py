@@ -1,0 +1,120 @@
+"""Configuration: one validated object, read from arguments, ``DSS_*`` variables and a file.
+
+This is the only module that reads the environment. Precedence, highest first: keyword
+arguments, ``DSS_*`` environment variables, the TOML file named by ``DSS_CONFIG`` (else
+``dss.toml`` in the store folder, if present), the defaults below. Lower layers receive
+plain values from the resulting :class:`StoreConfig`; nothing mutates it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from dss.core.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"2 GB"``, ``"1048576"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 1073741824, '512MiB' or '2GB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class StoreConfig(BaseModel):
+    """Everything a store needs to open. Immutable once built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    home: Path = Field(description="Store folder: catalog (SQLite default), page files, keys.")
+    catalog_url: str | None = Field(None, description="SQLAlchemy URL of the catalog; default SQLite in home.")
+    host_bytes: int = Field(1 << 30, description="Capacity of the host (RAM) tier of each process, bytes.")
+    disk_bytes: int = Field(16 << 30, description="Capacity of the disk tier, bytes.")
+    master_key_file: Path | None = Field(None, description="File with the 32-byte master key that wraps every "
+                                         "user's data key; outside the store folder. Default ~/.config/dss/master.key.")
+    master_key: SecretStr | None = Field(None, description="The master key as 64 hex digits (instead of a file).")
+    encrypt: bool = Field(True, description="Seal pages and token histories at rest; off only for benchmarks.")
+    fsync: bool = Field(True, description="fsync page files and the catalog; turn off only for throwaway stores.")
+    segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
+    host_read_gbps: float = Field(8.0, gt=0, allow_inf_nan=False,
+                                  description="Estimated host-tier load bandwidth, GB/s.")
+    disk_read_gbps: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                  description="Estimated disk-tier load bandwidth, GB/s.")
+    recompute_tokens_per_s: float = Field(4000.0, gt=0, allow_inf_nan=False,
+                                          description="Estimated prefill speed, for load-or-recompute.")
+    sql_timeout_s: float = Field(10.0, gt=0, le=86_400, allow_inf_nan=False,
+                                 description="Time limit of one read-only SQL query, seconds.")
+    sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
+                                      "default: a role dss creates, which needs CREATEROLE for the catalog user.")
+
+    @field_validator("host_bytes", "disk_bytes", "segment_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+    @model_validator(mode="after")
+    def _sql_url_needs_postgresql(self) -> StoreConfig:
+        if self.sql_url is not None and self.url.startswith("sqlite"):
+            raise ValueError("sql_url applies to a PostgreSQL catalog only (catalog_url is SQLite)")
+        return self
+
+    @property
+    def url(self) -> str:
+        """The catalog URL, defaulting to SQLite in the store folder."""
+        return self.catalog_url or f"sqlite:///{self.home / 'catalog.db'}"
+
+
+
+_ENV = {
+    "DSS_HOME": "home",
+    "DSS_CATALOG_URL": "catalog_url",
+    "DSS_HOST_BYTES": "host_bytes",
+    "DSS_DISK_BYTES": "disk_bytes",
+    "DSS_MASTER_KEY_FILE": "master_key_file",
+    "DSS_MASTER_KEY": "master_key",
+    "DSS_ENCRYPT": "encrypt",
+    "DSS_FSYNC": "fsync",
+    "DSS_SEGMENT_BYTES": "segment_bytes",
+    "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",
+    "DSS_SQL_TIMEOUT_S": "sql_timeout_s",
+    "DSS_SQL_URL": "sql_url",
+}
+
+DEFAULT_HOME = "dss-data"
+
+
+def load_config(home: str | os.PathLike[str] | None = None, **overrides: Any) -> StoreConfig:
+    """Build a :class:`StoreConfig`; raises ``ConfigError`` naming the bad value."""
+    env = {field: os.environ[name] for name, field in _ENV.items() if os.environ.get(name)}
+    chosen_home = home if home is not None else overrides.pop("home", None) or env.get("home") or DEFAULT_HOME
+    if not isinstance(chosen_home, (str, os.PathLike)) or not str(chosen_home):
+        raise ConfigError(f"the store folder (home) must be a path, not {type(chosen_home).__name__}")
+    file_values: dict[str, Any] = {}
+    file_path = os.environ.get("DSS_CONFIG") or Path(chosen_home) / "dss.toml"
+    if os.environ.get("DSS_CONFIG") or Path(file_path).is_file():
+        try:
+            with open(file_path, "rb") as f:
+                file_values = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {file_path}: {exc}") from None
+    file_values.pop("server", None)  # the [server] table configures `dss serve`, not the store
+    values = {**file_values, **env, **{k: v for k, v in overrides.items() if v is not None}}
+    values["home"] = Path(chosen_home)
+    try:
+        return StoreConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid dss configuration: {problems}") from None

@@ -1,0 +1,146 @@
+"""What an erasure says: its plan, its job's states and document, the checks, the receipt.
+
+Small immutable types (pydantic, so the HTTP API documents them too); :mod:`dss.erase` runs
+the job. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dss.core.errors import CatalogCorrupt
+
+
+class JobState(StrEnum):
+    """Where an erasure job stands; each state is reached by one committed step."""
+
+    PLANNED = "planned"
+    KEY_DESTROYED = "key_destroyed"
+    CATALOG_PURGED = "catalog_purged"
+    FILES_DELETED = "files_deleted"
+    COMPACTED = "compacted"
+    DONE = "done"
+
+    @property
+    def next(self) -> JobState:
+        order = list(JobState)
+        return order[order.index(self) + 1]
+
+
+class _Value(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierCount(_Value):
+    """Pages and bytes of a namespace on one tier (and, on disk, its segment files)."""
+
+    pages: int = 0
+    bytes: int = 0
+    files: int | None = None
+
+
+class Plan(_Value):
+    """What forgetting a user removes (the dry run's answer; nothing changed)."""
+
+    tenant_id: str
+    user_id: str
+    user_known: bool
+    key_present: bool
+    sessions: int
+    versions: int
+    pages: int
+    tiers: dict[str, TierCount]
+
+
+class Needle(_Value):
+    """What a job keeps of a sampled page id: a prefix and a SHA-256 (see :mod:`dss.core.rawscan`)."""
+
+    prefix: str
+    sha256: str
+
+
+class Removed(_Value):
+    """What the purge deleted. ``files`` names the page files until they are deleted
+    (``None`` from then on: only their digests stay)."""
+
+    sessions: int
+    versions: int
+    pages: int
+    tiers: dict[str, TierCount]
+    page_ids_sha256: str
+    sample: list[Needle]
+    files: list[str] | None = None
+    file_digests: list[str] = []
+
+
+class Check(_Value):
+    """One look for the user's data, in one place."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+class Verification(_Value):
+    ok: bool
+    checks: list[Check]
+
+
+class RemovedCounts(_Value):
+    sessions: int
+    versions: int
+    pages: int
+    tiers: dict[str, TierCount]
+
+
+class Receipt(_Value):
+    """The proof an erasure ends with; kept in the audit table."""
+
+    kind: Literal["forget-user"] = "forget-user"
+    erasure_id: int
+    tenant_id: str
+    user_id: str
+    started_at: str
+    finished_at: str
+    user_known: bool
+    key_destroyed: bool
+    removed: RemovedCounts
+    page_ids_sha256: str
+    verification: Verification
+
+
+class Job(Plan):
+    """An erasure job's document, as the ``erasures`` row keeps it: the plan, then what each
+    step recorded."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    started_at: str
+    key_destroyed: bool = False
+    removed: Removed | None = None
+    receipt: Receipt | None = None
+
+
+class AuditEntry(_Value):
+    """An audit row: a receipt and when it was recorded."""
+
+    audit_id: int
+    kind: str
+    tenant_id: str
+    user_id: str
+    created_at: str
+    receipt: Receipt
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def stored(model: type[M], text: str) -> M:
+    """A receipt or job document as the catalog keeps it; ``CatalogCorrupt`` if it does not decode."""
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        raise CatalogCorrupt(f"a catalog row does not decode ({exc.errors()[0]['msg']}): the catalog is damaged") \
+            from None

@@ -1,0 +1,267 @@
+"""A client of ``dss serve`` with the API of the embedded store: switch with one line.
+
+    store = dss.open("dss-data")                                   # in this process
+    store = dss.connect("http://127.0.0.1:8077", api_key=KEY)      # through the service
+
+:class:`Client` has the methods of :class:`dss.Store` with the same arguments, results
+(:class:`~dss.Version`, :class:`~dss.Session`, :class:`~dss.ResumeResult`, :class:`~dss.SqlResult`)
+and errors (the same :class:`~dss.DssError` subclasses, with the store's messages). The
+differences are those of a shared service:
+
+* Every call acts in the API key's tenant; ``tenant_id`` defaults to it (``create_session``
+  and ``sessions`` included). An admin key may name another tenant to read it.
+* ``sql``, ``check`` and ``stats`` need an admin key (else ``Forbidden``).
+* Transport failures raise :class:`~dss.service.problems.Unavailable` (status 503). A timed-out
+  write may or may not have happened; nothing is retried once a request was sent.
+* A request carries at most the service's ``max_tokens`` tokens and ``max_body_bytes``
+  bytes (``PayloadTooLarge``); see :meth:`Client.info`.
+
+A client is thread-safe (one connection pool); close it, or use it as a context manager.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Self
+
+import httpx
+
+from dss.core.version import VERSION
+from dss.service import models as m
+from dss.core.errors import InvalidPage
+from dss.erasure import AuditEntry, Plan, Receipt
+from dss.service.problems import Unavailable, error_from_problem
+from dss.resume import Rates, ResumeResult
+from dss.service.config import default_api_key
+from dss.core.tokens import TokenInput, pack, unpack
+from dss.core.types import Layout, PageRef, Session, SqlResult, Version
+from dss.core.validate import check_flag, check_layout, check_page_ids, check_version_id
+
+
+class Client:
+    """A ``dss serve`` service seen through the :class:`dss.Store` API (see the module docstring).
+
+    ``api_key`` defaults to ``DSS_API_KEY``; ``timeout`` is seconds per request; ``retries``
+    re-attempts a connection that could not be made (nothing was sent, so this is safe for
+    writes); ``transport`` replaces the HTTP transport (tests).
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 60.0, retries: int = 2,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        api_key = api_key if api_key is not None else default_api_key()
+        headers = {"User-Agent": f"dss-client/{VERSION}"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                  transport=transport or httpx.HTTPTransport(retries=retries),
+                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self._rates: Rates | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Client({self.url!r})"
+
+    def close(self) -> None:
+        """Close the connection pool. Idempotent."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the service -----------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """``GET /healthz``: ``{"status": "ok", "version": ...}``; raises ``Unavailable`` when closing."""
+        return dict(self._call("GET", "/healthz"))
+
+    def info(self) -> dict[str, Any]:
+        """The key's tenant and admin flag, the service's limits and its resume rates."""
+        return dict(self._call("GET", "/v1/info"))
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def create_session(self, session_id: str, *, user_id: str = "anonymous", tenant_id: str | None = None,
+                       layout: Layout) -> Session:
+        """:meth:`dss.Store.create_session` in the key's tenant (idempotent for the same owner and layout)."""
+        body = {"session_id": session_id, "user_id": user_id, "layout": _layout(layout), "tenant_id": tenant_id}
+        return m.session_from(self._call("POST", "/v1/sessions", json=body))
+
+    def session(self, session_id: str, *, tenant_id: str | None = None) -> Session:
+        """:meth:`dss.Store.session`; raises ``UnknownSession``."""
+        return m.session_from(self._call("GET", "/v1/session", params=_params(session_id=session_id,
+                                                                               tenant_id=tenant_id)))
+
+    def sessions(self, *, tenant_id: str | None = None, user_id: str | None = None,
+                 all_tenants: bool = False) -> list[Session]:
+        """The key's tenant's sessions (``all_tenants``: every tenant's, admin key), oldest first."""
+        params = _params(tenant_id=tenant_id, user_id=user_id, all_tenants="true" if all_tenants else None)
+        return [m.session_from(s) for s in self._call("GET", "/v1/sessions", params=params)]
+
+    def delete_session(self, session_id: str, *, tenant_id: str | None = None) -> int:
+        """:meth:`dss.Store.delete_session`: the number of pages released."""
+        out = self._call("DELETE", "/v1/session", params=_params(session_id=session_id, tenant_id=tenant_id))
+        return int(out["num_pages_released"])
+
+    # -- versions --------------------------------------------------------------------------
+
+    def commit(self, session_id: str, tokens: TokenInput, pages: Mapping[int, bytes] | None = None, *,
+               label: str | None = None, tenant_id: str | None = None) -> Version:
+        """:meth:`dss.Store.commit`; returns once the service has made the version durable."""
+        body = {"session_id": session_id, "tokens": _token_list(tokens), "pages": _encode_pages(pages),
+                "label": label, "tenant_id": tenant_id}
+        return m.version_from(self._call("POST", "/v1/commit", json=body))
+
+    def save_pages(self, session_id: str | None, tokens: TokenInput, pages: Mapping[int, bytes], *,
+                   tenant_id: str | None = None, user_id: str | None = None, layout: Layout | None = None) -> int:
+        """:meth:`dss.Store.save_pages`: how many pages were new."""
+        body = {"session_id": session_id, "tokens": _token_list(tokens), "pages": _encode_pages(pages) or {},
+                "tenant_id": tenant_id, "user_id": user_id, "layout": _layout(layout) if layout is not None else None}
+        return int(self._call("POST", "/v1/pages", json=body)["num_new_pages"])
+
+    def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
+        """:meth:`dss.Store.rollback`: the version that is now the head."""
+        body = {"session_id": session_id, "version_id": check_version_id(version_id), "tenant_id": tenant_id}
+        return m.version_from(self._call("POST", "/v1/rollback", json=body))
+
+    def branch(self, session_id: str, version_id: int, new_session_id: str, *, tenant_id: str | None = None,
+               label: str | None = None) -> Session:
+        """:meth:`dss.Store.branch`: the new session."""
+        body = {"session_id": session_id, "version_id": check_version_id(version_id), "new_session_id": new_session_id,
+                "label": label, "tenant_id": tenant_id}
+        return m.session_from(self._call("POST", "/v1/branch", json=body))
+
+    def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
+        """:meth:`dss.Store.versions`, oldest first."""
+        rows = self._call("GET", "/v1/versions", params=_params(session_id=session_id, tenant_id=tenant_id))
+        return [m.version_from(v) for v in rows]
+
+    def tokens(self, session_id: str, version_id: int | None = None, *, tenant_id: str | None = None) -> list[int]:
+        """:meth:`dss.Store.tokens` (default the head)."""
+        if version_id is not None:
+            check_version_id(version_id)
+        params = _params(session_id=session_id, version_id=version_id, tenant_id=tenant_id)
+        return list(self._call("GET", "/v1/tokens", params=params)["tokens"])
+
+    def pin(self, session_id: str, version_id: int, *, pinned: bool = True, tenant_id: str | None = None) -> Version:
+        """:meth:`dss.Store.pin`."""
+        check_flag("pinned", pinned)
+        body = {"session_id": session_id, "version_id": check_version_id(version_id), "pinned": pinned,
+                "tenant_id": tenant_id}
+        return m.version_from(self._call("POST", "/v1/pin", json=body))
+
+    # -- resume and pages ------------------------------------------------------------------
+
+    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None) -> ResumeResult:
+        """:meth:`dss.Store.resume`."""
+        body = {"session_id": session_id, "tokens": _token_list(tokens), "tenant_id": tenant_id}
+        return m.resume_from(self._call("POST", "/v1/resume", json=body), self._resume_rates())
+
+    def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
+               tenant_id: str | None = None) -> ResumeResult:
+        """:meth:`dss.Store.lookup` in the key's tenant."""
+        body = {"tokens": _token_list(tokens), "layout": _layout(layout), "user_id": user_id, "tenant_id": tenant_id}
+        return m.resume_from(self._call("POST", "/v1/lookup", json=body), self._resume_rates())
+
+    def read_pages(self, pages: Sequence[PageRef | bytes]) -> list[bytes | None]:
+        """:meth:`dss.Store.read_pages`; ``None`` also for a page of another tenant."""
+        ids = [page_id.hex() for page_id in check_page_ids(pages)]
+        out = self._call("POST", "/v1/pages/read", json={"page_ids": ids})["pages"]
+        return [m.decode_pages({0: p})[0] if p is not None else None for p in out]
+
+    # -- erasure ---------------------------------------------------------------------------
+
+    def forget_user(self, user_id: str, *, tenant_id: str | None = None, dry_run: bool = False,
+                    progress: Callable[[str], None] | None = None) -> Receipt | Plan:
+        """:meth:`dss.Store.forget_user` in the key's tenant: the receipt (or, ``dry_run``, the plan).
+
+        The service does the whole erasure in one request; ``progress`` is called once, with
+        a summary, when it answers. An erasure that timed out resumes when called again.
+        """
+        check_flag("dry_run", dry_run)
+        body = {"user_id": user_id, "dry_run": dry_run, "tenant_id": tenant_id}
+        answer = self._call("POST", "/v1/forget_user", json=body)
+        if progress is not None:
+            progress(f"{'planned' if dry_run else 'erased'} user {user_id!r}")
+        return Plan.model_validate(answer) if dry_run else Receipt.model_validate(answer)
+
+    def audit(self, *, tenant_id: str | None = None, all_tenants: bool = False) -> list[AuditEntry]:
+        """:meth:`dss.Store.audit` of the key's tenant (``all_tenants``: every tenant's, admin key)."""
+        params = _params(tenant_id=tenant_id, all_tenants="true" if all_tenants else None)
+        return [AuditEntry.model_validate(entry) for entry in self._call("GET", "/v1/audit", params=params)]
+
+    # -- inspection (admin key) ------------------------------------------------------------
+
+    def sql(self, query: str, params: dict[str, Any] | None = None, *, max_rows: int = 10_000) -> SqlResult:
+        """:meth:`dss.Store.sql` (admin key)."""
+        return m.sql_from(self._call("POST", "/v1/sql", json={"query": query, "params": params, "max_rows": max_rows}))
+
+    def check(self) -> list[str]:
+        """:meth:`dss.Store.check` (admin key)."""
+        return list(self._call("GET", "/v1/check")["problems"])
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`dss.Store.stats` of the service's store (admin key)."""
+        return dict(self._call("GET", "/v1/stats"))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _resume_rates(self) -> Rates:
+        if self._rates is None:
+            rates = m.rates_from(self.info()["rates"])
+            with self._lock:
+                self._rates = rates
+        return self._rates
+
+    def _call(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None) -> Any:
+        """Send one request; the decoded JSON answer, or the ``DssError`` its problem details name."""
+        try:
+            response = self._http.request(method, path, json=json, params=params)
+        except httpx.TimeoutException as exc:
+            raise Unavailable(f"the dss service at {self.url} did not answer {method} {path} within "
+                              f"{self.timeout}s (a write may or may not have happened)") from exc
+        except httpx.TransportError as exc:
+            raise Unavailable(f"cannot reach the dss service at {self.url}: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                body: Any = response.json()
+            except ValueError:
+                body = response.text
+            raise error_from_problem(response.status_code, body)
+        return response.json()
+
+
+def _params(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _layout(layout: Any) -> dict[str, Any]:
+    return check_layout(layout).to_dict()
+
+
+def _token_list(tokens: TokenInput) -> list[int]:
+    """Tokens as a list of ints, refused here exactly as the store refuses them (``InvalidTokens``)."""
+    return unpack(pack(tokens))
+
+
+def _encode_pages(pages: Mapping[int, Any] | None) -> dict[str, str] | None:
+    """Page payloads as base64 keyed by index; ``InvalidPage`` for what cannot be sent."""
+    if pages is None:
+        return None
+    if not isinstance(pages, Mapping):
+        raise InvalidPage(f"pages must be a mapping of page index to bytes, not {type(pages).__name__}")
+    out: dict[str, str] = {}
+    for index, payload in pages.items():
+        if type(index) is not int:
+            raise InvalidPage(f"page index {index!r} is out of range: page indexes are ints")
+        try:
+            view = memoryview(payload)
+        except TypeError:
+            raise InvalidPage(f"page {index} must be bytes-like, not {type(payload).__name__}") from None
+        out[str(index)] = m.encode_page(view.tobytes()) or ""
+    return out

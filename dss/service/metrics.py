@@ -1,0 +1,129 @@
+"""Prometheus metrics of the service, in a registry of its own.
+
+Counters and histograms (updated as requests run):
+
+* ``dss_http_requests_total{method,route,status}``, ``dss_http_request_seconds{method,route}``,
+  ``dss_http_requests_in_flight`` — every request; ``route`` is the endpoint's path, or
+  ``unmatched`` for a path the API does not have (so labels stay bounded).
+* ``dss_resume_seconds`` — time the store took to answer a resume or lookup.
+* ``dss_resume_total{result="hit"|"miss"}`` — resumes that matched at least one page, or none.
+* ``dss_resume_prompt_tokens_total``, ``dss_resume_matched_tokens_total`` — their ratio is the
+  token hit rate.
+* ``dss_page_hits_total{tier}``, ``dss_page_misses_total{tier}`` — per full page of a resumed
+  prompt, looking tiers up fastest first: a hit on the fastest tier holding the page, a miss
+  on every faster tier; a page no tier holds is a miss on every tier.
+* ``dss_commits_total``, ``dss_committed_tokens_total`` — commits acknowledged.
+
+Gauges read from the store when scraped: ``dss_sessions``, ``dss_tier_pages{tier}``,
+``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``.
+
+No label ever carries a tenant, user or session id (erasure must leave none behind).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dss.core.errors import DssError
+from dss.resume import ResumeResult
+from dss.store import Store
+
+log = logging.getLogger("dss.service.server")
+
+HTTP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RESUME_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 1.0)
+UNMATCHED = "unmatched"
+
+
+class Metrics:
+    """The service's metrics; one instance per app, with its own registry."""
+
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.tiers = tuple(t for t in ("device", "host", "disk", "remote") if t in store.rates.tier_bytes_per_s)
+        r = self.registry
+        self.requests = Counter("dss_http_requests", "HTTP requests answered.", ["method", "route", "status"],
+                                registry=r)
+        self.latency = Histogram("dss_http_request_seconds", "Time to answer an HTTP request.", ["method", "route"],
+                                 buckets=HTTP_BUCKETS, registry=r)
+        self.in_flight = Gauge("dss_http_requests_in_flight", "HTTP requests being answered.", registry=r)
+        self.resume_seconds = Histogram("dss_resume_seconds", "Time the store took to answer a resume or lookup.",
+                                        buckets=RESUME_BUCKETS, registry=r)
+        self.resumes = Counter("dss_resume", "Resumes and lookups, by whether any page matched.", ["result"],
+                               registry=r)
+        self.prompt_tokens = Counter("dss_resume_prompt_tokens", "Prompt tokens resumes were asked about.",
+                                     registry=r)
+        self.matched_tokens = Counter("dss_resume_matched_tokens", "Prompt tokens resumes found stored KV for.",
+                                      registry=r)
+        self.page_hits = Counter("dss_page_hits", "Resumed pages found on a tier (the fastest holding them).",
+                                 ["tier"], registry=r)
+        self.page_misses = Counter("dss_page_misses", "Resumed pages a tier did not hold (and no faster tier).",
+                                   ["tier"], registry=r)
+        self.commits = Counter("dss_commits", "Commits acknowledged.", registry=r)
+        self.committed_tokens = Counter("dss_committed_tokens", "Tokens of acknowledged commits.", registry=r)
+        for result in ("hit", "miss"):
+            self.resumes.labels(result)
+        for tier in self.tiers:
+            self.page_hits.labels(tier)
+            self.page_misses.labels(tier)
+        r.register(StoreCollector(store, self.tiers))
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(method, route).observe(seconds)
+
+    def observe_resume(self, result: ResumeResult, seconds: float) -> None:
+        """Count one resume (or lookup) answer; see the module docstring for the page counts."""
+        self.resume_seconds.observe(seconds)
+        self.resumes.labels("hit" if result.matched_tokens else "miss").inc()
+        self.prompt_tokens.inc(result.num_prompt_tokens)
+        self.matched_tokens.inc(result.matched_tokens)
+        page_tokens = result.page_tokens
+        remaining = result.num_prompt_tokens // page_tokens
+        found = result.tiers
+        for tier in self.tiers:
+            hits = found.get(tier, 0) // page_tokens
+            remaining -= hits
+            if hits:
+                self.page_hits.labels(tier).inc(hits)
+            if remaining:
+                self.page_misses.labels(tier).inc(remaining)
+
+    def observe_commit(self, num_tokens: int) -> None:
+        self.commits.inc()
+        self.committed_tokens.inc(num_tokens)
+
+
+class StoreCollector(Collector):
+    """Gauges read from the store at scrape time: sessions, and pages and bytes per tier."""
+
+    def __init__(self, store: Store, tiers: tuple[str, ...]) -> None:
+        self.store = store
+        self.tiers = tiers
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        sessions = GaugeMetricFamily("dss_sessions", "Sessions in the store (every tenant).")
+        pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
+        size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
+        capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
+        try:
+            stats = self.store.stats()
+            num_sessions = self.store.count_sessions()
+        except DssError as exc:  # a scrape must not fail because the store is closing
+            log.warning("metrics: cannot read the store: %s", exc)
+            return
+        sessions.add_metric([], num_sessions)
+        for tier in self.tiers:
+            if tier in stats:
+                pages.add_metric([tier], stats[tier]["pages"])
+                size.add_metric([tier], stats[tier]["bytes"])
+                capacity.add_metric([tier], stats[tier]["capacity"])
+        yield from (sessions, pages, size, capacity)

@@ -1,0 +1,406 @@
+"""The HTTP API's wire format: pydantic request and response models, and conversions.
+
+Requests are validated here (types, token ids in ``[0, 2**32)``); everything about meaning
+(names, layouts, page sizes, versions) is left to the store, so the service raises exactly
+the errors the embedded store raises. Responses are built from dss's value types by the
+``*_out`` functions and turned back into them by the client with the ``*_from`` functions;
+the two are inverse (``session_from(session_out(s)) == s``).
+
+Binary data travels as standard base64 (page payloads) or lowercase hex (page ids). SQL
+result cells that JSON cannot carry exactly are tagged: ``{"type": "bytes", "value":
+<base64>}``, ``{"type": "float", "value": "nan" | "inf" | "-inf"}``, ``{"type": "datetime" |
+"date" | "time" | "decimal", "value": <ISO text>}``, ``{"type": "json", "value": <JSON text>}``
+(PostgreSQL json and arrays), and ``{"type": "text", ...}`` for anything else.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import decimal
+import json
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from dss.core.errors import InvalidPage
+from dss.resume import Rates, ResumeResult
+from dss.core.tokens import MAX_TOKEN
+from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN)]
+Tokens = Annotated[list[TokenId], Field(description="Token ids in [0, 2**32); at most the server's max_tokens "
+                                                    "(see /v1/info).")]
+PageData = Annotated[str, Field(description="A page payload, standard base64.")]
+PageIdHex = Annotated[str, Field(pattern=r"^([0-9a-fA-F]{2}){0,64}$", description="A page id, hex.")]
+Int64 = Annotated[int, Field(strict=True, ge=-(1 << 63), le=(1 << 63) - 1)]
+SqlParam = None | StrictBool | Int64 | float | StrictStr
+TenantField = Annotated[str | None, Field(description="Tenant to act in; default the API key's own. Only admin keys "
+                                                      "may name another tenant, and only to read.")]
+
+
+class _Model(BaseModel):
+    """A request body: unknown fields are refused, and so is text that is not valid Unicode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
+
+
+class _Out(BaseModel):
+    """A response body."""
+
+
+class LayoutModel(BaseModel):
+    """A page layout: ``name``, ``page_tokens``, ``page_bytes`` and free-form scalar fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
+
+    name: str
+    page_tokens: StrictInt
+    page_bytes: StrictInt
+
+
+class TaggedValue(_Out):
+    """An SQL cell JSON cannot carry as is (see the module docstring)."""
+
+    type: Literal["bytes", "float", "datetime", "date", "time", "decimal", "json", "text"]
+    value: str
+
+
+SqlCell = None | bool | int | float | str | TaggedValue
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class CreateSessionIn(_Model):
+    session_id: str
+    user_id: str = "anonymous"
+    layout: LayoutModel
+    tenant_id: TenantField = None
+
+
+class CommitIn(_Model):
+    session_id: str
+    tokens: Tokens
+    pages: dict[int, PageData] | None = Field(None, description="Page index -> payload; only full pages.")
+    label: str | None = None
+    tenant_id: TenantField = None
+
+
+class SavePagesIn(_Model):
+    session_id: str | None = Field(description="The session, or null to keep the pages for (user_id, layout).")
+    tokens: Tokens
+    pages: dict[int, PageData]
+    user_id: str | None = None
+    layout: LayoutModel | None = None
+    tenant_id: TenantField = None
+
+
+class ResumeIn(_Model):
+    session_id: str
+    tokens: Tokens
+    tenant_id: TenantField = None
+
+
+class LookupIn(_Model):
+    tokens: Tokens
+    layout: LayoutModel
+    user_id: str = "anonymous"
+    tenant_id: TenantField = None
+
+
+class RollbackIn(_Model):
+    session_id: str
+    version_id: StrictInt
+    tenant_id: TenantField = None
+
+
+class BranchIn(_Model):
+    session_id: str
+    version_id: StrictInt
+    new_session_id: str
+    label: str | None = None
+    tenant_id: TenantField = None
+
+
+class PinIn(_Model):
+    session_id: str
+    version_id: StrictInt
+    pinned: StrictBool = True
+    tenant_id: TenantField = None
+
+
+class ForgetUserIn(_Model):
+    user_id: str
+    dry_run: StrictBool = False
+    tenant_id: TenantField = None
+
+
+class ReadPagesIn(_Model):
+    page_ids: list[PageIdHex]
+
+
+class SqlIn(_Model):
+    query: str
+    params: dict[str, SqlParam] | None = None
+    max_rows: int = Field(10_000, ge=1, le=100_000)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class SessionOut(_Out):
+    session_id: str
+    tenant_id: str
+    user_id: str
+    layout: LayoutModel
+    head_id: int | None
+    num_versions: int
+    created_at: dt.datetime
+    last_access: dt.datetime
+
+
+class VersionOut(_Out):
+    version_id: int
+    session_id: str
+    parent_id: int | None
+    num_tokens: int
+    created_at: dt.datetime
+    label: str | None
+    is_head: bool
+    is_pinned: bool
+
+
+class DeleteOut(_Out):
+    session_id: str
+    num_pages_released: int
+
+
+class TokensOut(_Out):
+    session_id: str
+    version_id: int | None
+    tokens: list[int]
+
+
+class SavePagesOut(_Out):
+    num_new_pages: int
+
+
+class PageRefOut(_Out):
+    index: int
+    page_id: str
+    tier: str
+
+
+class ResumeOut(_Out):
+    session_id: str | None
+    version_id: int | None
+    matched_tokens: int
+    num_prompt_tokens: int
+    num_history_tokens: int
+    num_new_tokens: int
+    page_tokens: int
+    page_bytes: int
+    tiers: dict[str, int]
+    load_seconds: float
+    recompute_seconds: float
+    should_load: bool
+    pages: list[PageRefOut]
+
+
+class ReadPagesOut(_Out):
+    pages: list[PageData | None]
+
+
+class SqlOut(_Out):
+    columns: list[str]
+    rows: list[list[SqlCell]]
+
+
+class CheckOut(_Out):
+    problems: list[str]
+
+
+class RatesOut(_Out):
+    tier_bytes_per_s: dict[str, float]
+    recompute_tokens_per_s: float
+
+
+class LimitsOut(_Out):
+    max_body_bytes: int
+    max_tokens: int
+
+
+class InfoOut(_Out):
+    version: str
+    key_id: str
+    tenant_id: str
+    is_admin: bool
+    limits: LimitsOut
+    rates: RatesOut
+
+
+class HealthOut(_Out):
+    status: Literal["ok"]
+    version: str
+
+
+class ProblemOut(BaseModel):
+    """RFC 9457 problem details; ``kind`` is the ``DssError`` class name."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    kind: str
+
+
+# -- conversions -------------------------------------------------------------------------------
+
+
+_SKIPPED = frozenset({"tokens", "pages", "page_ids"})
+"""Request fields that hold no free text (validated by type, pattern or base64 instead)."""
+
+
+def _check_unicode(data: Any) -> None:
+    """Raise ``ValueError`` for a string (key or value) that UTF-8 cannot encode (a lone surrogate,
+    which JSON's ``\\ud800`` escapes can carry): no catalog could store it, no response could carry it."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            _check_unicode(key)
+            if key not in _SKIPPED:
+                _check_unicode(value)
+    elif isinstance(data, list):
+        for value in data:
+            _check_unicode(value)
+
+
+def layout_of(model: LayoutModel) -> Layout:
+    """The :class:`Layout` a request names; raises ``InvalidLayout``."""
+    return Layout.from_dict(model.model_dump())
+
+
+def session_out(s: Session) -> dict[str, Any]:
+    return {"session_id": s.session_id, "tenant_id": s.tenant_id, "user_id": s.user_id, "layout": s.layout.to_dict(),
+            "head_id": s.head_id, "num_versions": s.num_versions, "created_at": s.created_at,
+            "last_access": s.last_access}
+
+
+def session_from(d: dict[str, Any]) -> Session:
+    return Session(d["session_id"], d["tenant_id"], d["user_id"], Layout.from_dict(d["layout"]),
+                   _vid(d["head_id"]), d["num_versions"], _time(d["created_at"]), _time(d["last_access"]))
+
+
+def version_out(v: Version) -> dict[str, Any]:
+    return {"version_id": v.version_id, "session_id": v.session_id, "parent_id": v.parent_id,
+            "num_tokens": v.num_tokens, "created_at": v.created_at, "label": v.label, "is_head": v.is_head,
+            "is_pinned": v.is_pinned}
+
+
+def version_from(d: dict[str, Any]) -> Version:
+    return Version(VersionId(d["version_id"]), d["session_id"], _vid(d["parent_id"]), d["num_tokens"],
+                   _time(d["created_at"]), d["label"], d["is_head"], d["is_pinned"])
+
+
+def resume_out(r: ResumeResult) -> dict[str, Any]:
+    return {"session_id": r.session_id, "version_id": r.version_id, "matched_tokens": r.matched_tokens,
+            "num_prompt_tokens": r.num_prompt_tokens, "num_history_tokens": r.num_history_tokens,
+            "num_new_tokens": r.num_new_tokens, "page_tokens": r.page_tokens, "page_bytes": r.page_bytes,
+            "tiers": r.tiers, "load_seconds": r.load_seconds, "recompute_seconds": r.recompute_seconds,
+            "should_load": r.should_load,
+            "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages]}
+
+
+def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
+    pages = [PageRef(p["index"], PageId(bytes.fromhex(p["page_id"])), p["tier"]) for p in d["pages"]]
+    return ResumeResult(d["session_id"], _vid(d["version_id"]), d["matched_tokens"], d["num_prompt_tokens"],
+                        d["num_history_tokens"], d["page_tokens"], d["page_bytes"], pages=pages, rates=rates)
+
+
+def rates_out(rates: Rates) -> dict[str, Any]:
+    return {"tier_bytes_per_s": dict(rates.tier_bytes_per_s), "recompute_tokens_per_s": rates.recompute_tokens_per_s}
+
+
+def rates_from(d: dict[str, Any]) -> Rates:
+    return Rates(dict(d["tier_bytes_per_s"]), d["recompute_tokens_per_s"])
+
+
+def encode_page(payload: bytes | None) -> str | None:
+    return None if payload is None else base64.b64encode(payload).decode("ascii")
+
+
+def decode_pages(pages: dict[int, str]) -> dict[int, bytes]:
+    """Page payloads from base64; raises ``InvalidPage`` naming the first that is not base64."""
+    out: dict[int, bytes] = {}
+    for index, text in pages.items():
+        try:
+            out[index] = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidPage(f"page {index} is not valid base64") from None
+    return out
+
+
+def sql_out(result: SqlResult) -> dict[str, Any]:
+    return {"columns": list(result.columns), "rows": [[_cell_out(v) for v in row] for row in result.rows]}
+
+
+def sql_from(d: dict[str, Any]) -> SqlResult:
+    return SqlResult(list(d["columns"]), [tuple(_cell_from(v) for v in row) for row in d["rows"]])
+
+
+def _cell_out(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"type": "float", "value": str(value)}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"type": "bytes", "value": base64.b64encode(bytes(value)).decode("ascii")}
+    for kind, cls in (("datetime", dt.datetime), ("date", dt.date), ("time", dt.time)):
+        if isinstance(value, cls):
+            return {"type": kind, "value": value.isoformat()}
+    if isinstance(value, decimal.Decimal):
+        return {"type": "decimal", "value": str(value)}
+    if isinstance(value, (dict, list)):  # PostgreSQL json, jsonb and arrays
+        try:
+            return {"type": "json", "value": json.dumps(value, allow_nan=False)}
+        except (TypeError, ValueError):
+            pass  # it holds what JSON cannot carry (dates, NaN): as text, below
+    return {"type": "text", "value": str(value)}
+
+
+_CELL_DECODERS: dict[str, Any] = {
+    "bytes": base64.b64decode, "float": float, "datetime": dt.datetime.fromisoformat, "date": dt.date.fromisoformat,
+    "time": dt.time.fromisoformat, "decimal": decimal.Decimal, "text": str, "json": json.loads,
+}
+
+
+def _cell_from(value: Any) -> Any:
+    if isinstance(value, dict):
+        return _CELL_DECODERS[value["type"]](value["value"])
+    return value
+
+
+def _vid(value: int | None) -> VersionId | None:
+    return VersionId(value) if value is not None else None
+
+
+def _time(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value)
