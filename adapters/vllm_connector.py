@@ -13,16 +13,18 @@ Enable it with::
 (or ``vllm serve MODEL --kv-transfer-config '{...}'``), and send each request's session and
 namespace in ``SamplingParams(extra_args={"kv_transfer_params": {"dss": {"session_id":
 "chat-1", "tenant_id": "acme", "user_id": "u42"}}})``. The options are described in
-:mod:`dss_adapters.vllm_settings`, the page format in :mod:`dss_adapters.vllm_layout`.
+:mod:`dss_adapters.vllm_settings`, the page format in :mod:`dss_adapters.vllm_layout`, the
+metrics in :mod:`dss_adapters.vllm_metrics`.
 
-vLLM builds two instances: the scheduler role (:mod:`dss_adapters.vllm_scheduler`) and the
-worker role (:mod:`dss_adapters.vllm_worker`), in different processes unless
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``. Each opens the store folder itself; they share
-nothing else but the metadata vLLM carries between them.
+vLLM builds one scheduler-role instance (:mod:`dss_adapters.vllm_scheduler`) and one
+worker-role instance per worker (:mod:`dss_adapters.vllm_worker`: each tensor-parallel rank
+and pipeline stage), in different processes unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+Each opens the store folder itself; they share nothing else but the metadata vLLM carries
+between them. The connector supports vLLM's hybrid KV cache manager (full-attention and
+sliding-window groups); models it cannot serve are refused at start with a
+``dss.ConfigError`` naming the feature.
 
-Loads are synchronous (the pages are in the blocks before the step's forward); saves are
-copied out of the KV cache after the forward and written by a background thread. A
-finished request's output ``kv_transfer_params`` holds ``{"dss": {"session_id",
+A finished request's output ``kv_transfer_params`` holds ``{"dss": {"session_id",
 "version_id", "num_tokens", "loaded_tokens"}}`` (``version_id`` of the version committed).
 """
 
@@ -30,8 +32,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dss_adapters.vllm_layout import engine_layout
-from dss_adapters.vllm_meta import DssConnectorMetadata
+from dss_adapters.vllm_layout import (
+    attention_spec,
+    engine_layouts,
+    engine_shards,
+    page_layers,
+    shard_layout,
+    stage_layers,
+)
+from dss_adapters.vllm_meta import DssConnectorMetadata, ShardHandshake
+from dss_adapters.vllm_metrics import DssConnectorStats, DssPromMetrics
 from dss_adapters.vllm_scheduler import SchedulerSide
 from dss_adapters.vllm_settings import Settings
 from dss_adapters.vllm_worker import WorkerSide
@@ -39,26 +49,31 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 
 import dss
+from dss import ConfigError
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = init_logger("vllm.dss.connector")
 
 
-class DssConnector(KVConnectorBase_V1):
+class DssConnector(KVConnectorBase_V1, SupportsHMA):
     """The dss KV connector (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -68,15 +83,34 @@ class DssConnector(KVConnectorBase_V1):
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a dss page that cannot be read fails "
                         "its request instead of being recomputed")
-        self.layout = engine_layout(vllm_config, kv_cache_config, self.settings)
-        self.store = dss.open(self.settings.store, **self.settings.store_options)
+        attention_spec(kv_cache_config)
+        shards = engine_shards(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.settings, self.layout, self.store)
+            layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
+            self.layout = layouts[0]
+            self.store = dss.open(self.settings.store, **self.settings.store_options)
+            self._scheduler = SchedulerSide(self.settings, layouts, shards, len(kv_cache_config.kv_cache_groups),
+                                            self.store)
         else:
-            self._worker = WorkerSide(self.settings, self.layout, self.store, kv_cache_config)
+            tp_rank, pp_rank = _worker_ranks()
+            layers = page_layers(kv_cache_config)
+            if stage_layers(vllm_config, kv_cache_config, pp_rank) != layers:
+                raise ConfigError(f"the attention layers of pipeline stage {pp_rank} are not the ones its index "
+                                  "range names; the dss connector serves this model without pipeline parallelism")
+            shard = shards.index(tp_rank, pp_rank)
+            self.layout = shard_layout(vllm_config, kv_cache_config, self.settings, shards, shard, layers)
+            self.store = dss.open(self.settings.store, **self.settings.store_options)
+            self._worker = WorkerSide(self.settings, self.layout, self.store, layers, kv_cache_config.num_blocks,
+                                      shard=shard, is_saver=shards.is_saver(tp_rank))
         log.info("dss connector (%s) on %s, layout %s", role.name.lower(), self.settings.store, self.layout)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """On CUDA, loads and saves run layer by layer around each attention layer: those hooks
+        must run between CUDA graph pieces, never be skipped by a graph replay."""
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -84,7 +118,7 @@ class DssConnector(KVConnectorBase_V1):
         return False
 
     def shutdown(self) -> None:
-        """Write what the worker still holds, then close the store."""
+        """Finish the worker's loads and writes, then close the store."""
         if self._worker is not None:
             self._worker.close()
         self.store.close()
@@ -95,27 +129,37 @@ class DssConnector(KVConnectorBase_V1):
         self._worker_side().register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker_side().load(self._meta())
+        self._worker_side().start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: :meth:`start_load_kv` loads every layer before the forward."""
+        self._worker_side().wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Nothing per layer: :meth:`wait_for_save` copies whole blocks of every layer."""
+        self._worker_side().save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self._worker_side().save(self._meta())
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        idle = self.has_connector_metadata() and self._meta().idle
+        done, failed = self._worker_side().transfer_results(finished_req_ids, idle=idle)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._worker_side().forget(finished_req_ids)
-        return None, None
+        done, _ = self._worker_side().transfer_results(finished_req_ids)
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker_side().take_worker_meta()
+
+    def get_handshake_metadata(self) -> ShardHandshake | None:
+        """This worker's shard and layout, for the scheduler at start."""
+        worker = self._worker_side()
+        return ShardHandshake(worker.shard, self.layout.to_dict())
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -125,6 +169,20 @@ class DssConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        sources = self._scheduler_side().hit_sources(request)
+        if sum(sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {CacheHitSource(tier): count for tier, count in sources.items()}
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._scheduler_side().take_handshakes(m for m in metadata.values() if isinstance(m, ShardHandshake))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._scheduler_side().take_handshakes(m for m in metadata.values() if isinstance(m, ShardHandshake))
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)
 
@@ -133,6 +191,26 @@ class DssConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, self._scheduler_side().finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler_side().finished(request)
+
+    # -- metrics (both sides) --------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        assert side is not None
+        return side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return DssConnectorStats(data=data) if data is not None else DssConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> DssPromMetrics:
+        return DssPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -148,3 +226,10 @@ class DssConnector(KVConnectorBase_V1):
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side hook was called on the worker-side connector"
         return self._scheduler
+
+
+def _worker_ranks() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and pipeline stage."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group

@@ -1,14 +1,25 @@
-"""The dss page layout of a vLLM engine: what the bytes of one page (one KV block) mean.
+"""The dss page layouts of a vLLM engine: what the bytes of one page (one KV block) mean.
 
-A page is one vLLM KV-cache block for every attention layer, in layer order, each layer's
-block copied as opaque bytes exactly as the attention backend packed it. On the CPU
-backend the packing depends on the attention ISA (``vec``, ``amx``, ...), so the layout
-records it, together with the model, its revision, dtypes, block size, layer and head
-shapes and the vLLM version: any change of them gives another layout, and pages of
-another layout never match (a miss, never wrong KV).
+A page is one vLLM KV-cache block of every attention layer a worker holds, in layer order,
+each layer's block copied as opaque bytes exactly as the attention backend packed it. With
+the hybrid KV cache manager a model's layers fall into several KV cache groups (full
+attention, sliding window), each with its own block table; a page still holds every layer,
+each from its own group's block of the page's tokens.
 
-The scheduler and the worker build the layout independently, in different processes, from
-the same configuration; :func:`engine_layout` is deterministic for that reason.
+Parallel workers hold different bytes of the same tokens, so each gets a layout of its own,
+a **shard**: tensor-parallel ranks hold their KV heads (``tp_shard`` of ``tp_shards``; ranks
+that hold identical KV, such as MLA or more ranks than KV heads, share one shard), and
+pipeline stages hold their layers (``pp_rank`` of ``pp_size``). Shard ``pp_rank *
+tp_shards + tp_shard`` is the index used everywhere in the connector; shard 0's layout is
+the one sessions are created with.
+
+On the CPU backend the packing depends on the attention ISA (``vec``, ``amx``, ...), so the
+layout records it, together with the model, its revision, dtypes, block size, layer kinds
+and head shapes, the parallel configuration and the vLLM version: any change of them gives
+another layout, and pages of another layout never match (a miss, never wrong KV).
+
+The scheduler and the workers build the layouts independently, in different processes,
+from the same configuration; everything here is deterministic for that reason.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,65 +44,188 @@ LAYOUT_NAME = "vllm"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
-def attention_spec(kv_cache_config: KVCacheConfig) -> AttentionSpec:
-    """The model's one KV spec, full attention (MLA included); ``ConfigError`` for anything else.
+@dataclass(frozen=True, slots=True)
+class PageLayer:
+    """One attention layer of a page: its name and the KV cache group whose block table it uses."""
 
-    Sliding-window, chunked-local and hybrid (Mamba) caches free or reuse blocks of old
-    tokens, so a block table would not hold every page of a prompt.
+    name: str
+    group: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """How the engine's KV is split over workers (see the module docstring)."""
+
+    tp_size: int
+    tp_shards: int
+    pp_size: int
+
+    @property
+    def count(self) -> int:
+        return self.tp_shards * self.pp_size
+
+    def index(self, tp_rank: int, pp_rank: int) -> int:
+        """The shard of a worker (``tp_rank`` in its stage, ``pp_rank``)."""
+        return pp_rank * self.tp_shards + tp_rank // (self.tp_size // self.tp_shards)
+
+    def is_saver(self, tp_rank: int) -> bool:
+        """Whether this worker writes its shard (the first of the ranks that hold it)."""
+        return tp_rank % (self.tp_size // self.tp_shards) == 0
+
+
+def group_kinds(kv_cache_config: KVCacheConfig) -> list[str]:
+    """Each KV cache group's kind: ``"full"`` or ``"sliding:<window>"``; ``ConfigError`` for others.
+
+    Full attention (MLA included, and sliding-window layers that vLLM keeps whole when the
+    hybrid manager is off) and sliding-window groups are served. State-space (Mamba, linear
+    attention), chunked local, cross and encoder-only attention are refused: their blocks
+    do not hold the KV of a prompt's tokens page by page.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
 
-    groups = kv_cache_config.kv_cache_groups
-    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise ConfigError("the dss connector supports models whose KV cache is one group of full attention "
-                          f"layers; this model has {len(groups)} group(s) of {', '.join(kinds)}")
-    return spec  # type: ignore[return-value]
+    kinds = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
+            kinds.append(f"sliding:{spec.sliding_window}")
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and spec.attention_chunk_size is None:
+            kinds.append("full")
+        else:
+            raise ConfigError(f"the dss connector does not support {_feature(spec)} (KV cache spec "
+                              f"{type(spec).__name__}); it serves full-attention and sliding-window attention layers")
+        if not group.enable_kv_transfer:
+            raise ConfigError(f"the dss connector does not support KV cache groups that vLLM keeps out of KV "
+                              f"transfer ({type(spec).__name__})")
+    return kinds
+
+
+def _feature(spec: Any) -> str:
+    """The model feature a KV cache spec stands for, in words."""
+    name = type(spec).__name__
+    if "Mamba" in name:
+        return "hybrid models with state-space (Mamba / linear-attention) layers"
+    if "ChunkedLocal" in name or getattr(spec, "attention_chunk_size", None):
+        return "chunked local attention"
+    if "Cross" in name or "Encoder" in name:
+        return "encoder-decoder models (cross or encoder-only attention)"
+    return f"{name} KV caches"
+
+
+def attention_spec(kv_cache_config: KVCacheConfig) -> AttentionSpec:
+    """The attention spec shared by every group (the block shape of a layer); ``ConfigError``
+    when the model is not served (see :func:`group_kinds`) or groups differ in block shape."""
+    group_kinds(kv_cache_config)
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    first = specs[0]
+    for spec in specs[1:]:
+        if (spec.block_size, spec.page_size_bytes) != (first.block_size, first.page_size_bytes):
+            raise ConfigError("the dss connector needs KV blocks of one size and token count in every KV cache group")
+    return first  # type: ignore[return-value]
+
+
+def page_layers(kv_cache_config: KVCacheConfig, names: set[str] | None = None) -> list[PageLayer]:
+    """Attention layers in model order (by layer index, then name), each with its group: the
+    order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
+    layers = [PageLayer(name, g) for g, group in enumerate(kv_cache_config.kv_cache_groups)
+              for name in group.layer_names if names is None or name in names]
+    return sorted(layers, key=lambda layer: _natural_key(layer.name))
 
 
 def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
-    """Attention layer names in model order (by layer index, then name): the order of a page's parts."""
-    names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-    return sorted(names, key=_natural_key)
+    """Attention layer names in model order."""
+    return [layer.name for layer in page_layers(kv_cache_config)]
 
 
-def engine_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings) -> dss.Layout:
-    """The layout of this engine's pages (see the module docstring).
+def engine_shards(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Shards:
+    """The engine's shards; ``ConfigError`` for parallel layouts the connector does not serve."""
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) not in (1, None):
+            raise ConfigError(f"the dss connector does not support context parallelism ({name}="
+                              f"{getattr(parallel, name)}); it serves tensor and pipeline parallelism")
+    replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
+    tp = parallel.tensor_parallel_size
+    if tp % replicas:
+        raise ConfigError(f"tensor_parallel_size={tp} is not a multiple of the KV replicas per shard ({replicas})")
+    return Shards(tp, tp // replicas, parallel.pipeline_parallel_size)
 
-    Raises ``ConfigError`` for configurations the connector cannot serve (tensor or pipeline
-    parallelism, hybrid KV caches) and when ``settings.page_bytes`` is set and differs.
+
+def stage_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> list[PageLayer]:
+    """The attention layers pipeline stage ``pp_rank`` holds (every layer without pipeline parallelism)."""
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    if pp_size == 1:
+        return page_layers(kv_cache_config)
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    start, end = get_pp_indices(total, pp_rank, pp_size)
+    names = set()
+    for layer in page_layers(kv_cache_config):
+        try:
+            index = extract_layer_index(layer.name)
+        except (AssertionError, ValueError):
+            raise ConfigError(f"cannot tell the pipeline stage of layer {layer.name!r}; the dss connector "
+                              "serves this model without pipeline parallelism only") from None
+        if start <= index < end:
+            names.add(layer.name)
+    return page_layers(kv_cache_config, names)
+
+
+def shard_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings, shards: Shards,
+                 shard: int, layers: list[PageLayer]) -> dss.Layout:
+    """The layout of one shard's pages (see the module docstring).
+
+    Raises ``ConfigError`` for models the connector cannot serve, and when
+    ``settings.page_bytes`` is set and differs from this shard's page size.
     """
     import vllm
     from vllm.platforms import current_platform
 
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError("the dss connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
     spec = attention_spec(kv_cache_config)
+    kinds = group_kinds(kv_cache_config)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    names = layer_names(kv_cache_config)
-    page_bytes = spec.page_size_bytes * len(names)
+    page_bytes = spec.page_size_bytes * len(layers)
     if settings.page_bytes is not None and settings.page_bytes != page_bytes:
         raise ConfigError(f"pages of this model have {page_bytes} bytes, but the dss connector is configured "
                           f"with page_bytes={settings.page_bytes}")
-    dtype = str(spec.dtype).removeprefix("torch.")
+    layer_kinds = [kinds[layer.group] for layer in layers]
     return dss.Layout(
         LAYOUT_NAME, spec.block_size, page_bytes,
         model=str(model.model),
         revision=settings.model_revision or model.revision or model_fingerprint(str(model.model)),
         dtype=str(model.dtype).removeprefix("torch."),
-        kv_dtype=dtype,
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
         kv_cache_dtype=str(cache.cache_dtype),
-        num_layers=len(names),
+        num_layers=len(layers),
+        attention="full" if set(layer_kinds) == {"full"} else ",".join(layer_kinds),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         head_size_v=getattr(spec, "head_size_v", spec.head_size),
+        tp_size=shards.tp_size,
+        tp_shard=shard % shards.tp_shards,
+        pp_size=shards.pp_size,
+        pp_rank=shard // shards.tp_shards,
         backend=attention_backend(vllm_config, spec),
         platform=str(current_platform.device_name),
         vllm=str(vllm.__version__),
     )
+
+
+def engine_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings) -> list[dss.Layout]:
+    """The layouts of pipeline stage 0's shards, by shard index: what the scheduler can tell from
+    its own KV cache config (vLLM hands it stage 0's). Later stages' layouts come from their
+    workers at start (:class:`ShardHandshake`)."""
+    shards = engine_shards(vllm_config, kv_cache_config)
+    layers = stage_layers(vllm_config, kv_cache_config, 0)
+    return [shard_layout(vllm_config, kv_cache_config, settings, shards, tp_shard, layers)
+            for tp_shard in range(shards.tp_shards)]
 
 
 def attention_backend(vllm_config: VllmConfig, spec: AttentionSpec) -> str:

@@ -1,38 +1,56 @@
-"""The scheduler side of the dss connector: what to load, what to save, and the commit.
+"""The scheduler side of the dss connector: what to load (and how), what to save, and the commit.
 
 It runs in vLLM's EngineCore process (the main process with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and only reads the store, except for the one commit
-per finished request. For every request it
+per finished request (:mod:`dss_adapters.vllm_requests`). For every request it
 
-1. asks the store how much of the prompt is stored — ``resume`` for a session of the
-   request's namespace and layout, ``lookup`` (exact chain-hash match in the namespace)
-   for a request without one — and offers vLLM the pages past what vLLM already holds,
-   at most ``(num_tokens - 1) // block_size`` blocks, because a synchronous load must leave
-   a token to compute (:meth:`SchedulerSide.num_new_matched_tokens`, side-effect free);
-2. turns vLLM's block allocation into a load job (block ids for the offered pages);
-3. each step, plans a save job for every block that becomes full, prompt or generated,
+1. asks the store how much of the prompt every shard has stored — ``resume`` for a
+   session of the request's namespace and shard 0's layout, ``lookup`` (exact chain-hash
+   match in the namespace) for the other shards and for a request without a session —
+   and offers vLLM the pages past what vLLM already holds that **every** shard has, at most
+   ``(num_tokens - 1) // block_size`` blocks (a synchronous load must leave a token to
+   compute), and nothing when ``resume`` estimates that recomputing beats loading
+   (:meth:`SchedulerSide.num_new_matched_tokens`, side-effect free);
+2. chooses how to load (``load_mode``): synchronously when the workers hold every page in
+   their host tiers (:mod:`dss_adapters.vllm_hosts`) or when no other request is running
+   (the load stalls nobody), asynchronously otherwise, and always
+   asynchronously with several KV cache groups (vLLM takes block-level failures from one
+   group only). With several workers, a synchronous load that fails on one rank leaves the
+   other ranks' saves of that step computed from it, so the workers hold the saves of a
+   step with synchronous loads until the scheduler has seen its outcome on every rank and
+   tells them, with the next step's metadata, to write or drop them;
+3. turns vLLM's block allocation into a load job (each group's block ids for the offered
+   pages; blocks a sliding-window group does not keep are not loaded);
+4. each step, plans a save job for every block that becomes full, prompt or generated,
    chunked prefill included, except pages the store already held;
-4. when the request finishes (stopped, length-capped or by repetition), commits its tokens as a new
-   version of its session and returns ``{"dss": {...}}`` as the request's output
-   ``kv_transfer_params``.
-
-A new request of a session whose previous request still has saves in flight waits for
-them (``None``, "ask again", for at most ``session_wait_s``), so that a turn sent right
-after the previous one finished reuses all of its pages.
+5. when a load fails (a block reported by a worker, or a whole asynchronous load), plans
+   the pages from there on again, to be saved once vLLM has recomputed them.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dss_adapters.vllm_meta import DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob
-from dss_adapters.vllm_settings import Scope, Settings, request_scope
+from dss_adapters.vllm_hosts import WorkerHosts
+from dss_adapters.vllm_layout import Shards
+from dss_adapters.vllm_meta import (
+    NO_BLOCK,
+    DssConnectorMetadata,
+    DssWorkerMetadata,
+    LoadJob,
+    SaveJob,
+    ShardHandshake,
+)
+from dss_adapters.vllm_metrics import DssConnectorStats
+from dss_adapters.vllm_requests import RequestBook, Tracked
+from dss_adapters.vllm_settings import Settings
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 import dss
-from dss import DssError, InvalidInput, UnknownSession
+from dss import ConfigError, UnknownSession
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,103 +62,125 @@ log = logging.getLogger("vllm.dss.scheduler")
 
 
 @dataclass(slots=True)
-class _Tracked:
-    """What the scheduler side knows about one live request."""
-
-    request: Request
-    scope: Scope
-    """The request's scope as it asked for it."""
-    save_scope: Scope
-    """Where its pages are saved (the session's id is dropped when the session is unusable)."""
-    commit_session: str | None
-    """The session its tokens are committed to at the end, if any."""
-    num_stored_pages: int = 0
-    """Leading pages already in the store or in a save job."""
-    num_sent_tokens: int = 0
-    num_issued: int = 0
-    num_done: int = 0
-    num_loaded_tokens: int = 0
-    loaded_blocks: list[int] = field(default_factory=list)
-    """Block ids of the last load job, page ``first_loaded_page`` first."""
-    first_loaded_page: int = 0
-    waiting_for: set[str] | None = None
-    """Finished requests of the same session whose saves this one waits for."""
-    waiting_since: float | None = None
-
-
-@dataclass(slots=True)
 class _Plan:
     first_page: int
-    page_ids: list[bytes] = field(default_factory=list)
+    page_ids: list[list[bytes]]
+    """Per shard, the pages offered."""
+    is_async: bool
+    num_host: int
+    """Offered pages every worker holds in its host tier."""
 
 
 class SchedulerSide:
     """Scheduler-side state of the connector (see the module docstring)."""
 
-    def __init__(self, settings: Settings, layout: dss.Layout, store: dss.Store) -> None:
+    def __init__(self, settings: Settings, layouts: list[dss.Layout], shards: Shards, num_groups: int,
+                 store: dss.Store) -> None:
+        """``layouts``: the shards' layouts the scheduler can tell itself (pipeline stage 0's);
+        with pipeline parallelism the others come from :meth:`take_handshakes`, and nothing is
+        loaded before."""
         self.settings = settings
-        self.layout = layout
+        self.layouts = layouts
         self.store = store
-        self.page_tokens = layout.page_tokens
-        self._tracked: dict[str, _Tracked] = {}
+        self.page_tokens = layouts[0].page_tokens
+        self.num_shards = shards.count
+        self.can_load_sync = num_groups == 1
+        if settings.load_mode == "sync" and not self.can_load_sync:
+            raise ConfigError("load_mode='sync' needs one KV cache group (vLLM takes block-level load failures from "
+                              "one group only); use 'auto' or 'async'")
+        self.num_workers = shards.tp_size * shards.pp_size
+        self.book = RequestBook(settings, layouts[0], store)
+        self.hosts = WorkerHosts(self.num_shards, int(store.stats()["host"]["capacity"]), layouts[0].page_bytes)
+        self.stats = DssConnectorStats()
         self._plans: dict[str, _Plan] = {}
         self._loads: list[LoadJob] = []
-        self._unsettled: dict[str, tuple[tuple[str, str, str], int]] = {}
-        """Finished requests with save jobs not yet done: session key and jobs outstanding."""
+        self._step = 0
+        self._settled: dict[int, bool] = {}
+        self._num_running = 0
+        """Requests the last step computed: a synchronous load would stall them."""
 
     # -- vLLM hooks ------------------------------------------------------------------------
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens past ``num_computed_tokens`` whose KV the store will load (synchronously).
+        """Tokens past ``num_computed_tokens`` whose KV the store will load, and whether the load is
+        asynchronous.
 
         Changes nothing in the store. Returns ``(None, False)`` while the request waits for
         its session's previous saves, ``(0, False)`` on a miss or when dss does not serve
         the request (LoRA, multimodal or embedding inputs; malformed dss parameters).
         """
-        tracked = self._track(request)
-        if tracked is None or not self.settings.load:
+        tracked = self.book.track(request)
+        if tracked is None or not self.settings.load or len(self.layouts) < self.num_shards:
             return 0, False
-        if self._must_wait(tracked):
+        if self.book.must_wait(tracked):
             return None, False
-        result = self._match(tracked, request.all_token_ids[:])
-        tracked.num_stored_pages = max(tracked.num_stored_pages, result.matched_tokens // self.page_tokens)
-        limit = (request.num_tokens - 1) // self.page_tokens * self.page_tokens
-        matched = min(result.matched_tokens, limit)
-        if matched <= num_computed_tokens:
+        tracked.asked = True
+        results = self._match(tracked, request.all_token_ids[:])
+        stored = min(r.matched_tokens for r in results)
+        tracked.num_stored_pages = max(tracked.num_stored_pages, stored // self.page_tokens)
+        matched = min(stored, (request.num_tokens - 1) // self.page_tokens * self.page_tokens)
+        if matched <= num_computed_tokens or not results[0].should_load:
             self._plans.pop(request.request_id, None)
             return 0, False
-        first = num_computed_tokens // self.page_tokens
-        pages = result.pages[first:matched // self.page_tokens]
-        self._plans[request.request_id] = _Plan(first, [bytes(p.page_id) for p in pages])
-        return matched - num_computed_tokens, False
+        first, end = num_computed_tokens // self.page_tokens, matched // self.page_tokens
+        page_ids = [[bytes(p.page_id) for p in r.pages[first:end]] for r in results]
+        num_host = self.hosts.num_held(page_ids)
+        if self.settings.load_mode == "auto":
+            is_async = not self.can_load_sync or (num_host < end - first and self._num_running > 0)
+        else:
+            is_async = self.settings.load_mode == "async"
+        self._plans[request.request_id] = _Plan(first, page_ids, is_async, num_host)
+        return matched - num_computed_tokens, is_async
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Turn the plan of an admitted request into a load job for ``num_external_tokens`` tokens."""
-        tracked = self._track(request)
+        tracked = self.book.live.get(request.request_id)
         plan = self._plans.pop(request.request_id, None)
-        if tracked is None or plan is None or num_external_tokens <= 0:
+        if tracked is None:
+            return
+        if tracked.asked:
+            tracked.asked = False
+            self.stats.count("requests_hit" if plan is not None and num_external_tokens > 0 else "requests_miss")
+        if plan is None or num_external_tokens <= 0:
             return
         count = num_external_tokens // self.page_tokens
-        if count * self.page_tokens != num_external_tokens or count > len(plan.page_ids):
+        if count * self.page_tokens != num_external_tokens or count > len(plan.page_ids[0]):
             raise AssertionError(f"vLLM granted {num_external_tokens} external tokens; dss offered "
-                                 f"{len(plan.page_ids)} pages of {self.page_tokens}")
-        block_ids = blocks.get_block_ids()[0][plan.first_page:plan.first_page + count]
-        self._loads.append(LoadJob(request.request_id, plan.page_ids[:count], list(block_ids)))
+                                 f"{len(plan.page_ids[0])} pages of {self.page_tokens}")
+        first = plan.first_page
+        block_ids = [[NO_BLOCK if block.is_null else block.block_id for block in group[first:first + count]]
+                     for group in blocks.blocks]
+        self._loads.append(LoadJob(request.request_id, [ids[:count] for ids in plan.page_ids], block_ids,
+                                   plan.is_async))
         tracked.num_loaded_tokens += num_external_tokens
-        tracked.loaded_blocks = list(block_ids)
-        tracked.first_loaded_page = plan.first_page
+        tracked.loaded_blocks = list(block_ids[0])
+        tracked.first_loaded_page = first
+        host = min(plan.num_host, count) * self.page_tokens
+        tracked.hit_sources = {"host": host, "disk": num_external_tokens - host}
+        self.stats.count("loaded_tokens_host", host)
+        self.stats.count("loaded_tokens_disk", num_external_tokens - host)
+
+    def hit_sources(self, request: Request) -> dict[str, int]:
+        """The tokens of the request's last load by tier (for vLLM's cached-token metrics)."""
+        tracked = self.book.live.get(request.request_id)
+        return {k: v for k, v in tracked.hit_sources.items() if v} if tracked is not None else {}
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> DssConnectorMetadata:
         """This step's jobs: the pending loads, and a save for every block that becomes full."""
-        meta = DssConnectorMetadata(loads=self._loads)
-        self._loads = []
+        self._step += 1
+        self._num_running = len(scheduler_output.num_scheduled_tokens)
+        has_sync_loads = any(not job.is_async for job in self._loads)
+        meta = DssConnectorMetadata(loads=self._loads, step=self._step, settled=self._settled,
+                                    hold_saves=self.num_workers > 1 and has_sync_loads,
+                                    idle=scheduler_output.total_num_scheduled_tokens == 0)
+        self._loads, self._settled = [], {}
         if not self.settings.save:
             return meta
         state = scheduler_output.kv_connector_block_state
         spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
+            tracked = self.book.live.get(req_id)
+            if tracked is None or state is None:
                 continue
             request = tracked.request
             end = request.num_computed_tokens + num_scheduled - len(spec.get(req_id, ()))
@@ -148,164 +188,106 @@ class SchedulerSide:
             # token may not be in all_token_ids yet; such a page is saved a step later)
             end = min(end, request.num_tokens)
             first, full = tracked.num_stored_pages, end // self.page_tokens
-            if full <= first or state is None:
-                continue
-            table = state.get_block_ids(req_id)
+            table = state.get_block_ids(req_id) if full > first else None
             if table is None:
                 continue
-            sent, need = tracked.num_sent_tokens, full * self.page_tokens
-            meta.saves.append(SaveJob(req_id, tracked.save_scope, sent, request.all_token_ids[sent:need], first,
-                                      list(table[0][first:full])))
-            tracked.num_sent_tokens = max(sent, need)
+            groups = [list(group[first:full]) for group in table]
             tracked.num_stored_pages = full
-            tracked.num_issued += 1
+            # a page is saved whole: start past the last page a sliding-window group no longer keeps
+            skip = max((i + 1 for g in groups for i, block in enumerate(g) if block == NULL_BLOCK_ID), default=0)
+            if skip >= full - first or any(len(g) != full - first for g in groups):
+                continue
+            groups = [g[skip:] for g in groups]
+            sent, need = tracked.num_sent_tokens, full * self.page_tokens
+            meta.saves.append(SaveJob(req_id, tracked.save_scope, sent, request.all_token_ids[sent:need],
+                                      first + skip, groups))
+            tracked.num_sent_tokens = max(sent, need)
+            tracked.num_issued += self.num_shards
         return meta
 
     def on_worker_output(self, output: KVConnectorOutput) -> None:
-        """Count the save jobs the worker finished; plan again what failed to load or was dropped.
+        """Count the save jobs the workers finished; plan again what failed to load or was dropped.
 
-        vLLM recomputes a request from its first block that failed to load; the pages from
-        there on are saved again once recomputed, and are not counted as loaded.
+        vLLM recomputes a request from its first block that failed to load (or all of it,
+        for a failed asynchronous load of a model with several KV cache groups); the pages
+        from there on are saved again once recomputed, and are not counted as loaded.
         """
         if output.invalid_block_ids:
-            self._on_load_errors(output.invalid_block_ids)
+            self._on_failed_blocks(output.invalid_block_ids)
+        for req_id in getattr(output, "failed_recving", None) or ():
+            tracked = self.book.live.get(req_id)
+            if tracked is not None:
+                self._lose_load(tracked, 0)
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, DssWorkerMetadata):
             return
+        for step in meta.held:  # this is that step's output: did a load fail in it, on any rank?
+            self._settled[step] = bool(output.invalid_block_ids)
         for req_id, first_page in meta.dropped.items():
-            tracked = self._tracked.get(req_id)
+            tracked = self.book.live.get(req_id)
             if tracked is not None:
                 tracked.num_stored_pages = min(tracked.num_stored_pages, first_page)
-        for req_id, count in meta.saved.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
-                tracked.num_done += count
-            elif req_id in self._unsettled:
-                key, left = self._unsettled[req_id]
-                if left > count:
-                    self._unsettled[req_id] = (key, left - count)
-                else:
-                    del self._unsettled[req_id]
+        self.book.note_saved(meta.saved)
+        self.hosts.note(meta.host_pages)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         """Commit a finished request's tokens to its session; its output ``kv_transfer_params``."""
-        from vllm.v1.request import RequestStatus
-
         self._plans.pop(request.request_id, None)
-        tracked = self._tracked.pop(request.request_id, None)
-        if tracked is None:
-            return None
-        left = tracked.num_issued - tracked.num_done
-        key = _session_key(tracked.scope)
-        if left > 0 and key is not None:
-            self._unsettled[request.request_id] = (key, left)
-        out: dict[str, Any] = {"session_id": tracked.commit_session, "version_id": None,
-                               "loaded_tokens": tracked.num_loaded_tokens}
-        complete = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
-                                      RequestStatus.FINISHED_REPETITION)
-        if tracked.commit_session is not None and tracked.scope.commit and complete:
-            out.update(self._commit(tracked, request.all_token_ids[:], tracked.scope.label))
-        return {"dss": out}
+        return self.book.finish(request)
+
+    def take_stats(self) -> DssConnectorStats | None:
+        return self.stats.take()
+
+    def take_handshakes(self, handshakes: Iterable[ShardHandshake]) -> None:
+        """Learn every shard's layout from its workers (at start); ``ConfigError`` when a shard is
+        missing, its workers disagree, or one differs from the layout the scheduler computed."""
+        layouts: dict[int, dss.Layout] = {}
+        for handshake in handshakes:
+            layout = dss.Layout.from_dict(handshake.layout)
+            if layouts.setdefault(handshake.shard, layout) != layout:
+                raise ConfigError(f"the workers of dss shard {handshake.shard} disagree on its page layout")
+        missing = sorted(set(range(self.num_shards)) - set(layouts))
+        if missing:
+            raise ConfigError(f"no worker reported the page layout of dss shard(s) {missing}")
+        for shard, layout in enumerate(self.layouts):
+            if layouts[shard] != layout:
+                raise ConfigError(f"the worker of dss shard {shard} has page layout {layouts[shard]}, the "
+                                  f"scheduler expects {layout}")
+        self.layouts = [layouts[shard] for shard in range(self.num_shards)]
 
     # -- internals -------------------------------------------------------------------------
 
-    def _track(self, request: Request) -> _Tracked | None:
-        tracked = self._tracked.get(request.request_id)
-        if tracked is not None:
-            return tracked
-        if request.lora_request is not None or request.mm_features or request.prompt_embeds is not None:
-            return None
-        try:
-            scope = request_scope(self.settings, request.kv_transfer_params)
-        except InvalidInput as exc:
-            log.warning("request %s is served without dss: %s", request.request_id, exc)
-            return None
-        tracked = _Tracked(request, scope, scope, scope.session_id)
-        if scope.session_id is not None:
-            self._check_session(tracked)
-        self._tracked[request.request_id] = tracked
-        return tracked
-
-    def _check_session(self, tracked: _Tracked) -> None:
-        """Keep the session for pages only if it is the request's namespace's and has this layout."""
+    def _match(self, tracked: Tracked, tokens: list[int]) -> list[dss.ResumeResult]:
+        """Every shard's match of ``tokens`` (shards past the first look up only what the first matched)."""
         scope = tracked.save_scope
-        try:
-            session = self.store.session(scope.session_id, tenant_id=scope.tenant_id)
-        except UnknownSession:
-            return
-        if session.user_id != scope.user_id:
-            log.warning("request %s names session %r of another user: served in its own namespace without it",
-                        tracked.request.request_id, scope.session_id)
-            tracked.commit_session = None
-            tracked.save_scope = Scope(scope.tenant_id, scope.user_id, None)
-        elif session.layout != self.layout:
-            log.info("session %r has another page layout; request %s keeps its pages outside the session",
-                     scope.session_id, tracked.request.request_id)
-            tracked.save_scope = Scope(scope.tenant_id, scope.user_id, None)
-
-    def _match(self, tracked: _Tracked, tokens: list[int]) -> dss.ResumeResult:
-        scope = tracked.save_scope
+        first = None
         if scope.session_id is not None:
             try:
-                return self.store.resume(scope.session_id, tokens, tenant_id=scope.tenant_id)
+                first = self.store.resume(scope.session_id, tokens, tenant_id=scope.tenant_id)
             except UnknownSession:
                 pass
-        return self.store.lookup(tokens, layout=self.layout, user_id=scope.user_id, tenant_id=scope.tenant_id)
+        if first is None:
+            first = self.store.lookup(tokens, layout=self.layouts[0], user_id=scope.user_id,
+                                      tenant_id=scope.tenant_id)
+        results = [first]
+        prefix = tokens[:first.matched_tokens]
+        for layout in self.layouts[1:]:
+            results.append(self.store.lookup(prefix, layout=layout, user_id=scope.user_id, tenant_id=scope.tenant_id))
+        return results
 
-    def _on_load_errors(self, block_ids: set[int]) -> None:
-        for tracked in self._tracked.values():
+    def _on_failed_blocks(self, block_ids: set[int]) -> None:
+        for tracked in self.book.live.values():
             failed = [i for i, block in enumerate(tracked.loaded_blocks) if block in block_ids]
-            if not failed:
-                continue
-            lost = len(tracked.loaded_blocks) - failed[0]
-            tracked.num_loaded_tokens -= lost * self.page_tokens
-            tracked.num_stored_pages = min(tracked.num_stored_pages, tracked.first_loaded_page + failed[0])
-            tracked.loaded_blocks = tracked.loaded_blocks[:failed[0]]
-            log.warning("request %s: %d dss pages failed to load; vLLM recomputes them",
-                        tracked.request.request_id, lost)
+            if failed:
+                self._lose_load(tracked, failed[0])
 
-    def _must_wait(self, tracked: _Tracked) -> bool:
-        """Whether the request still waits for the saves of its session's earlier requests.
-
-        It waits only for the requests that had finished with saves outstanding when it
-        first asked (so a busy session cannot starve it), and at most ``session_wait_s``.
-        """
-        key = _session_key(tracked.scope)
-        if key is None or self.settings.session_wait_s <= 0:
-            return False
-        now = time.monotonic()
-        if tracked.waiting_for is None:
-            tracked.waiting_for = {req_id for req_id, (k, _) in self._unsettled.items() if k == key}
-            tracked.waiting_since = now
-        if not any(req_id in self._unsettled for req_id in tracked.waiting_for):
-            return False
-        assert tracked.waiting_since is not None
-        if now - tracked.waiting_since < self.settings.session_wait_s:
-            return True
-        log.warning("request %s stops waiting for the pending saves of session %r",
-                    tracked.request.request_id, tracked.scope.session_id)
-        tracked.waiting_for = set()
-        return False
-
-    def _commit(self, tracked: _Tracked, tokens: list[int], label: str | None) -> dict[str, Any]:
-        scope = tracked.save_scope
-        session_id = tracked.commit_session
-        assert session_id is not None
-        try:
-            try:
-                version = self.store.commit(session_id, tokens, label=label, tenant_id=scope.tenant_id)
-            except UnknownSession:
-                self.store.create_session(session_id, user_id=scope.user_id, tenant_id=scope.tenant_id,
-                                          layout=self.layout)
-                version = self.store.commit(session_id, tokens, label=label, tenant_id=scope.tenant_id)
-        except DssError as exc:
-            log.error("commit of request %s to session %r failed: %s", tracked.request.request_id, session_id, exc)
-            return {"error": f"{exc.kind}: {exc}"}
-        return {"version_id": int(version.version_id), "num_tokens": version.num_tokens}
-
-
-def _session_key(scope: Scope) -> tuple[str, str, str] | None:
-    """Requests naming the same session of the same namespace wait for each other's saves."""
-    if scope.session_id is None:
-        return None
-    return (scope.tenant_id, scope.user_id, scope.session_id)
+    def _lose_load(self, tracked: Tracked, first_failed: int) -> None:
+        """Pages ``first_failed ..`` of the request's last load did not load."""
+        lost = len(tracked.loaded_blocks) - first_failed
+        if lost <= 0:
+            return
+        tracked.num_loaded_tokens -= lost * self.page_tokens
+        tracked.num_stored_pages = min(tracked.num_stored_pages, tracked.first_loaded_page + first_failed)
+        tracked.loaded_blocks = tracked.loaded_blocks[:first_failed]
+        log.warning("request %s: %d dss pages failed to load; vLLM recomputes them",
+                    tracked.request.request_id, lost)

@@ -30,6 +30,13 @@ scheduler and worker sides receive a frozen :class:`Settings`. Keys of
 ``session_wait_s``
     How long a new request of a session waits for the previous request's pages to be
     written before it runs without them (default 5 s; 0 disables the wait).
+``load_mode``
+    ``"auto"`` (default): a load whose pages are all in the worker's host tier is
+    synchronous (the pages are in the blocks before the step's forward), and so is any load
+    while no other request runs (it stalls nobody); one that must read the disk while other
+    requests run goes through vLLM's asynchronous path (the request waits, the batch runs). Models with several KV cache groups (sliding window with the hybrid KV cache
+    manager) load asynchronously always. ``"async"``: every load is asynchronous.
+    ``"sync"``: every load is synchronous (only for one KV cache group).
 
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {"dss": {...}}})`` (or the
 same under ``kv_transfer_params`` of the OpenAI API) carries ``session_id`` (optional),
@@ -49,7 +56,7 @@ PARAMS_KEY = "dss"
 """The key of ``kv_transfer_params`` that holds this connector's per-request fields."""
 
 _KEYS = {"store", "store_options", "namespace_source", "default_tenant_id", "default_user_id", "model_revision",
-         "page_bytes", "load", "save", "max_pending_bytes", "session_wait_s"}
+         "page_bytes", "load", "save", "max_pending_bytes", "session_wait_s", "load_mode"}
 _REQUEST_KEYS = {"session_id", "tenant_id", "user_id", "label", "commit"}
 
 
@@ -68,6 +75,7 @@ class Settings:
     save: bool = True
     max_pending_bytes: int = 1 << 30
     session_wait_s: float = 5.0
+    load_mode: Literal["auto", "sync", "async"] = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -97,12 +105,16 @@ class Settings:
         wait = extra.get("session_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
             raise ConfigError("'session_wait_s' must be a number of seconds >= 0")
+        mode = extra.get("load_mode", "auto")
+        if mode not in ("auto", "sync", "async"):
+            raise ConfigError(f"'load_mode' must be 'auto', 'sync' or 'async', not {mode!r}")
         return cls(store=store, store_options=dict(options), namespace_source=source,
                    default_tenant_id=extra.get("default_tenant_id", "default"),
                    default_user_id=extra.get("default_user_id", "anonymous"),
                    model_revision=extra.get("model_revision"), page_bytes=extra.get("page_bytes"),
                    load=extra.get("load", True), save=extra.get("save", True),
-                   max_pending_bytes=extra.get("max_pending_bytes", 1 << 30), session_wait_s=float(wait))
+                   max_pending_bytes=extra.get("max_pending_bytes", 1 << 30), session_wait_s=float(wait),
+                   load_mode=mode)
 
 
 @dataclass(frozen=True, slots=True)

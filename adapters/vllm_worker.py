@@ -1,16 +1,25 @@
 """The worker side of the dss connector: copies pages between the store and vLLM's KV blocks.
 
-It runs in the process that owns the KV cache. A page is block ``b`` of every attention
-layer, in layer order, as raw bytes: ``page[l*L:(l+1)*L] == bytes(kv[layer_l][b])`` with
-``L`` the bytes of one block of one layer (the block dimension is found in each layer's
-tensor, so any backend packing is copied as is).
+It runs in each process that owns a KV cache (one per tensor-parallel rank and pipeline
+stage) and handles its own shard (:mod:`dss_adapters.vllm_layout`): a page is block ``b``
+of every attention layer this worker holds, in layer order, as raw bytes:
+``page[l*L:(l+1)*L] == bytes(kv[layer_l][b_group(l)])`` with ``L`` the bytes of one block of
+one layer (the block dimension is found in each layer's tensor, so any backend packing is
+copied as is).
 
-* :meth:`WorkerSide.load` (before the forward of a step with loads) reads the pages of
-  every load job in one batched ``read_pages`` and copies them into their blocks; a page
-  the store cannot return (gone, or corrupt and quarantined) is reported through
-  :meth:`WorkerSide.take_load_errors`, and vLLM recomputes from that block on.
+* :meth:`WorkerSide.start_load` reads the pages of the step's synchronous load jobs in one
+  batched ``read_pages`` and copies them into their blocks before the forward (on CUDA,
+  layer by layer on a stream of their own, :mod:`dss_adapters.vllm_cuda`); asynchronous
+  jobs go to the :class:`PageLoader` thread, which reads through a child process
+  (:mod:`dss_adapters.vllm_reader`), and are reported done by
+  :meth:`WorkerSide.transfer_results`. A page the store cannot return (gone, or corrupt
+  and quarantined) is reported — by block (:meth:`WorkerSide.take_load_errors`), or, for a
+  model with several KV cache groups, as a failed asynchronous load — and vLLM recomputes.
 * :meth:`WorkerSide.save` (after the forward) copies every block a save job names out of
-  the KV cache and hands it to the :class:`PageWriter`, which writes in the background.
+  the KV cache and hands it to the :class:`PageWriter`, which writes in the background. Of
+  ranks that hold identical KV (one shard), only the first writes. Shard 0 writes into the
+  request's session; other shards write into the request's namespace with their own
+  layout (a session has one layout).
 """
 
 from __future__ import annotations
@@ -20,164 +29,243 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from dss_adapters.vllm_layout import layer_names
-from dss_adapters.vllm_meta import DssConnectorMetadata, DssWorkerMetadata
-from dss_adapters.vllm_settings import Settings
+from dss_adapters.vllm_copy import BlockCopier
+from dss_adapters.vllm_cuda import LayerwiseCopier
+from dss_adapters.vllm_layout import PageLayer
+from dss_adapters.vllm_loader import LoadOutcome, PageLoader, load_pages
+from dss_adapters.vllm_meta import DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob
+from dss_adapters.vllm_metrics import DssConnectorStats
+from dss_adapters.vllm_reader import PageReader
+from dss_adapters.vllm_settings import Scope, Settings
 from dss_adapters.vllm_writer import PageWriter, WriteJob
 
 import dss
 from dss import ConfigError
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    import numpy as np
 
 log = logging.getLogger("vllm.dss.worker")
+
+IDLE_WAIT_S = 0.02
+"""How long a step that computes nothing waits for an asynchronous load to finish."""
 
 
 class WorkerSide:
     """Worker-side state of the connector (see the module docstring)."""
 
-    def __init__(self, settings: Settings, layout: dss.Layout, store: dss.Store,
-                 kv_cache_config: KVCacheConfig) -> None:
+    def __init__(self, settings: Settings, layout: dss.Layout, store: dss.Store, layers: list[PageLayer],
+                 num_blocks: int, *, shard: int = 0, is_saver: bool = True) -> None:
+        self.settings = settings
         self.layout = layout
         self.store = store
+        self.layers = layers
+        self.num_blocks = num_blocks
+        self.shard = shard
+        self.is_saver = is_saver
+        self.num_groups = 1 + max(layer.group for layer in layers)
         self.page_tokens = layout.page_tokens
-        self.layer_names = layer_names(kv_cache_config)
-        self.num_blocks = kv_cache_config.num_blocks
         self.num_pages_loaded = 0
-        self._layers: list[torch.Tensor] = []
-        self._host_views: list[np.ndarray] | None = None
-        """Per layer, ``[num_blocks, layer_bytes]`` uint8 numpy views of the KV cache (CPU only)."""
-        self._layer_bytes = 0
+        self.copier: BlockCopier | None = None
+        self.layerwise: LayerwiseCopier | None = None
+        self.loader: PageLoader | None = None
+        self.stats = DssConnectorStats()
+        self._report_pages = store.stats()["host"]["capacity"] > 0
+        self._last_pending = 0
+        self._host_pages: list[bytes] = []
         self._tokens: dict[str, array.array] = {}
         self._load_errors: set[int] = set()
+        self._step_failed = False
         self._dropped: dict[str, int] = {}
         self._dropped_jobs: dict[str, int] = {}
-        self.writer = PageWriter(store, layout, settings.max_pending_bytes)
+        self._held: dict[int, list[WriteJob]] = {}
+        self._held_steps: list[int] = []
+        self.writer = PageWriter(store, layout, settings.max_pending_bytes, report_pages=self._report_pages)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the KV tensors (one per layer); ``ConfigError`` if they do not add up to a page."""
-        missing = [name for name in self.layer_names if name not in kv_caches]
+        missing = [layer.name for layer in self.layers if layer.name not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV cache for layers {missing}")
-        layers = []
-        for name in self.layer_names:
-            tensor = kv_caches[name]
+        tensors = []
+        for layer in self.layers:
+            tensor = kv_caches[layer.name]
             dims = [d for d, size in enumerate(tensor.shape) if size == self.num_blocks]
             if not dims:
-                raise ConfigError(f"KV cache of {name} has no dimension of {self.num_blocks} blocks: {tensor.shape}")
-            layers.append(tensor.movedim(dims[0], 0))
-        layer_bytes = layers[0][0].numel() * layers[0].element_size()
-        if any(t[0].numel() * t.element_size() != layer_bytes for t in layers):
-            raise ConfigError("the dss connector needs KV blocks of one size in every layer")
-        if layer_bytes * len(layers) != self.layout.page_bytes:
-            raise ConfigError(f"a KV block of all {len(layers)} layers has {layer_bytes * len(layers)} bytes; "
-                              f"the layout says {self.layout.page_bytes}")
-        self._layers = layers
-        self._layer_bytes = layer_bytes
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in layers):
-            self._host_views = [t.reshape(self.num_blocks, -1).view(torch.uint8).numpy() for t in layers]
+                raise ConfigError(f"KV cache of {layer.name} has no dimension of {self.num_blocks} blocks: "
+                                  f"{tensor.shape}")
+            tensors.append(tensor.movedim(dims[0], 0))
+        self.copier = BlockCopier(tensors, [layer.group for layer in self.layers], self.num_blocks,
+                                  self.layout.page_bytes)
+        if self.copier.device.type == "cuda":
+            self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
+        self.loader = PageLoader(PageReader(self.settings.store, self.settings.store_options), self.copier, self.shard)
 
-    def load(self, meta: DssConnectorMetadata) -> None:
-        """Copy the pages of this step's load jobs into their blocks (see the module docstring)."""
-        if not meta.loads:
+    # -- loads -----------------------------------------------------------------------------
+
+    def start_load(self, meta: DssConnectorMetadata) -> None:
+        """Start this step's load jobs (see the module docstring)."""
+        loader, copier = self.loader, self.copier
+        assert loader is not None and copier is not None, "register_kv_caches was not called"
+        sync: list[LoadJob] = []
+        for job in meta.loads:
+            if job.is_async:
+                loader.put(job)
+            else:
+                sync.append(job)
+        if not sync:
             return
-        start = time.perf_counter()
-        page_ids = [p for job in meta.loads for p in job.page_ids]
-        block_ids = [b for job in meta.loads for b in job.block_ids]
-        payloads = self.store.read_pages(page_ids)
-        read = time.perf_counter()
-        good = [i for i, payload in enumerate(payloads) if payload is not None]
-        if len(good) < len(payloads):
-            failed = {block_ids[i] for i, payload in enumerate(payloads) if payload is None}
-            log.warning("%d of %d dss pages could not be read; vLLM recomputes them", len(failed), len(payloads))
-            self._load_errors |= failed
-        if good:
-            self._scatter([payloads[i] for i in good], [block_ids[i] for i in good])  # type: ignore[misc]
-            self.num_pages_loaded += len(good)
-        log.debug("loaded %d of %d pages: read %.1f ms, copy %.1f ms", len(good), len(payloads),
-                  (read - start) * 1e3, (time.perf_counter() - read) * 1e3)
+        assert self.num_groups == 1, "synchronous loads need one KV cache group"
+        page_ids = [p for job in sync for p in job.page_ids[self.shard]]
+        block_ids = [[b for job in sync for b in job.block_ids[0]]]
+        if self.layerwise is not None:
+            outcome = self.layerwise.load(self.store, page_ids, block_ids)
+        else:
+            outcome = load_pages(self.store, copier, page_ids, block_ids, ",".join(job.req_id for job in sync))
+        failed = {block_ids[0][k] for k in outcome.failed_pages}
+        self._load_errors |= failed
+        self._step_failed = bool(failed)
+        self._note_load(outcome, in_host=True)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block the forward (on CUDA: its stream) until the layer's pages of this step are in."""
+        if self.layerwise is not None:
+            self.layerwise.wait_layer(layer_name)
+
+    def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> tuple[set[str], set[str]]:
+        """(asynchronous loads done, those of them that failed as a whole); forgets the token ids
+        of finished requests (their queued save jobs hold their own copy). The failed pages of a
+        load of a one-group model are reported by block instead (:meth:`take_load_errors`).
+
+        In a step that computes nothing (``idle``) it first waits up to :data:`IDLE_WAIT_S` for a
+        load to finish: the engine has nothing else to do, and would otherwise spin through
+        empty steps, taking the CPU the load needs."""
+        for req_id in finished_req_ids:
+            self._tokens.pop(req_id, None)
+        assert self.loader is not None
+        if idle:
+            self.loader.wait_done(IDLE_WAIT_S)
+        done, failed = set(), set()
+        for job, outcome in self.loader.take_done():
+            done.add(job.req_id)
+            if outcome.failed_pages:
+                if self.num_groups == 1:
+                    self._load_errors |= {job.block_ids[0][k] for k in outcome.failed_pages}
+                else:
+                    failed.add(job.req_id)
+            self._note_load(outcome, in_host=False)
+        return done, failed
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str, meta: DssConnectorMetadata) -> None:
+        """After a layer's forward: start copying its blocks of this step's saves out (CUDA only)."""
+        if self.layerwise is not None and self.is_saver and meta.saves and not self._step_failed:
+            self.layerwise.save_layer(layer_name, [job.block_ids for job in meta.saves])
 
     def save(self, meta: DssConnectorMetadata) -> None:
         """Copy the blocks of this step's save jobs out of the KV cache and queue them for writing.
 
-        If a load of this step failed, no block of this step is saved: the forward may have
-        read the block that was not loaded (vLLM shares blocks between requests of a step),
-        so the KV it wrote may be wrong. The jobs are reported as dropped instead.
+        If a synchronous load of this step failed, no block of this step is saved: the
+        forward may have read the block that was not loaded (vLLM shares blocks between
+        requests of a step, and tensor-parallel ranks share every layer's output), so the KV
+        it wrote may be wrong. The jobs are reported as dropped instead. With several
+        workers another rank's load may have failed: the copies of such a step are held
+        (``meta.hold_saves``) until a later step's ``meta.settled`` says to write or drop
+        them; copies still held when the worker closes are dropped.
         """
         self.writer.raise_if_failed()
-        step_failed = bool(self._load_errors)
+        step_failed, self._step_failed = self._step_failed, False
+        for step, failed in meta.settled.items():
+            for job in self._held.pop(step, []):
+                if failed:
+                    self._drop(job.req_id, job.first_page)
+                else:
+                    self.writer.put(job)
+        if not self.is_saver or not meta.saves:
+            return
+        assert self.copier is not None, "register_kv_caches was not called"
+        started = time.perf_counter()
+        rows = (self.layerwise.finish_saves([job.block_ids for job in meta.saves])
+                if self.layerwise is not None and not step_failed else None)
+        offset = 0
         for job in meta.saves:
             tokens = self._tokens.setdefault(job.req_id, array.array("I"))
             if len(tokens) != job.num_known:
                 raise AssertionError(f"request {job.req_id}: worker holds {len(tokens)} tokens, "
                                      f"scheduler assumed {job.num_known}")
             tokens.extend(job.new_tokens)
+            count = len(job.block_ids[0])
             if step_failed:
-                self._dropped[job.req_id] = min(job.first_page, self._dropped.get(job.req_id, job.first_page))
-                self._dropped_jobs[job.req_id] = self._dropped_jobs.get(job.req_id, 0) + 1
+                self._drop(job.req_id, job.first_page)
                 continue
-            end = (job.first_page + len(job.block_ids)) * self.page_tokens
-            self.writer.put(WriteJob(job.req_id, job.scope, tokens[:end], job.first_page,
-                                     self._gather(job.block_ids)))
+            payload: np.ndarray = rows[offset:offset + count] if rows is not None else self.copier.gather(job.block_ids)
+            offset += count
+            end = (job.first_page + count) * self.page_tokens
+            write = WriteJob(job.req_id, self._scope(job), tokens[:end], job.first_page, payload, started)
+            if meta.hold_saves:
+                self._held.setdefault(meta.step, []).append(write)
+            else:
+                self.writer.put(write)
+        if meta.step in self._held:
+            self._held_steps.append(meta.step)
 
-    def forget(self, req_ids: set[str]) -> None:
-        """Drop the token ids of finished requests (their queued jobs hold their own copy)."""
-        for req_id in req_ids:
-            self._tokens.pop(req_id, None)
+    def _drop(self, req_id: str, first_page: int) -> None:
+        """A save job is not written (its blocks may hold KV computed from a page that failed to load)."""
+        self._dropped[req_id] = min(first_page, self._dropped.get(req_id, first_page))
+        self._dropped_jobs[req_id] = self._dropped_jobs.get(req_id, 0) + 1
+
+    # -- reports ---------------------------------------------------------------------------
 
     def take_worker_meta(self) -> DssWorkerMetadata | None:
         """What finished since the last step (see :class:`DssWorkerMetadata`); ``None`` if nothing."""
         done = self.writer.take_done()
+        saved = done.saved
         for req_id, count in self._dropped_jobs.items():
-            done[req_id] = done.get(req_id, 0) + count
+            saved[req_id] = saved.get(req_id, 0) + count
         dropped, self._dropped, self._dropped_jobs = self._dropped, {}, {}
-        return DssWorkerMetadata(done, dropped) if done or dropped else None
+        host = self._host_pages + done.page_ids
+        self._host_pages = []
+        self.stats.count("saved_pages", done.num_pages)
+        self.stats.count("failed_saves", done.num_failed)
+        for seconds in done.seconds:
+            self.stats.observe("save", seconds)
+        held, self._held_steps = self._held_steps, []
+        if not (saved or dropped or host or held):
+            return None
+        return DssWorkerMetadata(saved, dropped, {self.shard: host} if host else {}, held)
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def take_stats(self) -> DssConnectorStats | None:
+        if self.is_saver:
+            pending = self.writer.pending_bytes
+            if pending != self._last_pending:
+                self.stats.set_pending(f"shard{self.shard}", pending)
+                self._last_pending = pending
+        return self.stats.take()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Finish the queued loads and writes, then stop the threads."""
+        if self.loader is not None:
+            self.loader.close()
         self.writer.close()
 
-    # -- copies ----------------------------------------------------------------------------
+    # -- internals -------------------------------------------------------------------------
 
-    # One memcpy per page and layer through numpy views on the CPU (measured 6x faster for
-    # 255 pages of 256 KiB than torch index_copy_ through a staging tensor); torch ops on
-    # other devices.
+    def _note_load(self, outcome: LoadOutcome, *, in_host: bool) -> None:
+        """Count a load; ``in_host``: its pages are in this process's host tier now (a synchronous
+        load read them through this worker's store; asynchronous loads read in the reader process)."""
+        self.num_pages_loaded += len(outcome.loaded_page_ids)
+        self.stats.observe("load", outcome.seconds)
+        self.stats.count("failed_pages", len(outcome.failed_pages))
+        if self._report_pages and in_host:
+            self._host_pages.extend(outcome.loaded_page_ids)
 
-    def _gather(self, block_ids: list[int]) -> np.ndarray:
-        """``[len(block_ids), page_bytes]`` uint8: the pages of these blocks."""
-        count, num_layers = len(block_ids), len(self._layers)
-        out = np.empty((count, num_layers, self._layer_bytes), dtype=np.uint8)
-        if self._host_views is not None:
-            for i, view in enumerate(self._host_views):
-                for k, block in enumerate(block_ids):
-                    out[k, i] = view[block]
-        else:
-            index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[0].device)
-            for i, layer in enumerate(self._layers):
-                blocks = layer.index_select(0, index).reshape(count, -1).view(torch.uint8)
-                out[:, i] = blocks.cpu().numpy()
-        return out.reshape(count, -1)
-
-    def _scatter(self, payloads: list[bytes], block_ids: list[int]) -> None:
-        """Write ``payloads[k]`` (every layer's bytes, in layer order) into block ``block_ids[k]``."""
-        num_layers, layer_bytes = len(self._layers), self._layer_bytes
-        if self._host_views is not None:
-            for payload, block in zip(payloads, block_ids):
-                source = np.frombuffer(payload, dtype=np.uint8).reshape(num_layers, layer_bytes)
-                for i, view in enumerate(self._host_views):
-                    view[block] = source[i]
-            return
-        device = self._layers[0].device
-        index = torch.tensor(block_ids, dtype=torch.long, device=device)
-        staged = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        staged = staged.view(len(payloads), num_layers, layer_bytes)
-        for i, layer in enumerate(self._layers):
-            part = staged[:, i].contiguous().view(layer.dtype).reshape(len(block_ids), *layer.shape[1:])
-            layer.index_copy_(0, index, part.to(device))
+    def _scope(self, job: SaveJob) -> Scope:
+        """Where this shard saves a job's pages: the job's scope for shard 0, its namespace for others."""
+        scope = job.scope
+        return scope if self.shard == 0 or scope.session_id is None else Scope(scope.tenant_id, scope.user_id, None)

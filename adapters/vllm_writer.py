@@ -3,20 +3,22 @@ store writes them (and fsyncs) off the engine's critical path.
 
 Jobs are written in the order they were put, one at a time, so a request's pages reach
 the store in prompt order. :meth:`PageWriter.take_done` tells the engine which jobs have
-finished (written, or failed with a logged ``DssError``); a failure that is not a
-``DssError`` is a bug: it stops the writer and is raised again in the engine's thread by
-the next :meth:`PageWriter.put` or :meth:`PageWriter.raise_if_failed`.
+finished (written, or failed with a logged ``DssError``), how long each took from the copy
+to the store, and (with ``report_pages``) the ids of the pages written, which are in this
+process's host tier now; a failure that is not a ``DssError`` is a bug: it stops the
+writer and is raised again in the engine's thread by the next :meth:`PageWriter.put` or
+:meth:`PageWriter.raise_if_failed`.
 """
 
 from __future__ import annotations
 
 import array
 import logging
-import threading
-from collections import deque
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
+from dss_adapters.vllm_jobs import JobThread
 from dss_adapters.vllm_settings import Scope
 
 import dss
@@ -34,91 +36,81 @@ class WriteJob:
     tokens: array.array
     first_page: int
     payload: np.ndarray
+    started: float = 0.0
+    """``time.perf_counter()`` when the copy out of the KV cache began."""
 
 
-class PageWriter:
+@dataclass(slots=True)
+class WriterDone:
+    """What the writer finished since it was last asked."""
+
+    saved: dict[str, int] = field(default_factory=dict)
+    """Jobs finished (written or failed) per request."""
+    page_ids: list[bytes] = field(default_factory=list)
+    """Pages written (with ``report_pages``), in the order written."""
+    seconds: list[float] = field(default_factory=list)
+    """Per job, from the copy out of the KV cache to the end of the write."""
+    num_pages: int = 0
+    num_failed: int = 0
+
+
+class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
     """One writer thread over one store, with at most ``max_pending_bytes`` waiting."""
 
-    def __init__(self, store: dss.Store, layout: dss.Layout, max_pending_bytes: int) -> None:
+    def __init__(self, store: dss.Store, layout: dss.Layout, max_pending_bytes: int, *,
+                 report_pages: bool = False) -> None:
         self.store = store
         self.layout = layout
         self.max_pending_bytes = max_pending_bytes
+        self.report_pages = report_pages
         self.num_pages_written = 0
         self.num_failed_jobs = 0
-        self._jobs: deque[WriteJob | None] = deque()
         self._pending_bytes = 0
-        self._done: dict[str, int] = {}
+        self._done = WriterDone()
         self._sessions: set[tuple[str, str]] = set()
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="dss-page-writer", daemon=True)
-        self._thread.start()
+        super().__init__("dss-page-writer")
 
     def put(self, job: WriteJob) -> None:
         """Queue a job; waits while more than ``max_pending_bytes`` are queued."""
         with self._cond:
             while self._pending_bytes > self.max_pending_bytes and self._error is None:
                 self._cond.wait()
-            self._check()
-            self._jobs.append(job)
             self._pending_bytes += job.payload.nbytes
-            self._cond.notify_all()
+        super().put(job)
 
-    def take_done(self) -> dict[str, int]:
-        """Jobs finished since the last call, per request id."""
+    def take_done(self) -> WriterDone:
+        """What finished since the last call (see :class:`WriterDone`)."""
         with self._cond:
-            done, self._done = self._done, {}
+            done, self._done = self._done, WriterDone()
             return done
 
-    def raise_if_failed(self) -> None:
-        """Raise the writer's unexpected error, if it stopped on one."""
+    @property
+    def pending_bytes(self) -> int:
+        """Payload bytes queued and not yet written."""
         with self._cond:
-            self._check()
+            return self._pending_bytes
 
     def flush(self) -> None:
         """Wait until every queued job has finished."""
-        with self._cond:
-            while (self._jobs or self._pending_bytes) and self._error is None:
-                self._cond.wait()
-            self._check()
-
-    def close(self) -> None:
-        """Finish the queued jobs and stop the thread. Idempotent."""
-        if self._thread.is_alive():
-            with self._cond:
-                self._jobs.append(None)
-                self._cond.notify_all()
-            self._thread.join()
+        self.wait_idle()
 
     # -- the thread ------------------------------------------------------------------------
 
-    def _check(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("the dss page writer stopped") from self._error
+    def _do(self, job: WriteJob) -> tuple[int, list[bytes]]:
+        return self._write(job)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._cond.wait()
-                job = self._jobs[0]
-            if job is None:
-                return
-            try:
-                self._write(job)
-            except BaseException as exc:  # a bug: stop, and raise it in the engine's thread
-                log.exception("dss page writer stopped")
-                with self._cond:
-                    self._error = exc
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self._jobs.popleft()
-                self._pending_bytes -= job.payload.nbytes
-                self._done[job.req_id] = self._done.get(job.req_id, 0) + 1
-                self._cond.notify_all()
+    def _finish(self, job: WriteJob, result: tuple[int, list[bytes]]) -> None:
+        written, page_ids = result
+        self._pending_bytes -= job.payload.nbytes
+        done = self._done
+        done.saved[job.req_id] = done.saved.get(job.req_id, 0) + 1
+        done.page_ids.extend(page_ids)
+        done.seconds.append(time.perf_counter() - job.started)
+        done.num_pages += written
+        done.num_failed += not written
 
-    def _write(self, job: WriteJob) -> None:
+    def _write(self, job: WriteJob) -> tuple[int, list[bytes]]:
+        """Save the job's pages; (pages saved, their ids if reported), ``(0, [])`` if refused."""
         pages = {job.first_page + i: job.payload[i].tobytes() for i in range(job.payload.shape[0])}
         scope = job.scope
         try:
@@ -136,6 +128,22 @@ class PageWriter:
         except DssError as exc:
             self.num_failed_jobs += 1
             log.error("saving %d pages of request %s failed: %s", len(pages), job.req_id, exc)
+            return 0, []
+        return len(pages), self._page_ids(job, len(pages)) if self.report_pages else []
+
+    def _page_ids(self, job: WriteJob, count: int) -> list[bytes]:
+        """The ids of the job's pages, as the store now finds them (those it finds)."""
+        scope, end = job.scope, (job.first_page + count) * self.layout.page_tokens
+        tokens = job.tokens[:end]
+        result = None
+        if scope.session_id is not None and (scope.tenant_id, scope.session_id) in self._sessions:
+            try:
+                result = self.store.resume(scope.session_id, tokens, tenant_id=scope.tenant_id)
+            except UnknownSession:
+                return []
+        if result is None:
+            result = self.store.lookup(tokens, layout=self.layout, user_id=scope.user_id, tenant_id=scope.tenant_id)
+        return [bytes(p.page_id) for p in result.pages[job.first_page:]]
 
     def _session(self, scope: Scope) -> bool:
         """Make sure the session exists; ``False`` if its id is taken by another owner or layout."""

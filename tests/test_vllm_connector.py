@@ -16,14 +16,13 @@ The conversation used throughout (block = page = 32 tokens)::
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import dss
-from tests.engines import engine, generate, make_tiny_llama, prompt, tokens_out
+from tests.engines import conversation, corrupt_page, engine, generate, make_tiny_llama, run, tokens_out
 
 SESSION = {"session_id": "chat-1", "tenant_id": "t", "user_id": "u"}
 
@@ -36,24 +35,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ref(model: Path) -> dict[str, list[int]]:
     """Prompts and their greedy outputs from vLLM without dss (and without its prefix cache)."""
-    out: dict[str, list[int]] = {"p1": prompt(1, 100), "q": prompt(4, 70)}
     with engine(model, prefix_caching=False) as llm:
-        out["o1"] = tokens_out(generate(llm, [out["p1"]], max_tokens=40)[0])
-        out["p2"] = out["p1"] + out["o1"] + prompt(2, 30)
-        out["p2b"] = out["p1"] + out["o1"] + prompt(3, 25)
-        o2, o2b, oq = generate(llm, [out["p2"], out["p2b"], out["q"]])
-        out["o2"], out["o2b"], out["oq"] = tokens_out(o2), tokens_out(o2b), tokens_out(oq)
-    return out
+        return conversation(llm)
 
 
 @pytest.fixture
 def store(sqlite_store: dss.Store) -> dss.Store:
     """The test's own handle on the store (SQLite: the engines open the same folder)."""
     return sqlite_store
-
-
-def run(llm: Any, tokens: list[int], fields: dict[str, Any] | None, max_tokens: int = 8) -> Any:
-    return generate(llm, [tokens], max_tokens=max_tokens, params=[{"dss": fields} if fields is not None else None])[0]
 
 
 def dss_params(output: Any) -> dict[str, Any]:
@@ -90,7 +79,8 @@ def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(model: Path, st
     assert fields.pop("revision").startswith("local-")  # fingerprint of the model folder
     assert fields == {"name": "vllm", "page_tokens": 32, "page_bytes": 2 * 2 * 32 * 64 * 4, "model": str(model),
                       "dtype": "float32", "kv_dtype": "float32", "kv_cache_dtype": "auto", "num_layers": 2,
-                      "num_kv_heads": 2, "head_size": 32, "head_size_v": 32, "platform": "cpu", "vllm": "0.32.0"}
+                      "num_kv_heads": 2, "head_size": 32, "head_size_v": 32, "platform": "cpu", "vllm": "0.32.0",
+                      "attention": "full", "tp_size": 1, "tp_shard": 0, "pp_size": 1, "pp_rank": 0}
 
 
 def test_another_namespace_gets_no_hit_and_the_same_outputs(model: Path, store_path: Path, store: dss.Store,
@@ -200,23 +190,6 @@ def test_default_multiprocess_mode(model: Path, store_path: Path, store: dss.Sto
     assert dss_params(out)["version_id"] == 2
     # the worker process saved page 4 and wrote it before the engine shut down
     assert store.resume("chat-1", ref["p2"] + ref["o2"], tenant_id="t").matched_tokens == 160
-
-
-def corrupt_page(store_path: Path, page_id: bytes) -> None:
-    """Flip one payload byte of the page's record in its segment file (format ``dss-segment v1``:
-    a 32-byte header, then records of page id (16) | length u32 | flags u32 | XXH3 i64, payload)."""
-    record = struct.Struct("<16sIIq")
-    for path in sorted((store_path / "segments").glob("*.seg")):
-        data = bytearray(path.read_bytes())
-        offset = 32
-        while offset < len(data):
-            found, length, _, _ = record.unpack_from(data, offset)
-            if found == page_id:
-                data[offset + record.size + 7] ^= 0xFF
-                path.write_bytes(bytes(data))
-                return
-            offset += record.size + length
-    raise AssertionError(f"page {page_id.hex()} is in no segment file")
 
 
 def test_an_engine_whose_pages_differ_from_the_configured_size_refuses_to_start(model: Path, store_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Parts of the vLLM page layout that need no engine: the model fingerprint, the layer order
-and the KV-cache kinds the connector accepts (on vLLM's own config objects).
+"""Parts of the vLLM page layout that need no engine: the model fingerprint, the layer order,
+the KV-cache kinds the connector accepts (on vLLM's own config objects) and the shards.
 
 The layout of a running engine is checked in ``test_vllm_connector.py`` (it is what the
 engine's first session is created with).
@@ -8,16 +8,28 @@ engine's first session is created with).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from dss_adapters.vllm_layout import attention_spec, layer_names, model_fingerprint
+from dss_adapters.vllm_layout import (
+    PageLayer,
+    Shards,
+    attention_spec,
+    group_kinds,
+    layer_names,
+    model_fingerprint,
+    page_layers,
+)
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -66,10 +78,44 @@ def test_layers_are_in_model_order_by_index_not_as_text() -> None:
     assert layer_names(kv_config((names, FULL))) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10, 11)]
 
 
-def test_only_one_group_of_full_attention_is_accepted() -> None:
-    assert attention_spec(kv_config((["a"], FULL))) is FULL
-    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
-    with pytest.raises(dss.ConfigError, match="this model has 1 group\\(s\\) of SlidingWindowSpec"):
-        attention_spec(kv_config((["a"], window)))
-    with pytest.raises(dss.ConfigError, match="this model has 2 group\\(s\\) of FullAttentionSpec, SlidingWindowSpec"):
-        attention_spec(kv_config((["a"], FULL), (["b"], window)))
+WINDOW = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+
+
+def test_full_attention_and_sliding_window_groups_are_served() -> None:
+    assert group_kinds(kv_config((["a"], FULL))) == ["full"]
+    assert group_kinds(kv_config((["a", "c"], FULL), (["b", "d"], WINDOW))) == ["full", "sliding:64"]
+    assert attention_spec(kv_config((["a"], FULL), (["b"], WINDOW))) is FULL
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    config = kv_config(([names[0], names[2]], FULL), ([names[3], names[1]], WINDOW))
+    assert page_layers(config) == [PageLayer(names[0], 0), PageLayer(names[1], 1), PageLayer(names[2], 0),
+                                   PageLayer(names[3], 1)]
+    assert page_layers(config, {names[1], names[2]}) == [PageLayer(names[1], 1), PageLayer(names[2], 0)]
+
+
+@pytest.mark.parametrize(("spec", "feature"), [
+    (MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,)),
+     "hybrid models with state-space (Mamba / linear-attention) layers (KV cache spec MambaSpec)"),
+    (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                               attention_chunk_size=128), "chunked local attention"),
+    (CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32),
+     "encoder-decoder models (cross or encoder-only attention)"),
+])
+def test_other_kv_caches_are_refused_naming_the_model_feature(spec: KVCacheSpec, feature: str) -> None:
+    with pytest.raises(dss.ConfigError, match=re.escape(f"the dss connector does not support {feature}")):
+        group_kinds(kv_config((["a"], FULL), (["b"], spec)))
+
+
+def test_groups_with_blocks_of_another_size_are_refused() -> None:
+    other = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    with pytest.raises(dss.ConfigError, match="KV blocks of one size and token count in every KV cache group"):
+        attention_spec(kv_config((["a"], FULL), (["b"], other)))
+
+
+def test_shards_of_tensor_parallel_ranks_and_pipeline_stages() -> None:
+    """TP 4 with KV replicated on pairs of ranks (2 shards per stage), 2 stages: ranks 0-1 hold
+    shard 0, ranks 2-3 shard 1; stage 1's shards are 2 and 3; the first rank of a pair writes."""
+    shards = Shards(tp_size=4, tp_shards=2, pp_size=2)
+    assert shards.count == 4
+    assert [shards.index(rank, 0) for rank in range(4)] == [0, 0, 1, 1]
+    assert [shards.index(rank, 1) for rank in range(4)] == [2, 2, 3, 3]
+    assert [shards.is_saver(rank) for rank in range(4)] == [True, False, True, False]

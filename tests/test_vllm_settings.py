@@ -13,16 +13,16 @@ def test_defaults_need_only_the_store() -> None:
     assert settings == Settings(store="/var/dss", store_options={}, namespace_source="request",
                                 default_tenant_id="default", default_user_id="anonymous", model_revision=None,
                                 page_bytes=None, load=True, save=True, max_pending_bytes=1 << 30,
-                                session_wait_s=5.0)
+                                session_wait_s=5.0, load_mode="auto")
 
 
 def test_every_option_is_read() -> None:
     settings = Settings.from_extra_config({
         "store": "/s", "store_options": {"host_bytes": "1GiB"}, "namespace_source": "config",
         "default_tenant_id": "acme", "default_user_id": "svc", "model_revision": "r7", "page_bytes": 4096,
-        "load": False, "save": False, "max_pending_bytes": 1024, "session_wait_s": 0})
+        "load": False, "save": False, "max_pending_bytes": 1024, "session_wait_s": 0, "load_mode": "async"})
     assert settings == Settings("/s", {"host_bytes": "1GiB"}, "config", "acme", "svc", "r7", 4096, False, False,
-                                1024, 0.0)
+                                1024, 0.0, "async")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -36,6 +36,7 @@ def test_every_option_is_read() -> None:
     ({"store": "/s", "session_wait_s": -1}, "'session_wait_s' must be a number of seconds >= 0"),
     ({"store": "/s", "default_user_id": ""}, "'default_user_id' must be a non-empty string"),
     ({"store": "/s", "store_options": [1]}, "'store_options' must be a mapping"),
+    ({"store": "/s", "load_mode": "lazy"}, "'load_mode' must be 'auto', 'sync' or 'async', not 'lazy'"),
 ])
 def test_bad_options_are_config_errors(extra: dict | None, message: str) -> None:
     with pytest.raises(dss.ConfigError) as info:

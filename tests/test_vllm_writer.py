@@ -39,8 +39,8 @@ def test_session_jobs_create_the_session_and_save_in_order(store: dss.Store) -> 
     writer.put(job("r1", scope, 0, payload(1, 2)))
     writer.put(job("r1", scope, 2, payload(3)))
     writer.flush()
-    assert writer.take_done() == {"r1": 2}
-    assert writer.take_done() == {}
+    assert writer.take_done().saved == {"r1": 2}
+    assert writer.take_done().saved == {}
     assert writer.num_pages_written == 3
     session = store.session("chat-1", tenant_id="t")
     assert (session.user_id, session.layout) == ("u", LAYOUT)
@@ -54,7 +54,7 @@ def test_jobs_without_a_session_are_found_by_lookup_in_their_namespace_only(stor
     writer = PageWriter(store, LAYOUT, 1 << 20)
     writer.put(job("r1", Scope("t", "u", None), 0, payload(7, 8)))
     writer.close()
-    assert writer.take_done() == {"r1": 1}
+    assert writer.take_done().saved == {"r1": 1}
     found = store.lookup(TOKENS, layout=LAYOUT, user_id="u", tenant_id="t")
     assert found.matched_tokens == 8
     assert store.read_pages(found.pages) == [bytes([7]) * 16, bytes([8]) * 16]
@@ -66,7 +66,7 @@ def test_a_session_of_another_owner_is_left_alone(store: dss.Store) -> None:
     writer = PageWriter(store, LAYOUT, 1 << 20)
     writer.put(job("r1", Scope("t", "intruder", "chat-1"), 0, payload(5)))
     writer.close()
-    assert writer.take_done() == {"r1": 1}
+    assert writer.take_done().saved == {"r1": 1}
     assert store.resume("chat-1", TOKENS, tenant_id="t").matched_tokens == 0
     assert store.lookup(TOKENS, layout=LAYOUT, user_id="intruder", tenant_id="t").matched_tokens == 4
 
@@ -76,7 +76,7 @@ def test_a_rejected_job_is_logged_counted_and_done(store: dss.Store, caplog: pyt
     writer.put(job("r1", Scope("t", "u", None), 0, payload(1, 2), tokens=TOKENS[:6]))  # page 1 is not full
     writer.put(job("r2", Scope("t", "u", None), 0, payload(9)))
     writer.close()
-    assert writer.take_done() == {"r1": 1, "r2": 1}
+    assert writer.take_done().saved == {"r1": 1, "r2": 1}
     assert writer.num_failed_jobs == 1
     assert writer.num_pages_written == 1
     assert "saving 2 pages of request r1 failed: page index 1 is out of range" in caplog.text
@@ -86,10 +86,10 @@ def test_a_rejected_job_is_logged_counted_and_done(store: dss.Store, caplog: pyt
 def test_an_unexpected_error_stops_the_writer_and_is_raised_in_the_engine_thread(store: dss.Store) -> None:
     writer = PageWriter(store, LAYOUT, 1 << 20)
     writer.put(WriteJob("r1", Scope("t", "u", None), array.array("I", TOKENS), 0, memoryview(b"x" * 16)))  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="the dss page writer stopped") as info:
+    with pytest.raises(RuntimeError, match="the dss-page-writer thread stopped") as info:
         writer.flush()
     assert isinstance(info.value.__cause__, AttributeError)
     with pytest.raises(RuntimeError):
         writer.put(job("r2", Scope("t", "u", None), 0, payload(1)))
-    assert writer.take_done() == {}
+    assert writer.take_done().saved == {}
     writer.close()
