@@ -30,7 +30,7 @@ from typing import Any
 from dss import integrity, versions
 from dss.catalog import erasures, pages, sessions
 from dss.catalog.change import Applied, Change
-from dss.catalog.database import catalog_errors, open_catalog
+from dss.catalog.database import catalog_errors, now, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
@@ -394,13 +394,18 @@ class Store:
             return integrity.check(self.catalog, self.mirror, self.disk, self.host, self.config.disk_bytes)
 
     def stats(self) -> dict[str, Any]:
-        """Sizes of the tiers as this process sees them."""
+        """Sizes of the tiers as this process sees them, and the erasures not finished yet
+        (``open``; ``oldest_open_s``: seconds since the oldest of them started, 0 when none)."""
         with self._reading(), self.catalog.read() as conn:
             disk_used = pages.tier_bytes(conn, "disk")
             disk_pages = pages.count_located(conn, "disk")
+            open_jobs = erasures.open_jobs(conn)
+        oldest = min((job.started_at for job in open_jobs), default=None)
         return {
             "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
             "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
+            "erasures": {"open": len(open_jobs),
+                         "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
         }
 
     # -- internals -------------------------------------------------------------------------

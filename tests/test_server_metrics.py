@@ -113,3 +113,25 @@ def test_no_label_names_a_tenant_user_or_session(service: Service) -> None:
     service.ok("POST", "/v1/resume", json={"session_id": "secret-session", "tokens": T})
     text = service.call("GET", "/metrics", "admin").text
     assert "secret" not in text and "t1" not in text
+
+
+def test_erasures_done_open_and_the_age_of_the_oldest(service: Service) -> None:
+    from tests.test_erase import first_step
+
+    service.create("a", user_id="alice")
+    service.create("b", user_id="bob")
+    service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "alice", "tenant_id": "t1", "dry_run": True})
+    m = scrape(service)
+    assert m[("dss_erasures_total", (("result", "done"),))] == 0  # a dry run is not an erasure
+    service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "alice", "tenant_id": "t1"})
+    m = scrape(service)
+    assert m[("dss_erasures_total", (("result", "done"),))] == 1
+    assert m[("dss_erasures_total", (("result", "failed"),))] == 0
+    assert m[("dss_erasures_open", ())] == 0
+    assert m[("dss_erasure_oldest_open_seconds", ())] == 0
+    job = first_step(service.store, "bob", "t1")  # a job a crash interrupted after its first step
+    m = scrape(service)
+    assert m[("dss_erasures_open", ())] == 1
+    assert 0 < m[("dss_erasure_oldest_open_seconds", ())] < 60
+    service.store.eraser.run(job)
+    assert scrape(service)[("dss_erasures_open", ())] == 0

@@ -31,7 +31,7 @@ from dss.service import models as m
 from dss.service.apikeys import KeyRing, Principal
 from dss.core.config import StoreConfig
 from dss.erasure import AuditEntry, Plan, Receipt
-from dss.core.errors import DssError, InvalidInput, InvalidTokens, NotFound, StoreClosed
+from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, InvalidTokens, NotFound, StoreClosed
 from dss.service.problems import PROBLEM_MEDIA_TYPE, InternalError, MethodNotAllowed, error_class
 from dss.service.config import ServerConfig
 from dss.service.middleware import (
@@ -315,7 +315,15 @@ def _add_routes(app: FastAPI) -> None:
         """Erase every session, version, token and page of one user of the tenant (GDPR Art. 17), keys first;
         returns the receipt. ``dry_run`` returns the plan and changes nothing. Admin key (also for a dry run)."""
         tenant = call.scope.reading(body.tenant_id) if body.dry_run else call.scope.writing(body.tenant_id)
-        return call.store.forget_user(body.user_id, tenant_id=tenant, dry_run=body.dry_run)
+        if body.dry_run:
+            return call.store.forget_user(body.user_id, tenant_id=tenant, dry_run=True)
+        try:
+            receipt = call.store.forget_user(body.user_id, tenant_id=tenant)
+        except ErasureIncomplete:
+            call.metrics.observe_erasure(done=False)
+            raise
+        call.metrics.observe_erasure(done=True)
+        return receipt
 
     @app.get("/v1/audit", response_model=list[AuditEntry], response_model_exclude_none=True, tags=["erasure"], **v1)
     def audit(call: Call = call_dep, tenant_id: str | None = None, all_tenants: bool = False) -> list[AuditEntry]:
