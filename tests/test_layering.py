@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     {"core"},
     {"catalog", "tiers", "trie"},
-    {"keys", "folder", "pageindex", "policy", "erasure"},
+    {"keys", "folder", "pageindex", "policy", "erasure", "lsh"},
     {"state"},
     {"mirror", "pages", "resume"},
-    {"versions", "matcher"},
+    {"versions", "matcher", "nearest"},
     {"erase", "integrity", "writer"},
     {"store"},
     {"service"},
