@@ -38,7 +38,7 @@ def assert_exact(store: dss.Store, result: dss.ResumeResult, prompt: list[int]) 
 def play(store: dss.Store, n: int, *, user: str = "u", approximate: bool = True) -> list[dss.ResumeResult]:
     """The re-rendered conversation: request ``i`` in a fresh session ``req{i}`` (its id dropped),
     resumed, then committed with its answer and KV."""
-    history = rerender.turns(n, length=48)
+    history = rerender.turns(n, length=128)
     results = []
     for i in range(n):
         prompt = rerender.prompt(i, history)
@@ -56,7 +56,7 @@ def test_rerendered_conversation_explain_names_the_divergence_and_its_cost(open_
     per-request line): exact reuse stops at 8 tokens (2 pages); explain says so, shows the
     two lines, where they run together again (14) and what the line costs."""
     store = open_store()
-    n = 8
+    n = 6
     results = play(store, n)
     assert [r.matched_tokens for r in results] == [0] + [8] * (n - 1)
     assert [r.source for r in results] == [None] + ["namespace"] * (n - 1)
@@ -65,7 +65,7 @@ def test_rerendered_conversation_explain_names_the_divergence_and_its_cost(open_
     for i in range(2, n):  # prompts long enough for a window to match
         assert near[i] is not None and near[i].session_id == f"req{i - 1}"
         assert (near[i].divergence, near[i].common_prefix, near[i].matched_tokens) == (8, 8, 8)
-    history = rerender.turns(n + 1, length=48)
+    history = rerender.turns(n + 1, length=128)
     prompt = rerender.prompt(n, history)
     store.create_session("next", user_id="u", layout=L)
     stored = store.tokens(f"req{n - 1}")
@@ -80,7 +80,7 @@ def test_rerendered_conversation_explain_names_the_divergence_and_its_cost(open_
     assert why.would_reuse_tokens == len(stored) // 4 * 4
     assert why.lost_tokens == why.would_reuse_tokens - 8
     counts = dict(why.recurring)
-    assert counts[8] == n - 2 + 1  # every request with a near-duplicate, and this explain
+    assert counts == {8: sum(r.near is not None for r in results) + 1}  # each near-duplicate found, and this explain
     assert why.recurring[0][0] == 8
     texts = store.explain("next", prompt, decode=lambda ids: " ".join(map(str, ids)), context=2)
     assert texts.prompt_text == f"106 107 {5000 + 10 * n} {5001 + 10 * n}"
