@@ -248,6 +248,21 @@ class Nearest:
                            decode(s_win) if decode is not None else None,
                            r_p, r_s, shared, would, would - result.matched_tokens, self.recurring(tenant_id))
 
+    def problems(self) -> list[str]:
+        """Entries of this process's index whose session is gone or of another namespace (for
+        ``Store.check()``; sessions waiting to be re-indexed are not problems)."""
+        entries = [(b.user_ref, e) for b in self.lsh.buckets.values() for e in b.entries.values()]
+        if not entries:
+            return []
+        with self.mirror.catalog.read() as conn:
+            owner = dict(sessions.owners(conn, sorted({e.session_ref for _, e in entries})))
+        out = []
+        for user_ref, entry in entries:
+            if owner.get(entry.session_ref) != user_ref:
+                where = "is gone" if entry.session_ref not in owner else "belongs to another namespace"
+                out.append(f"LSH entry {entry.key()} of namespace {user_ref}: its session {where}")
+        return out
+
     # -- recurring divergences -------------------------------------------------------------
 
     def count_divergence(self, tenant_id: str, position: int) -> None:

@@ -476,7 +476,10 @@ class Store:
     def check(self) -> list[str]:
         """Every broken invariant, as a sentence each; ``[]`` when the store is sound. Read-only."""
         with self._reading():
-            return integrity.check(self.catalog, self.mirror, self.disk, self.host, self.config.disk_bytes)
+            problems = integrity.check(self.catalog, self.mirror, self.disk, self.host, self.config.disk_bytes)
+            if self._near is not None:
+                problems += self._near.problems()
+            return problems
 
     def stats(self) -> dict[str, Any]:
         """Sizes of the tiers as this process sees them."""

@@ -203,6 +203,10 @@ def test_index_follows_commit_branch_delete_and_other_processes(open_store) -> N
     other.delete_session("b")
     assert [c.session_id for c in store.nearest(tokens, user_id="u", layout=L)] == ["c"]
     assert store.check() == []
+    lsh = store._nearest_index().lsh
+    (user_ref, _), bucket = next(iter(lsh.buckets.items()))
+    lsh.add(bucket, 999_999, 1, np.asarray([1, 2, 3, 4, 5], np.uint32).tobytes(), 4)  # a planted stray entry
+    assert store.check() == [f"LSH entry 999999:1:0:5:v of namespace {user_ref}: its session is gone"]
 
 
 def test_forget_user_removes_the_entries_and_the_receipt_inspects_the_index(open_store) -> None:
