@@ -482,11 +482,14 @@ class Store:
             return problems
 
     def stats(self) -> dict[str, Any]:
-        """Sizes of the tiers as this process sees them."""
+        """Sizes of the tiers as this process sees them, and of its MinHash-LSH index (``"lsh"``:
+        indexes, entries, capacity, indexes dropped to stay within it, bands and rows, storage
+        ``"memory"``, ``"redis"`` or ``"none"`` before approximate matching was first used)."""
         with self._reading(), self.catalog.read() as conn:
             disk_used = pages.tier_bytes(conn, "disk")
             disk_pages = pages.count_located(conn, "disk")
-            lsh = self._near.lsh.stats() if self._near is not None else None
+            lsh = self._near.lsh.stats() if self._near is not None else {
+                "indexes": 0, "entries": 0, "capacity": self.config.lsh_max_entries, "storage": "none"}
         return {
             "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
             "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},

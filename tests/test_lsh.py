@@ -158,4 +158,4 @@ def test_without_datasketch_approximate_matching_is_a_config_error(tmp_path, mon
             store.nearest([1, 2, 3], session_id="s")
         with pytest.raises(ConfigError, match="datasketch"):
             store.resume("s", [1, 2, 3], approximate=True)
-        assert store.stats()["lsh"] is None
+        assert store.stats()["lsh"] == {"indexes": 0, "entries": 0, "capacity": 1_000_000, "storage": "none"}
