@@ -116,11 +116,13 @@ class Nearest:
     # -- candidates ------------------------------------------------------------------------
 
     def candidates(self, buf: bytes | memoryview, layout: Layout, user_ref: int, *, k: int,
-                   extra: SessionState | None = None) -> tuple[list[Candidate], int]:
+                   extra: SessionState | None = None,
+                   also: tuple[tuple[int, int], ...] = ()) -> tuple[list[Candidate], int]:
         """The ``k`` stored versions nearest the prompt (exact Jaccard, then common prefix), all
         of namespace ``user_ref`` and ``layout``, each verified; also how many were verified.
 
-        ``extra``'s versions (the request's own session) are compared too, proposed or not.
+        ``extra``'s versions (the request's own session) and the ``also`` versions
+        (``(session_ref, version_id)``) are compared too, proposed or not.
         """
         bucket = self.bucket(user_ref, layout)
         prompt = np.frombuffer(buf, dtype=np.uint32)
@@ -134,6 +136,8 @@ class Nearest:
         if extra is not None:
             for version_id in extra.versions:
                 wanted.setdefault((extra.ref, version_id), 0)
+        for pair in also:
+            wanted.setdefault(pair, 0)
         size = self.lsh.settings.shingle_tokens
         salt = bucket.salt
         prompt_hashes = shingle_hashes(prompt, size, salt)
@@ -218,7 +222,9 @@ class Nearest:
         prompt = np.frombuffer(buf, dtype=np.uint32)
         found: list[Candidate] = []
         if user_ref is not None:
-            found, _ = self.candidates(buf, layout, user_ref, k=1, extra=state)
+            self.bucket(user_ref, layout)  # every session of the namespace loaded
+            found, _ = self.candidates(buf, layout, user_ref, k=1, extra=state,
+                                       also=self._longest_prefix(buf, layout, user_ref))
         base = Explanation(len(prompt), result.matched_tokens, result.source, None, None)
         if not found:
             return replace(base, recurring=self.recurring(tenant_id))
@@ -262,6 +268,24 @@ class Nearest:
                 where = "is gone" if entry.session_ref not in owner else "belongs to another namespace"
                 out.append(f"LSH entry {entry.key()} of namespace {user_ref}: its session {where}")
         return out
+
+    def _longest_prefix(self, buf: bytes | memoryview, layout: Layout, user_ref: int) -> tuple[tuple[int, int], ...]:
+        """The version of the namespace and layout that shares the longest exact prefix with the
+        prompt (by walking each loaded session's trie), so explain names the version exact reuse
+        ran along even when LSH proposes nothing (a short prompt, an early divergence)."""
+        best: tuple[int, int, int] | None = None
+        for state in list(self.mirror.sessions.values()):
+            if state.user_ref != user_ref or state.layout.digest != layout.digest or not state.versions:
+                continue
+            match = state.trie.walk(buf)
+            depth = match.num_tokens
+            if not depth or (best is not None and depth <= best[0]):
+                continue
+            node = next(n for n in match.path if n.start < depth <= n.depth)
+            version_id = state.trie.version_along(node, depth, state.head)
+            if version_id is not None:
+                best = (depth, state.ref, version_id)
+        return ((best[1], best[2]),) if best is not None else ()
 
     # -- recurring divergences -------------------------------------------------------------
 
