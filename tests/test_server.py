@@ -105,7 +105,7 @@ def test_openapi_lists_every_endpoint_with_its_error_responses(service: Service)
         ("/healthz", "get"), ("/metrics", "get"), ("/v1/info", "get"), ("/v1/sessions", "post"),
         ("/v1/sessions", "get"), ("/v1/session", "get"), ("/v1/session", "delete"), ("/v1/versions", "get"),
         ("/v1/tokens", "get"), ("/v1/commit", "post"), ("/v1/pages", "post"), ("/v1/pages/read", "post"),
-        ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
+        ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/nearest", "post"), ("/v1/explain", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
         ("/v1/pin", "post"), ("/v1/sql", "post"), ("/v1/check", "get"), ("/v1/stats", "get"),
         ("/v1/forget_user", "post"), ("/v1/audit", "get"),
     }
