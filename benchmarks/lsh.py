@@ -75,15 +75,6 @@ def rerendered(rng: random.Random, tokens: list[int], turn_cuts: list[int]) -> l
     return list(tokens)
 
 
-def exact_jaccards(query: np.ndarray, stored: list[np.ndarray], size: int) -> np.ndarray:
-    q = np.unique(shingle_hashes(query, size))
-    out = np.empty(len(stored))
-    for i, s in enumerate(stored):
-        common = len(np.intersect1d(q, s, assume_unique=True))
-        out[i] = common / (len(q) + len(s) - common)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chats", type=int, default=1000)

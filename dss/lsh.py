@@ -156,7 +156,7 @@ class Signer:
         return self._ds.MinHash(hashvalues=values, permutations=self.permutations, scheme="affine32")
 
 
-class _Bucket:
+class Bucket:
     """The index of one namespace and layout."""
 
     __slots__ = ("entries", "lsh", "name", "salt", "user_ref", "windows")
@@ -192,7 +192,7 @@ class LshIndex:
                                   "db": kw.get("db", 0)}
             if kw.get("password"):
                 self._redis_config["password"] = kw["password"]
-        self.buckets: OrderedDict[tuple[int, bytes], _Bucket] = OrderedDict()
+        self.buckets: OrderedDict[tuple[int, bytes], Bucket] = OrderedDict()
         self.num_entries = 0
         self.num_dropped = 0
         probe = ds.MinHashLSH(threshold=settings.threshold, num_perm=settings.permutations, weights=WEIGHTS)
@@ -205,7 +205,7 @@ class LshIndex:
 
     # -- buckets ---------------------------------------------------------------------------
 
-    def bucket(self, user_ref: int, layout_digest: bytes) -> _Bucket | None:
+    def bucket(self, user_ref: int, layout_digest: bytes) -> Bucket | None:
         """The index of a namespace and layout, if this process holds it (marked recently used)."""
         key = (user_ref, layout_digest)
         bucket = self.buckets.get(key)
@@ -213,7 +213,7 @@ class LshIndex:
             self.buckets.move_to_end(key)
         return bucket
 
-    def open_bucket(self, user_ref: int, layout_digest: bytes, hash_key: bytes) -> tuple[_Bucket, bool]:
+    def open_bucket(self, user_ref: int, layout_digest: bytes, hash_key: bytes) -> tuple[Bucket, bool]:
         """Make (or attach to, in Redis) the index of a namespace and layout; also say whether
         it already holds the namespace's versions (an attached Redis index someone built)."""
         name = f"{self._prefix}:u{user_ref}:{layout_digest.hex()[:16]}:".encode()
@@ -225,7 +225,7 @@ class LshIndex:
             built = bool(self._redis.exists(name + b"built"))
         lsh = self._ds.MinHashLSH(threshold=self.settings.threshold, num_perm=self.settings.permutations,
                                   weights=WEIGHTS, storage_config=config)
-        bucket = _Bucket(user_ref, name, salt, lsh)
+        bucket = Bucket(user_ref, name, salt, lsh)
         self.buckets[(user_ref, layout_digest)] = bucket
         return bucket, built
 
@@ -235,14 +235,14 @@ class LshIndex:
         if bucket is not None:
             self.num_entries -= len(bucket.entries)
 
-    def mark_built(self, bucket: _Bucket) -> None:
+    def mark_built(self, bucket: Bucket) -> None:
         """Record (in Redis) that the namespace's versions are all in the shared index."""
         if self._redis is not None:
             self._redis.set(bucket.name + b"built", b"1")
 
     # -- writing ---------------------------------------------------------------------------
 
-    def add(self, bucket: _Bucket, session_ref: int, version_id: int, buf: bytes, page_tokens: int) -> int:
+    def add(self, bucket: Bucket, session_ref: int, version_id: int, buf: bytes, page_tokens: int) -> int:
         """Index a version's packed tokens (whole and windows); return how many entries were added."""
         tokens = np.frombuffer(buf, dtype=np.uint32)
         n = len(tokens)
@@ -312,7 +312,7 @@ class LshIndex:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def query(self, bucket: _Bucket, buf: bytes | memoryview, page_tokens: int) -> list[Hit]:
+    def query(self, bucket: Bucket, buf: bytes | memoryview, page_tokens: int) -> list[Hit]:
         """Entries likely similar to the prompt (``buf``) as a whole or to one of its windows.
 
         Each entry once, with the first part of the prompt that found it. Changes nothing.
@@ -341,7 +341,7 @@ class LshIndex:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _make_room(self, bucket: _Bucket, n: int) -> None:
+    def _make_room(self, bucket: Bucket, n: int) -> None:
         cap = self.settings.max_entries
         while self.num_entries + n > cap:
             other = next((k for k, b in self.buckets.items() if b is not bucket), None)
@@ -354,13 +354,13 @@ class LshIndex:
                 return
             self._remove(bucket, next(iter(bucket.entries)))
 
-    def _remove(self, bucket: _Bucket, key: str) -> None:
+    def _remove(self, bucket: Bucket, key: str) -> None:
         if bucket.entries.pop(key, None) is not None:
             self.num_entries -= 1
         if key in bucket.lsh:
             bucket.lsh.remove(key)
 
-    def _redis_keys(self, bucket: _Bucket) -> list[str]:
+    def _redis_keys(self, bucket: Bucket) -> list[str]:
         import pickle
 
         return [pickle.loads(k) for k in bucket.lsh.keys.keys()]

@@ -23,7 +23,7 @@ import numpy as np
 
 from dss.catalog import sessions
 from dss.core.types import Layout, PageId, VersionId
-from dss.lsh import LshIndex, jaccard, shingle_hashes
+from dss.lsh import Bucket, LshIndex, jaccard, shingle_hashes
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.resume import Candidate, Rates, ResumeResult
@@ -82,7 +82,7 @@ class Nearest:
 
     # -- the index of a namespace ----------------------------------------------------------
 
-    def bucket(self, user_ref: int, layout: Layout):  # type: ignore[no-untyped-def]
+    def bucket(self, user_ref: int, layout: Layout) -> Bucket:
         """The namespace's index for ``layout``, built from the catalog if this process lacks it
         (and, shared, nobody built it), with sessions other processes changed re-indexed."""
         lsh = self.lsh
@@ -109,7 +109,7 @@ class Nearest:
                         self._index_session(bucket, state)
         return bucket
 
-    def _index_session(self, bucket, state: SessionState) -> None:  # type: ignore[no-untyped-def]
+    def _index_session(self, bucket: Bucket, state: SessionState) -> None:
         for version_id in state.versions:
             self.lsh.add(bucket, state.ref, version_id, state.tokens(version_id), state.layout.page_tokens)
 

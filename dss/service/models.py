@@ -129,26 +129,26 @@ class LookupIn(_Model):
     approximate: Approximate = None
 
 
-class NearestIn(_Model):
-    """A near-duplicate search: in ``session_id``'s namespace and layout, or else in
-    ``(user_id, layout)`` of the tenant."""
+class _ScopeIn(_Model):
+    """A prompt and where to look for its near-duplicates: ``session_id``'s namespace and
+    layout, or else ``(user_id, layout)`` of the tenant."""
 
     tokens: Tokens
     session_id: str | None = None
     user_id: str | None = None
     layout: LayoutModel | None = None
     tenant_id: TenantField = None
+
+
+class NearestIn(_ScopeIn):
+    """A near-duplicate search."""
+
     k: StrictInt = 5
 
 
-class ExplainIn(_Model):
-    """Why exact reuse of a prompt stops where it does (scope as for ``/v1/nearest``)."""
+class ExplainIn(_ScopeIn):
+    """Why exact reuse of a prompt stops where it does."""
 
-    tokens: Tokens
-    session_id: str | None = None
-    user_id: str | None = None
-    layout: LayoutModel | None = None
-    tenant_id: TenantField = None
     context: StrictInt = 8
 
 
