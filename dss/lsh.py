@@ -159,7 +159,7 @@ class Signer:
 class Bucket:
     """The index of one namespace and layout."""
 
-    __slots__ = ("entries", "lsh", "name", "salt", "user_ref", "windows")
+    __slots__ = ("by_session", "entries", "lsh", "name", "salt", "user_ref", "windows")
 
     def __init__(self, user_ref: int, name: bytes, salt: int, lsh: Any) -> None:
         self.user_ref = user_ref
@@ -167,8 +167,10 @@ class Bucket:
         self.salt = salt
         self.lsh = lsh
         self.entries: OrderedDict[str, Entry] = OrderedDict()
-        self.windows: dict[tuple[int, int], bytes] = {}
-        """``(session_ref, start) -> digest`` of the windows indexed for each session."""
+        self.by_session: dict[int, set[str]] = {}
+        """The keys of ``entries`` of each session."""
+        self.windows: dict[int, dict[int, bytes]] = {}
+        """``session_ref -> start -> digest`` of the windows indexed for each session."""
 
 
 class LshIndex:
@@ -259,9 +261,10 @@ class LshIndex:
                 length = end - start + size - 1
                 digest = hashlib.blake2b(buf[TOKEN_BYTES * start:TOKEN_BYTES * (start + length)],
                                          digest_size=8).digest()
-                if bucket.windows.get((session_ref, start)) == digest:
+                seen = bucket.windows.setdefault(session_ref, {})
+                if seen.get(start) == digest:
                     continue
-                bucket.windows[(session_ref, start)] = digest
+                seen[start] = digest
                 todo.append((Entry(session_ref, version_id, start, length, True), parts[:, i]))
         self._make_room(bucket, len(todo))
         for entry, values in todo:
@@ -270,6 +273,7 @@ class LshIndex:
                 continue
             bucket.lsh.insert(key, self.signer.minhash(values), check_duplication=False)
             bucket.entries[key] = entry
+            bucket.by_session.setdefault(session_ref, set()).add(key)
             self.num_entries += 1
         return len(todo)
 
@@ -278,13 +282,13 @@ class LshIndex:
         for bucket in list(self.buckets.values()):
             if user_ref is not None and bucket.user_ref != user_ref:
                 continue
-            keys = [k for k, e in bucket.entries.items() if e.session_ref == session_ref]
+            keys = sorted(bucket.by_session.pop(session_ref, ()))
             if self._redis is not None:
                 prefix = f"{session_ref}:"
                 keys = sorted({*keys, *(k for k in self._redis_keys(bucket) if k.startswith(prefix))})
             for key in keys:
                 self._remove(bucket, key)
-            bucket.windows = {k: v for k, v in bucket.windows.items() if k[0] != session_ref}
+            bucket.windows.pop(session_ref, None)
 
     def drop_namespace(self, user_ref: int) -> None:
         """Forget every index of a namespace (an erasure): in memory and, when shared, in Redis."""
@@ -355,8 +359,14 @@ class LshIndex:
             self._remove(bucket, next(iter(bucket.entries)))
 
     def _remove(self, bucket: Bucket, key: str) -> None:
-        if bucket.entries.pop(key, None) is not None:
+        entry = bucket.entries.pop(key, None)
+        if entry is not None:
             self.num_entries -= 1
+            keys = bucket.by_session.get(entry.session_ref)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del bucket.by_session[entry.session_ref]
         if key in bucket.lsh:
             bucket.lsh.remove(key)
 

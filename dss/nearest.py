@@ -22,8 +22,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dss.catalog import sessions
+from dss.core.errors import ErasureInProgress
 from dss.core.types import Layout, PageId, VersionId
 from dss.lsh import Bucket, LshIndex, jaccard, shingle_hashes
+from dss.matcher import SHARED_USER
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.resume import Candidate, Rates, ResumeResult
@@ -108,6 +110,28 @@ class Nearest:
                     if state is not None and state.layout.digest == layout.digest:
                         self._index_session(bucket, state)
         return bucket
+
+    def build_all(self) -> int:
+        """Build (or attach to) the index of every namespace and layout that has versions, the
+        most recently used first, while the index has room; the rest are built on first use.
+        Returns how many were built. A namespace being erased is skipped."""
+        with self.mirror.catalog.read() as conn:
+            records = [rec for rec, count in sessions.list_sessions(conn) if count]
+        records.sort(key=lambda rec: rec.last_access, reverse=True)
+        done: set[tuple[int, bytes]] = set()
+        room = self.lsh.settings.max_entries
+        for rec in records:
+            key = (rec.user_ref, rec.layout.digest)
+            if key in done or rec.user_id == SHARED_USER:
+                continue
+            if self.lsh.num_entries >= room:
+                break
+            try:
+                self.bucket(rec.user_ref, rec.layout)
+            except ErasureInProgress:
+                continue
+            done.add(key)
+        return len(done)
 
     def _index_session(self, bucket: Bucket, state: SessionState) -> None:
         for version_id in state.versions:

@@ -121,6 +121,9 @@ class Store:
         finished = self.eraser.resume_all()
         if finished:
             log.info("finished %d erasures a crash had interrupted", len(finished))
+        if config.approximate:
+            built = self._nearest_index().build_all()
+            log.info("LSH index: %d namespaces and layouts indexed at open", built)
 
     def close(self) -> None:
         """Release files and connections. Idempotent; the store is unusable afterwards."""

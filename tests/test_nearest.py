@@ -267,3 +267,20 @@ def test_redis_index_is_shared_and_erased(tmp_path, redis_url: str) -> None:
     assert first.nearest(tokens, user_id="alice", layout=L) == []
     first.close()
     second.close()
+
+
+def test_with_approximate_on_the_index_is_built_at_open(open_store) -> None:
+    """Built from the catalog when the store opens (most recently used namespaces first, while
+    there is room), not on the first request."""
+    store = open_store()
+    for user in ("a", "b"):
+        tokens = list(range(7000, 7300)) if user == "a" else list(range(8000, 8100))
+        store.create_session(f"s-{user}", user_id=user, layout=L)
+        store.commit(f"s-{user}", tokens)
+    store.create_session("empty", user_id="c", layout=L)
+    store.close()
+    reopened = open_store(approximate=True)
+    assert reopened.stats()["lsh"]["indexes"] == 2 and reopened.stats()["lsh"]["entries"] == 3 + 1
+    assert [c.session_id for c in reopened.nearest(list(range(8000, 8100)), user_id="b", layout=L)] == ["s-b"]
+    small = open_store(approximate=True, lsh_max_entries=1)
+    assert small.stats()["lsh"]["indexes"] == 1  # the newest namespace (b); a's is built when first used
