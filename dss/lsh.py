@@ -282,13 +282,28 @@ class LshIndex:
         for bucket in list(self.buckets.values()):
             if user_ref is not None and bucket.user_ref != user_ref:
                 continue
-            keys = sorted(bucket.by_session.pop(session_ref, ()))
-            if self._redis is not None:
-                prefix = f"{session_ref}:"
-                keys = sorted({*keys, *(k for k in self._redis_keys(bucket) if k.startswith(prefix))})
-            for key in keys:
+            for key in sorted(bucket.by_session.pop(session_ref, ())):
                 self._remove(bucket, key)
             bucket.windows.pop(session_ref, None)
+        if self._redis is not None and user_ref is not None:
+            self._drop_shared(user_ref, session_ref)
+
+    def _drop_shared(self, user_ref: int, session_ref: int) -> None:
+        """Remove a session's entries from every shared index of its namespace in Redis, whether
+        this process opened them or not (another process may have indexed the session)."""
+        import pickle
+
+        prefix = f"{session_ref}:"
+        pattern = f"{self._prefix}:u{user_ref}:*:_keys".encode()
+        for name in self._redis.scan_iter(match=pattern, count=1000):
+            basename = name[: -len(b"_keys")]
+            lsh = self._ds.MinHashLSH(threshold=self.settings.threshold, num_perm=self.settings.permutations,
+                                      weights=WEIGHTS, storage_config={"type": "redis", "basename": basename,
+                                                                       "redis": self._redis_config})
+            for raw in self._redis.hkeys(name):
+                key = pickle.loads(raw)
+                if isinstance(key, str) and key.startswith(prefix) and key in lsh:
+                    lsh.remove(key)
 
     def drop_namespace(self, user_ref: int) -> None:
         """Forget every index of a namespace (an erasure): in memory and, when shared, in Redis."""
@@ -369,11 +384,6 @@ class LshIndex:
                     del bucket.by_session[entry.session_ref]
         if key in bucket.lsh:
             bucket.lsh.remove(key)
-
-    def _redis_keys(self, bucket: Bucket) -> list[str]:
-        import pickle
-
-        return [pickle.loads(k) for k in bucket.lsh.keys.keys()]
 
 
 def window_starts(num_tokens: int, window_tokens: int, page_tokens: int, shingle_tokens: int) -> list[int]:

@@ -69,8 +69,8 @@ class Mirror:
                     self._apply_own(event.session_ref, own)
                 case SessionChanged():
                     self.drop_session(event.session_ref)
-                    if self.lsh is not None and not self.lsh.is_shared:
-                        self.lsh.drop_session(event.session_ref, event.user_ref)
+                    if self.lsh is not None and not self.lsh.is_shared:  # shared: the writer keeps Redis current
+                        self.lsh.drop_session(event.session_ref)
                         self.lsh_stale[event.session_ref] = event.user_ref
                 case PagesStored(records=None):
                     namespace = self.index.namespaces.get(event.user_ref)

@@ -242,6 +242,8 @@ def test_realign_finds_where_the_two_run_together_again() -> None:
 def test_redis_index_is_shared_and_erased(tmp_path, redis_url: str) -> None:
     """With lsh_redis_url, the index lives in Redis: another node's store finds versions it
     never indexed itself, and an erasure deletes the namespace's keys there too."""
+    import pickle
+
     import redis
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
@@ -260,6 +262,17 @@ def test_redis_index_is_shared_and_erased(tmp_path, redis_url: str) -> None:
     found = second.nearest(tokens, user_id="alice", layout=L)
     assert [c.session_id for c in found] == ["a", "b"]
     assert second.stats()["lsh"]["entries"] == 0 and second.stats()["lsh"]["storage"] == "redis"
+    first.create_session("c", user_id="alice", layout=L)
+    first.commit("c", tokens[:280])
+    c_ref = str(first.sql("SELECT MAX(id) FROM sessions").rows[0][0])
+    assert any(pickle.loads(k).startswith(f"{c_ref}:")
+               for name in client.scan_iter(match=f"{prefix}:*:_keys") for k in client.hkeys(name))
+    third = dss.open(tmp_path / "s", **options)  # never queried the index: deleting still cleans Redis
+    third.delete_session("c")
+    third.close()
+    assert [c.session_id for c in second.nearest(tokens, user_id="alice", layout=L)] == ["a", "b"]
+    left = [pickle.loads(k) for name in client.scan_iter(match=f"{prefix}:*:_keys") for k in client.hkeys(name)]
+    assert left and not [k for k in left if k.startswith(f"{c_ref}:")]
     receipt = second.forget_user("alice")
     check = next(c for c in receipt.verification.checks if c.name == "lsh index")
     assert (check.ok, check.detail) == (True, "no entry of the user in memory and in Redis")
