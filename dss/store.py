@@ -519,7 +519,8 @@ class Store:
             config = self.config
             settings = Settings(config.lsh_threshold, config.lsh_permutations, config.lsh_shingle_tokens,
                                 config.lsh_window_tokens, config.lsh_max_entries)
-            url = config.lsh_redis_url.get_secret_value() if config.lsh_redis_url is not None else None
+            secret = config.lsh_redis_url or getattr(config, "remote_url", None)  # the remote tier's Redis, if any
+            url = secret.get_secret_value() if secret is not None else None
             store_tag = hashlib.blake2b(self._master, digest_size=6, person=b"dss-lsh-store").hexdigest()
             lsh = LshIndex(settings, redis_url=url, redis_prefix=f"{config.lsh_redis_prefix}:{store_tag}")
             self.mirror.lsh = lsh
