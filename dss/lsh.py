@@ -215,6 +215,10 @@ class LshIndex:
             self.buckets.move_to_end(key)
         return bucket
 
+    def holds(self, user_ref: int) -> bool:
+        """Whether this process holds an index of the namespace (any layout)."""
+        return any(user_ref == key[0] for key in self.buckets)
+
     def open_bucket(self, user_ref: int, layout_digest: bytes, hash_key: bytes) -> tuple[Bucket, bool]:
         """Make (or attach to, in Redis) the index of a namespace and layout; also say whether
         it already holds the namespace's versions (an attached Redis index someone built)."""

@@ -69,8 +69,9 @@ class Mirror:
                     self._apply_own(event.session_ref, own)
                 case SessionChanged():
                     self.drop_session(event.session_ref)
-                    if self.lsh is not None and not self.lsh.is_shared:  # shared: the writer keeps Redis current
-                        self.lsh.drop_session(event.session_ref)
+                    lsh = self.lsh
+                    if lsh is not None and not lsh.is_shared and lsh.holds(event.user_ref):
+                        lsh.drop_session(event.session_ref)  # shared in Redis: the writer keeps it current
                         self.lsh_stale[event.session_ref] = event.user_ref
                 case PagesStored(records=None):
                     namespace = self.index.namespaces.get(event.user_ref)

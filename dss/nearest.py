@@ -94,20 +94,21 @@ class Nearest:
             bucket, built = lsh.open_bucket(user_ref, layout.digest, mirror.keys.of(user_ref).hash_key)
             if not built:
                 with mirror.catalog.read() as conn:
-                    refs = sessions.namespace_sessions(conn, user_ref)
-                    for ref in refs:
-                        mirror.lsh_stale.pop(ref, None)
+                    for ref in sessions.namespace_sessions(conn, user_ref):
                         state = mirror.loaded(ref, conn)
                         if state is not None and state.layout.digest == layout.digest:
+                            mirror.lsh_stale.pop(ref, None)
                             self._index_session(bucket, state)
                 lsh.mark_built(bucket)
         stale = [ref for ref, owner in mirror.lsh_stale.items() if owner == user_ref]
         if stale:
             with mirror.catalog.read() as conn:
                 for ref in stale:
-                    del mirror.lsh_stale[ref]
                     state = mirror.loaded(ref, conn)
-                    if state is not None and state.layout.digest == layout.digest:
+                    if state is None:  # deleted meanwhile
+                        del mirror.lsh_stale[ref]
+                    elif state.layout.digest == layout.digest:  # another layout's waits for its own index
+                        del mirror.lsh_stale[ref]
                         self._index_session(bucket, state)
         return bucket
 

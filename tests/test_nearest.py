@@ -202,6 +202,11 @@ def test_index_follows_commit_branch_delete_and_other_processes(open_store) -> N
     other.commit("c", more, kv_pages(more))
     other.delete_session("b")
     assert [c.session_id for c in store.nearest(tokens, user_id="u", layout=L)] == ["c"]
+    other.create_session("d", user_id="u", layout=L2)  # the same tokens in another layout, by the other process
+    other.commit("d", more)
+    other.commit("c", more + [5, 6, 7, 8])
+    assert [(c.session_id, c.num_tokens) for c in store.nearest(more, user_id="u", layout=L)] == [("c", 304), ("c", 308)]
+    assert [c.session_id for c in store.nearest(more, user_id="u", layout=L2)] == ["d"]
     assert store.check() == []
     lsh = store._nearest_index().lsh
     (user_ref, _), bucket = next(iter(lsh.buckets.items()))
