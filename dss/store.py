@@ -331,8 +331,8 @@ class Store:
         buf = view(tokens)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 100:
             raise InvalidInput(f"k must be an int from 1 to 100, got {k!r}")
-        near = self._nearest_index()
         with self._reading():
+            near = self._nearest_index()
             layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
             if user_ref is None:
                 return []
@@ -352,8 +352,8 @@ class Store:
         if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= 4096:
             raise InvalidInput(f"context must be an int from 0 to 4096, got {context!r}")
         check_callback("decode", decode)
-        near = self._nearest_index()
         with self._reading():
+            near = self._nearest_index()
             layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
             result = self.matcher.match(buf, layout, tenant, user_ref, state)
             return near.explain(result, buf, layout, user_ref, state, tenant, decode=decode, context=context)
@@ -365,8 +365,8 @@ class Store:
         brings disk pages into the host tier ahead of the request. Scope as :meth:`nearest`."""
         check_flag("promote", promote)
         buf = view(tokens)
-        near = self._nearest_index()
         with self._reading():
+            near = self._nearest_index()
             layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
             if user_ref is None:
                 return []
