@@ -101,7 +101,7 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
                                   "range names; the dss connector serves this model without pipeline parallelism")
             shard = shards.index(tp_rank, pp_rank)
             self.layout = shard_layout(vllm_config, kv_cache_config, self.settings, shards, shard, layers)
-            self.store = dss.open(self.settings.store, **self.settings.store_options)
+            self.store = dss.open(self.settings.store, **self.settings.reader_options)
             self._worker = WorkerSide(self.settings, self.layout, self.store, layers, kv_cache_config.num_blocks,
                                       shard=shard, is_saver=shards.is_saver(tp_rank))
         log.info("dss connector (%s) on %s, layout %s", role.name.lower(), self.settings.store, self.layout)

@@ -269,6 +269,12 @@ class SchedulerSide:
         if first is None:
             first = self.store.lookup(tokens, layout=self.layouts[0], user_id=scope.user_id,
                                       tenant_id=scope.tenant_id)
+        near = getattr(first, "near", None)
+        if near is not None:  # approximate matching found a near-duplicate (its ids name no user)
+            log.info("request %s: reuses %d of %d tokens (%s); nearest stored version %d diverges at token %s "
+                     "(Jaccard %.2f, %d candidates verified)", tracked.request.request_id, first.matched_tokens,
+                     len(tokens), first.source, near.version_id, near.divergence, near.jaccard,
+                     first.num_candidates)
         results = [first]
         prefix = tokens[:first.matched_tokens]
         for layout in self.layouts[1:]:

@@ -100,7 +100,7 @@ class WorkerSide:
                                   self.layout.page_bytes)
         if self.copier.device.type == "cuda":
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
-        self.loader = PageLoader(PageReader(self.settings.store, self.settings.store_options), self.copier, self.shard)
+        self.loader = PageLoader(PageReader(self.settings.store, self.settings.reader_options), self.copier, self.shard)
 
     # -- loads -----------------------------------------------------------------------------
 

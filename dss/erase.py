@@ -200,7 +200,21 @@ class Eraser:
         checks.append(Check(name="host tier", ok=not cached, detail=f"{cached} sampled pages in this process's "
                                                                     "host tier"))
         checks.append(Check(name="catalog files", **self._raw_scan(removed.sample)))
+        checks.append(Check(name="lsh index", **self._lsh_index(user_ref)))
         return checks
+
+    def _lsh_index(self, user_ref: int | None) -> dict[str, object]:
+        """Look in the MinHash-LSH index itself (this process's memory, and Redis when shared)."""
+        lsh = self.mirror.lsh
+        if lsh is None:
+            return {"ok": True, "detail": "no LSH index in this process"}
+        if user_ref is None:
+            return {"ok": True, "detail": "the user had no entries"}
+        local, remote = lsh.count(user_ref)
+        where = "in memory and in Redis" if lsh.is_shared else "in memory"
+        return {"ok": not local and not remote,
+                "detail": f"{local} entries in memory, {remote} keys in Redis" if local or remote
+                else f"no entry of the user {where}"}
 
     def _catalog_rows(self, user_ref: int | None) -> dict[str, object]:
         if user_ref is None:

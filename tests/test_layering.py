@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     {"core"},
     {"catalog", "tiers", "trie"},
-    {"keys", "folder", "pageindex", "policy", "erasure"},
+    {"keys", "folder", "pageindex", "policy", "erasure", "lsh"},
     {"state"},
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},
-    {"erase", "integrity", "writer"},
+    {"erase", "integrity", "writer", "nearest"},
     {"store"},
     {"service"},
     {"cli"},
