@@ -280,7 +280,8 @@ def test_check_and_stats(api: Any, tenant: str) -> None:
     api.commit("s", T, {0: page(1)})
     assert api.check() == []
     stats = api.stats()
-    assert set(stats) == {"host", "disk", "lsh"}
+    assert set(stats) == {"host", "disk", "erasures", "lsh"}
+    assert stats["erasures"] == {"open": 0, "oldest_open_s": 0.0}
     assert stats["host"]["pages"] >= 1 and stats["disk"]["bytes"] >= 32
 
 

@@ -418,7 +418,7 @@ def test_resume_reports_matched_tokens_tiers_version_and_pages(service: Service)
 def test_explain_and_nearest_over_http(service: Service) -> None:
     """A prompt with token 5 changed: explain names position 5 and the pages it costs; the
     search stays in the key's tenant (t1's versions are never a candidate for t2)."""
-    tokens = list(range(100, 140))
+    tokens = list(range(100, 400))  # long enough that one changed token leaves the Jaccard near 0.97: always proposed
     service.create()
     service.commit(tokens, pages={k: page(k + 1) for k in range(10)})
     prompt = tokens[:5] + [7] + tokens[6:]
