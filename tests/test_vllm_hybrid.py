@@ -153,7 +153,8 @@ def test_a_hybrid_state_space_model_resumes_from_stored_states_with_identical_ou
 def test_a_failed_load_of_a_hybrid_model_recomputes_the_request(hybrid: Path, store_path: Path,
                                                                 hybrid_ref: dict[str, list[int]]) -> None:
     """Page 1 of the stored conversation fails its checksum: the whole (asynchronous) load
-    fails, vLLM recomputes the request, and page 1 is saved again."""
+    fails and vLLM starts the request again; asked again, dss offers page 0 (with its own
+    end state); page 1 is recomputed and saved again."""
     ref = hybrid_ref
     with engine(hybrid, store=store_path, **HYBRID) as llm:
         run(llm, ref["h1"], SESSION, max_tokens=100)
@@ -164,7 +165,7 @@ def test_a_failed_load_of_a_hybrid_model_recomputes_the_request(hybrid: Path, st
         llm.reset_prefix_cache()
         again = run(llm, ref["h2"], {**SESSION, "commit": False})
     assert tokens_out(out) == tokens_out(again) == ref["ho2"]
-    assert out.kv_transfer_params["dss"]["loaded_tokens"] == 0
+    assert out.kv_transfer_params["dss"]["loaded_tokens"] == 128
     assert again.kv_transfer_params["dss"]["loaded_tokens"] == 256
 
 
