@@ -51,7 +51,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 @dataclass(frozen=True, slots=True)
 class PageLayer:
-    """One attention layer of a page: its name and the KV cache group whose block table it uses."""
+    """One layer of a page (attention or state space): its name and the KV cache group whose
+    block table it uses."""
 
     name: str
     group: int
@@ -189,15 +190,15 @@ def _state_field(kv_cache_config: KVCacheConfig) -> str | None:
 
 
 def page_layers(kv_cache_config: KVCacheConfig, names: set[str] | None = None) -> list[PageLayer]:
-    """Attention layers in model order (by layer index, then name), each with its group: the
-    order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
+    """Layers with a KV cache in model order (by layer index, then name), each with its group:
+    the order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
     layers = [PageLayer(name, g) for g, group in enumerate(kv_cache_config.kv_cache_groups)
               for name in group.layer_names if names is None or name in names]
     return sorted(layers, key=lambda layer: _natural_key(layer.name))
 
 
 def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
-    """Attention layer names in model order."""
+    """Names of the layers with a KV cache, in model order."""
     return [layer.name for layer in page_layers(kv_cache_config)]
 
 
