@@ -11,7 +11,8 @@
   boundary with its prefix caching, ``mamba_cache_mode="align"``). Outputs equal vLLM's
   without dss across engine restarts, for the session's next turn and for a prompt that
   leaves the stored conversation after its first page (the state of that page's end, not
-  of a later one, is loaded).
+  of a later one, is loaded); with ``tensor_parallel_size=2`` each rank's pages hold its
+  share of the states.
 
 The sliding-window conversation is the one of ``test_vllm_connector.py``
 (:func:`engines.conversation`). The hybrid runs with ``max_num_batched_tokens`` = one block:
@@ -179,3 +180,31 @@ def test_a_hybrid_model_without_vllm_prefix_caching_is_refused_naming_the_settin
                                                    r"this engine runs mamba_cache_mode='none'")
     with refused, engine(hybrid, store=tmp_path / "store", prefix_caching=False, **HYBRID):
         pass
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_save_and_load_their_own_states(hybrid: Path, tmp_path: Path) -> None:
+    """``tensor_parallel_size=2``: each rank holds one KV head and half of each Mamba layer's
+    heads, so its pages (shard 0 in the session, shard 1 in the namespace) hold its own share
+    of the states; a fresh engine loads both shards' pages with outputs equal to the same
+    parallel engine's without dss."""
+    tp2 = {**HYBRID, "tensor_parallel_size": 2}
+    h1 = prompt(1, 200)
+    with engine(hybrid, **tp2) as llm:
+        ho1 = tokens_out(generate(llm, [h1], max_tokens=100)[0])
+        h2 = h1 + ho1 + prompt(2, 50)
+        llm.reset_prefix_cache()
+        ho2 = tokens_out(generate(llm, [h2])[0])
+    store_path = tmp_path / "store"
+    with engine(hybrid, store=store_path, **tp2) as llm:
+        assert tokens_out(run(llm, h1, SESSION, max_tokens=100)) == ho1
+    with engine(hybrid, store=store_path, **tp2) as llm:
+        second = run(llm, h2, SESSION)
+    assert tokens_out(second) == ho2
+    assert second.num_cached_tokens == second.kv_transfer_params["dss"]["loaded_tokens"] == 256
+    with dss.open(store_path) as store:
+        layout = store.session("chat-1", tenant_id="t").layout
+        assert (layout.tp_size, layout.tp_shard, layout.attention) == (2, 0, "state:mamba2,full,state:mamba2,full")
+        shard1 = dss.Layout.from_dict({**layout.to_dict(), "tp_shard": 1})
+        assert store.lookup(h2, layout=shard1, user_id="u", tenant_id="t").matched_tokens == 256
+        assert store.check() == []
