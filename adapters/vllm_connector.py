@@ -233,22 +233,35 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _keep_every_state(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Make vLLM keep a state-space group's state at every block boundary.
+    """Make vLLM keep a state-space group's state at every block boundary it computes.
 
     A page holds the state after its last token, so dss can save a page only where vLLM
     kept that state. vLLM 0.32 keeps, by default (``prefix_cache_retention_interval=0``),
     only the states it expects to reuse itself (the last block boundary of a prompt): the
     scheduler-side connector, built before vLLM's KV cache manager reads the setting, sets
     it to ``None`` (every block boundary) for models with state-space layers, and says so.
+
+    vLLM computes a state only at the end of a scheduled chunk (and, on CUDA, at one
+    checkpoint inside a prompt's last chunk): when a step may compute more than one block of
+    a prompt, the connector warns that a prompt's pages are saved only up to the first block
+    boundary inside a chunk (``max_num_batched_tokens`` of one block saves every page).
     """
-    interval = kv_cache_config.prefix_cache_retention_interval
-    block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size if kv_cache_config.kv_cache_groups else 0
-    if not state_groups(kv_cache_config) or interval is None or 0 < interval <= block:
+    groups = state_groups(kv_cache_config)
+    if not groups:
         return
-    log.warning("dss connector: prefix_cache_retention_interval=%s keeps state-space (Mamba) states at some block "
-                "boundaries only; set to None (every boundary), so that every page can be saved", interval)
-    kv_cache_config.prefix_cache_retention_interval = None
-    vllm_config.cache_config.prefix_cache_retention_interval = None
+    block = kv_cache_config.kv_cache_groups[groups[0]].kv_cache_spec.block_size
+    interval = kv_cache_config.prefix_cache_retention_interval
+    if interval is not None and not 0 < interval <= block:
+        log.warning("dss connector: prefix_cache_retention_interval=%s keeps state-space (Mamba) states at some block "
+                    "boundaries only; set to None (every boundary), so that every page can be saved", interval)
+        kv_cache_config.prefix_cache_retention_interval = None
+        vllm_config.cache_config.prefix_cache_retention_interval = None
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    if chunk > block:
+        log.warning("dss connector: a step computes up to %d tokens, more than a block (%d); vLLM keeps the "
+                    "state-space (Mamba) state only where a chunk ends, so dss saves a prompt's pages only up to "
+                    "the first block boundary inside a chunk (max_num_batched_tokens=%d saves every page)",
+                    chunk, block, block)
 
 
 def _worker_ranks() -> tuple[int, int]:
