@@ -12,7 +12,8 @@
   without dss across engine restarts, for the session's next turn and for a prompt that
   leaves the stored conversation after its first page (the state of that page's end, not
   of a later one, is loaded); with ``tensor_parallel_size=2`` each rank's pages hold its
-  share of the states.
+  share of the states. The model's Mamba layers keep a long memory, and a negative control
+  (the same load without the states) changes the output.
 
 The sliding-window conversation is the one of ``test_vllm_connector.py``
 (:func:`engines.conversation`). The hybrid runs with ``max_num_batched_tokens`` = one block:
@@ -25,6 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from dss_adapters.vllm_loader import LoadOutcome, PageLoader
+from dss_adapters.vllm_meta import NO_BLOCK, LoadJob
 
 import dss
 from tests.engines import (
@@ -149,6 +152,27 @@ def test_a_hybrid_state_space_model_resumes_from_stored_states_with_identical_ou
     assert other.num_cached_tokens == other.kv_transfer_params["dss"]["loaded_tokens"] == 128
     with dss.open(store_path) as store:
         assert store.check() == []
+
+
+def test_outputs_depend_on_the_loaded_states(hybrid: Path, store_path: Path, hybrid_ref: dict[str, list[int]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control of the test above: the same load with the Mamba states left out
+    (vLLM's zeroed state blocks, attention blocks loaded) changes the output, so identical
+    outputs there show that the states were loaded, and were the right ones."""
+    ref = hybrid_ref
+    with engine(hybrid, store=store_path, **HYBRID) as llm:
+        run(llm, ref["h1"], SESSION, max_tokens=100)
+    load = PageLoader._do
+
+    def without_states(loader: PageLoader, job: LoadJob) -> LoadOutcome:
+        job.block_ids[0] = [NO_BLOCK] * len(job.block_ids[0])  # group 0: the Mamba layers
+        return load(loader, job)
+
+    monkeypatch.setattr(PageLoader, "_do", without_states)
+    with engine(hybrid, store=store_path, **HYBRID) as llm:  # in this process: the loader thread is patched
+        control = run(llm, ref["h2"], {**SESSION, "commit": False})
+    assert control.kv_transfer_params["dss"]["loaded_tokens"] == 256
+    assert tokens_out(control) != ref["ho2"]
 
 
 def test_a_failed_load_of_a_hybrid_model_recomputes_the_request(hybrid: Path, store_path: Path,
