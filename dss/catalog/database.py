@@ -15,6 +15,7 @@ This module owns the connection.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import sqlite3
@@ -55,6 +56,11 @@ def now() -> dt.datetime:
 def aware(value: dt.datetime) -> dt.datetime:
     """A catalog timestamp as timezone-aware UTC (SQLite hands back naive ones)."""
     return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def channel_of(database: str, schema: str) -> str:
+    """The PostgreSQL notification channel of the catalog in ``database``, ``schema`` (one per catalog)."""
+    return "dss_feed_" + hashlib.blake2b(f"{database}\0{schema}".encode(), digest_size=10).hexdigest()
 
 
 class Tx(NamedTuple):
@@ -103,6 +109,7 @@ class Catalog:
                  sql_url: str | None = None) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
+        self.channel: str | None = None
         if self.is_sqlite:
             self.engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
             _configure_sqlite(self.engine, fsync)
@@ -112,6 +119,13 @@ class Catalog:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _channel(self, conn: Connection) -> str:
+        """The PostgreSQL notification channel of this catalog (see :mod:`dss.catalog.listen`)."""
+        if self.channel is None:
+            database, schema = conn.exec_driver_sql("SELECT current_database(), current_schema()").one()
+            self.channel = channel_of(database, schema)
+        return self.channel
 
     # -- schema ----------------------------------------------------------------------------
 
@@ -189,6 +203,9 @@ class Catalog:
                 seq = conn.execute(
                     update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
                 ).scalar_one()
+                if not self.is_sqlite:  # delivered at commit, to the nodes listening (dss.catalog.listen)
+                    conn.exec_driver_sql("SELECT pg_notify(%(channel)s, %(seq)s)",
+                                         {"channel": self._channel(conn), "seq": str(seq)})
                 yield Tx(conn, seq)
 
     @contextmanager
