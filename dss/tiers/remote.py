@@ -42,7 +42,7 @@ from dss.core.errors import ConfigError
 log = logging.getLogger("dss.tiers.remote")
 
 TAG = b"dssr v1"
-_HEAD = struct.Struct("<7sBQ")
+_HEAD = struct.Struct("<7sBq")
 BATCH_BYTES = 8 << 20
 """Most bytes the writer thread sends in one pipeline."""
 DELETE_BATCH = 500
@@ -99,8 +99,9 @@ class RemoteTier:
         self._error: type[Exception] = redis.RedisError
         self.prefix = prefix
         self.max_pending_bytes = max_pending_bytes
+        # one immediate retry: a pooled connection a restarted Redis dropped fails once
         options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                                   "retry": Retry(NoBackoff(), 0)}
+                                   "retry": Retry(NoBackoff(), 1)}
         self.is_cluster = "+cluster://" in url
         if self.is_cluster:
             self.client: Any = redis.RedisCluster.from_url(url.replace("+cluster://", "://", 1), **options)
