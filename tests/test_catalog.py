@@ -126,3 +126,35 @@ def test_pending_revisions_are_what_upgrade_would_apply(tmp_path) -> None:
         conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
     assert catalog.pending_revisions() == []
     catalog.close()
+
+
+def test_a_single_folder_store_becomes_node_1_of_its_catalog_on_upgrade(catalog_url: str | None, tmp_path) -> None:
+    """Revision 0004 on a store made at 0003: its folder is node 1, named after the folder's
+    id, and keeps its page files (made here by downgrading a current store, then upgrading)."""
+    from alembic import command
+
+    from dss.catalog import namespaces
+    from dss.folder import ID_FILE
+
+    home = tmp_path / "store"
+    url = catalog_url or f"sqlite:///{home / 'catalog.db'}"
+    tokens = list(range(1, 13))
+    with dss.open(home, catalog_url=url) as store:
+        store.create_session("s", layout=LAYOUT)
+        store.commit("s", tokens, pages_for(tokens))
+        with store.catalog.engine.connect() as conn:
+            if store.catalog.is_sqlite:  # as Catalog.upgrade does: tables are rebuilt
+                conn.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")
+            with conn.begin():
+                namespaces.set_meta(conn, "store_id", bytes.fromhex((home / ID_FILE).read_text().split()[-1]))
+                config = catalog_module._alembic_config()
+                config.attributes["connection"] = conn
+                command.downgrade(config, "0003")
+    assert Catalog(url).upgrade() == ("0003", "0004")
+    folder_id = (home / ID_FILE).read_text().split()[-1]
+    with dss.open(home, catalog_url=url) as store:
+        assert store.node == (1, folder_id[:16])
+        result = store.resume("s", tokens)
+        assert result.matched_tokens == 12
+        assert store.read_pages(result.pages) == list(pages_for(tokens).values())
+        assert store.check() == []

@@ -43,11 +43,7 @@ def upgrade() -> None:
                                      "created_at": dt.datetime.now(dt.timezone.utc)}])
         if not sqlite:
             op.execute("SELECT setval(pg_get_serial_sequence('nodes', 'id'), 1)")
-    views = []
-    if sqlite:  # rebuilding a table a view reads is refused: set the views aside, unchanged
-        views = bind.execute(sa.text("SELECT name, sql FROM sqlite_master WHERE type = 'view'")).all()
-        for name, _ in views:
-            op.execute(f"DROP VIEW {name}")
+    views = _views_aside(bind)
     with op.batch_alter_table("segments", recreate="always" if sqlite else "auto",
                               table_kwargs={"sqlite_autoincrement": True}) as batch:
         batch.add_column(sa.Column("node_ref", sa.Integer, nullable=True))
@@ -57,7 +53,7 @@ def upgrade() -> None:
         batch.alter_column("node_ref", existing_type=sa.Integer, nullable=False)
         batch.create_foreign_key("fk_segments_node_ref_nodes", "nodes", ["node_ref"], ["id"])
         batch.create_index("ix_segments_node_ref", ["node_ref"])
-    for _, sql in views:
+    for sql in views:
         op.execute(sql)
     op.drop_table("tier_totals")
     op.create_table(
@@ -81,7 +77,25 @@ def downgrade() -> None:
     )
     op.execute("INSERT INTO tier_totals (tier, bytes, num_segments) "
                "SELECT tier, SUM(size), COUNT(*) FROM segments GROUP BY tier")
-    with op.batch_alter_table("segments") as batch:
+    views = _views_aside(op.get_bind())
+    sqlite = op.get_bind().dialect.name == "sqlite"
+    with op.batch_alter_table("segments", recreate="always" if sqlite else "auto",
+                              table_kwargs={"sqlite_autoincrement": True}) as batch:
         batch.drop_index("ix_segments_node_ref")
+        if not sqlite:
+            batch.drop_constraint("fk_segments_node_ref_nodes", type_="foreignkey")
         batch.drop_column("node_ref")
+    for sql in views:
+        op.execute(sql)
     op.drop_table("nodes")
+
+
+def _views_aside(bind: sa.engine.Connection) -> list[str]:
+    """SQLite refuses to rebuild a table a view reads: drop the views, return their SQL to
+    create them again, unchanged (nothing to do on PostgreSQL)."""
+    if bind.dialect.name != "sqlite":
+        return []
+    views = bind.execute(sa.text("SELECT name, sql FROM sqlite_master WHERE type = 'view'")).all()
+    for name, _ in views:
+        op.execute(f"DROP VIEW {name}")
+    return [sql for _, sql in views]
