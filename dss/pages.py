@@ -54,13 +54,14 @@ def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageI
               sealer: Sealer | None) -> tuple[NewPage, ...]:
     """The given pages (``payloads[i]`` is page ``ids[i]``), each with the bytes that go to
     disk — sealed with ``sealer`` (bound to its id) unless it is ``None`` — or ``None`` when
-    this process knows a durable tier holds it already."""
+    this process knows a durable tier holds it already (this node's disk, or another's: the
+    catalog keeps one disk copy of a page in the fleet)."""
     entries = index.entries
     out = []
     for i, payload in payloads.items():
         page_id = ids[i]
         entry = entries.get(page_id)
-        if entry is not None and entry.disk is not None:
+        if entry is not None and (entry.disk is not None or entry.is_durable):
             out.append(NewPage(page_id, i, payload, None, 0, 0))
             continue
         stored = sealer.seal(payload, page_id) if sealer is not None else payload

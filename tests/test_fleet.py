@@ -358,3 +358,30 @@ def test_a_folder_joins_a_fleet_only_when_named(tmp_path: Path, fleet_url: str) 
         dss.open(tmp_path / "c", catalog_url=fleet_url, node_id="node-b")
     with pytest.raises(dss.ConfigError, match="is node 'node-b' of its catalog, not 'other'"):
         dss.open(tmp_path / "b", catalog_url=fleet_url, node_id="other")
+
+
+def test_each_node_evicts_and_counts_only_its_own_files(tmp_path: Path, fleet_url: str) -> None:
+    """Two nodes with disks of 3 segments each: node A overflowing its disk drops only its own
+    oldest segments; node B's files, pages and byte count are untouched."""
+    def tokens_of(k: int) -> list[int]:
+        return [k * 100 + i for i in range(16)]
+
+    with dss.open(tmp_path / "b", catalog_url=fleet_url, node_id="node-b", host_bytes=0) as b:
+        b.create_session("b", user_id="ivy", layout=LAYOUT)
+        b.commit("b", tokens_of(0), {i: payload(tokens_of(0), i) for i in range(2)})
+        segment = b.stats()["disk"]["bytes"]
+        assert segment > 0
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, node_id="node-a", host_bytes=0,
+                  disk_bytes=3 * segment) as a, \
+            dss.open(tmp_path / "b", catalog_url=fleet_url, node_id="node-b", host_bytes=0) as b:
+        for k in range(1, 6):
+            a.create_session(f"a{k}", user_id="ivy", layout=LAYOUT)
+            a.commit(f"a{k}", tokens_of(k), {i: payload(tokens_of(k), i) for i in range(2)})
+        assert a.stats()["disk"] == {"pages": 6, "bytes": 3 * segment, "capacity": 3 * segment}
+        assert b.stats()["disk"]["pages"] == 2 and b.stats()["disk"]["bytes"] == segment
+        assert [a.resume(f"a{k}", tokens_of(k)).matched_tokens for k in range(1, 6)] == [0, 0, 16, 16, 16]
+        result = b.resume("b", tokens_of(0))
+        assert result.tiers == {"disk": 16}
+        assert b.read_pages(result.pages) == [payload(tokens_of(0), i) for i in range(2)]
+        assert len(os.listdir(tmp_path / "a" / "segments")) == 3 and len(os.listdir(tmp_path / "b" / "segments")) == 1
+        assert a.check() == [] and b.check() == []

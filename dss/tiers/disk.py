@@ -53,8 +53,11 @@ class DiskTier(DurableTier):
         for folder in (self.segments_dir, self.tmp_dir, self.locks_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.writer = secrets.token_hex(8)
-        self._lock_fd = os.open(self.locks_dir / f"{self.writer}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        # locked before it gets its name: another process's recover() never sees it unlocked
+        tmp = self.locks_dir / f".{self.writer}.tmp"
+        self._lock_fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, self.locks_dir / f"{self.writer}.lock")
         self._counter = itertools.count()
         self._in_flight: set[str] = set()
         """Segments this process wrote whose catalog transaction has not ended yet."""
@@ -211,6 +214,8 @@ class DiskTier(DurableTier):
                 Path(entry.path).unlink(missing_ok=True)
                 deleted.append(entry.name)
         for entry in os.scandir(self.locks_dir):
+            if entry.name.startswith("."):  # a lock being made (see __init__)
+                continue
             writer = entry.name.removesuffix(".lock")
             if not self._alive(writer):
                 Path(entry.path).unlink(missing_ok=True)
