@@ -155,16 +155,12 @@ class PageStore:
     def _write_through(self, applied: Applied, new: Sequence[NewPage]) -> None:
         """Queue the pages the transaction recorded for the remote tier (sealed as on disk)."""
         assert self.remote is not None
-        recorded = {r.page_id for r in applied.stored}
-        tags: dict[int, bytes | None] = {}
-        items = []
-        for record in applied.stored:
-            if record.user_ref not in tags:
-                tags[record.user_ref] = self._tag(record.user_ref)
         owner = {r.page_id: r.user_ref for r in applied.stored}
+        tags = {user_ref: self._tag(user_ref) for user_ref in set(owner.values())}
+        items = []
         for page in new:
             tag = tags.get(owner.get(page.page_id, -1))
-            if page.page_id in recorded and page.stored is not None and tag is not None:
+            if tag is not None and page.stored is not None:
                 items.append((key_of(self.remote.prefix, tag, page.page_id),
                               pack_value(page.checksum, page.flags, page.stored)))
         self.remote.put(items)
