@@ -394,3 +394,45 @@ def test_each_node_evicts_and_counts_only_its_own_files(tmp_path: Path, fleet_ur
         assert b.read_pages(result.pages) == [payload(tokens_of(0), i) for i in range(2)]
         assert len(os.listdir(tmp_path / "a" / "segments")) == 3 and len(os.listdir(tmp_path / "b" / "segments")) == 1
         assert a.check() == [] and b.check() == []
+
+
+def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(tmp_path: Path, fleet_url: str,
+                                                                           own_redis: OwnRedis) -> None:
+    tokens = list(range(24))
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=own_redis.url, node_id="node-a",
+                  remote_timeout_s=0.3) as a:
+        a.create_session("s", user_id="jo", layout=LAYOUT)
+        a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
+        assert a.remote is not None and a.remote.flush()
+        own_redis.shutdown()
+        with pytest.raises(dss.ErasureIncomplete, match="the remote tier cannot be reached"):
+            a.forget_user("jo")
+        with pytest.raises(dss.ErasureInProgress):
+            a.resume("s", tokens)
+        own_redis.start()
+        client = redis.Redis(port=own_redis.port)
+        client.set(b"dss:{" + b"ab" * 12 + b"}:" + b"cd" * 16, b"x")  # another namespace's key stays
+        receipt = a.forget_user("jo")
+        assert isinstance(receipt, dss.Receipt) and receipt.verification.ok
+        assert receipt.removed.tiers["remote"].pages == 0  # the restarted Redis kept nothing (nosave)
+        check = next(c for c in receipt.verification.checks if c.name == "remote tier")
+        assert check.ok and check.detail.startswith("0 of 3 sampled page ids and 0 keys of the user's namespace")
+        assert "AOF/RDB files hold only pages sealed under the destroyed key" in check.detail
+        assert client.dbsize() == 1
+        client.close()
+        assert a.check() == []
+
+
+def test_the_receipt_counts_the_remote_keys_it_deleted(tmp_path: Path, fleet_url: str, redis_url: str,
+                                                      prefix: str) -> None:
+    tokens = list(range(24))
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix,
+                  node_id="node-a") as a:
+        a.create_session("s", user_id="kim", layout=LAYOUT)
+        a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
+        assert a.remote is not None and a.remote.flush()
+        assert len(keys_of(redis_url, prefix)) == 3
+        receipt = a.forget_user("kim")
+        assert isinstance(receipt, dss.Receipt) and receipt.verification.ok
+        assert receipt.removed.tiers["remote"].pages == 3
+        assert keys_of(redis_url, prefix) == []
