@@ -182,7 +182,8 @@ class Eraser:
             if tag is not None:
                 tag_bytes = bytes.fromhex(tag)
                 deleted = self.remote.delete([key_of(self.remote.prefix, tag_bytes, p) for p in page_ids])
-                deleted += self.remote.delete([k.decode() for k in self.remote.scan(self.remote.namespace_pattern(tag_bytes))])
+                stragglers = self.remote.scan(self.remote.namespace_pattern(tag_bytes))
+                deleted += self.remote.delete([k.decode() for k in stragglers])
             else:  # no tag was taken (the key was gone when the job began): find the keys by page id
                 wanted = set(page_ids)
                 deleted = self.remote.delete([k.decode() for k in self.remote.scan(f"{self.remote.prefix}*")

@@ -64,7 +64,8 @@ class Mirror:
                     namespace = self.index.namespaces.get(event.user_ref)
                     if namespace is not None and namespace.loaded:
                         with self.catalog.read() as conn:
-                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, self.node_ref, event.seq))
+                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, self.node_ref,
+                                                                              event.seq))
                 case PagesStored(records=stored):
                     self.index.apply(self.namespace(event.user_ref), stored)
                 case PagesDropped():

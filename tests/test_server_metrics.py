@@ -125,8 +125,8 @@ def test_remote_tier_gauges_and_errors(tmp_path: Path) -> None:
         m = scrape(svc)
         assert m[("dss_remote_up", ())] == 1
         assert m[("dss_remote_pending_bytes", ())] == 0
-        assert {op: m[("dss_remote_errors_total", (("op", op),))] for op in ("get", "put", "delete", "scan", "verify")} \
-            == dict.fromkeys(("get", "put", "delete", "scan", "verify"), 0)
+        ops = ("get", "put", "delete", "scan", "verify")
+        assert {op: m[("dss_remote_errors_total", (("op", op),))] for op in ops} == dict.fromkeys(ops, 0)
         assert svc.store.remote is not None and svc.store.remote.get(["dss:{00}:00"]) == [None]
         svc.create("a")
         svc.commit(T, "a", pages={0: page(1), 1: page(2)})

@@ -47,6 +47,7 @@ class FeedListener:
         self._stop = threading.Event()
         self.heard = 0
         self.is_listening = False
+        self._failing = False
         self._thread = threading.Thread(target=self._run, name="dss-feed-listener", daemon=True)
         self._thread.start()
 
@@ -55,30 +56,36 @@ class FeedListener:
         self._thread.join(timeout=2 * WAKE_S + 1)
 
     def _run(self) -> None:
-        failing = False
         while not self._stop.is_set():
             try:
                 self._listen()
             except psycopg.Error as exc:
-                self.is_listening = False
-                if not failing:
+                if self.is_listening or not self._failing:  # once per loss, not per retry
                     log.warning("catalog notifications lost (%s): polling every %.1fs until they are back",
                                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
                                 self._poll_s)
-                failing = True
+                self.is_listening = False
+                self._failing = True
                 self._stop.wait(min(self._poll_s, 1.0))
             else:
                 return
 
     def _listen(self) -> None:
         with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5) as conn:
-            database, schema = conn.execute("SELECT current_database(), current_schema()").fetchone()  # type: ignore[misc]
+            row = conn.execute("SELECT current_database(), current_schema()").fetchone()
+            assert row is not None
+            database, schema = row
             conn.execute(f"LISTEN {channel_of(database, schema)}")
             self.is_listening = True
+            if self._failing:
+                log.info("catalog notifications back")
+                self._failing = False
             polled = 0.0
             while not self._stop.is_set():
                 if time.monotonic() - polled >= self._poll_s:  # after (re)connecting, then whenever it was quiet
-                    self._epoch.publish(int(conn.execute("SELECT seq FROM catalog_seq WHERE id = 1").fetchone()[0]))  # type: ignore[index]
+                    row = conn.execute("SELECT seq FROM catalog_seq WHERE id = 1").fetchone()
+                    if row is not None:
+                        self._epoch.publish(int(row[0]))
                     polled = time.monotonic()
                 latest = 0
                 for note in conn.notifies(timeout=WAKE_S, stop_after=64):

@@ -86,7 +86,8 @@ def insert_segment(conn: Connection, name: str, tier: str, node_ref: int, user_r
                    page_rows: list[dict], location_rows: list[dict]) -> None:
     """Record a segment file of node ``node_ref`` and the pages it holds (``segment_ref`` is filled in)."""
     ref = int(conn.execute(insert(segments).values(
-        name=name, tier=tier, node_ref=node_ref, user_ref=user_ref, size=size, created_at=now())).inserted_primary_key[0])
+        name=name, tier=tier, node_ref=node_ref, user_ref=user_ref, size=size, created_at=now())
+    ).inserted_primary_key[0])
     _count(conn, tier, node_ref, size, 1)
     conn.execute(insert(pages), page_rows)
     conn.execute(insert(locations), [{**row, "segment_ref": ref} for row in location_rows])
