@@ -3,7 +3,9 @@
 Every write goes through :meth:`Catalog.write`, which starts the transaction by bumping the
 one-row ``catalog_seq`` counter. That serialises writers (SQLite: ``BEGIN IMMEDIATE``;
 PostgreSQL: the row lock) so sequence numbers follow commit order; each transaction records
-what it changed in the feed under its number (:mod:`dss.catalog.feed`).
+what it changed in the feed under its number (:mod:`dss.catalog.feed`). On PostgreSQL the
+same statement sends ``NOTIFY`` with the number on the catalog's channel (:func:`channel_of`),
+which other nodes listen to (:mod:`dss.catalog.listen`).
 
 This package is the only place SQL is written: the queries live in its modules by subject
 (:mod:`~dss.catalog.namespaces`, :mod:`~dss.catalog.sessions`, :mod:`~dss.catalog.pages`,
@@ -61,6 +63,10 @@ def aware(value: dt.datetime) -> dt.datetime:
 def channel_of(database: str, schema: str) -> str:
     """The PostgreSQL notification channel of the catalog in ``database``, ``schema`` (one per catalog)."""
     return "dss_feed_" + hashlib.blake2b(f"{database}\0{schema}".encode(), digest_size=10).hexdigest()
+
+
+_NEXT_SEQ_AND_NOTIFY = ("WITH s AS (UPDATE catalog_seq SET seq = seq + 1 WHERE id = 1 RETURNING seq) "
+                        "SELECT seq, pg_notify(%(channel)s, seq::text) FROM s")
 
 
 class Tx(NamedTuple):
@@ -200,12 +206,12 @@ class Catalog:
         with self.engine.connect() as conn:
             conn = conn.execution_options(sqlite_begin="IMMEDIATE")
             with conn.begin():
-                seq = conn.execute(
-                    update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
-                ).scalar_one()
-                if not self.is_sqlite:  # delivered at commit, to the nodes listening (dss.catalog.listen)
-                    conn.exec_driver_sql("SELECT pg_notify(%(channel)s, %(seq)s)",
-                                         {"channel": self._channel(conn), "seq": str(seq)})
+                if self.is_sqlite:
+                    seq = conn.execute(
+                        update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
+                    ).scalar_one()
+                else:  # the same, and NOTIFY, delivered at commit to the nodes listening (dss.catalog.listen)
+                    seq = conn.exec_driver_sql(_NEXT_SEQ_AND_NOTIFY, {"channel": self._channel(conn)}).one()[0]
                 yield Tx(conn, seq)
 
     @contextmanager
