@@ -209,6 +209,20 @@ def test_another_nodes_commit_arrives_by_notification_within_the_bound(tmp_path:
         a.close()
 
 
+def test_without_a_notification_a_node_polls_the_catalog_within_feed_poll_s(tmp_path: Path, fleet_url: str) -> None:
+    """A write that sends no NOTIFY (as if it were lost) reaches the node's epoch by polling."""
+    with dss.open(tmp_path / "c", catalog_url=fleet_url, feed_poll_s=0.3) as c:
+        engine = sa.create_engine(fleet_url)
+        with engine.begin() as conn:
+            seq = conn.execute(sa.text("UPDATE catalog_seq SET seq = seq + 1 WHERE id = 1 RETURNING seq")).scalar_one()
+        engine.dispose()
+        assert c.listener is not None
+        heard = c.listener.heard
+        assert wait_for(lambda: c._epoch.read() == seq, 1.5)
+        assert c.listener.heard == heard
+        assert c.check() == []
+
+
 # -- Redis and PostgreSQL failing ---------------------------------------------------------------
 
 
