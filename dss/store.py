@@ -87,6 +87,9 @@ class Store:
             home.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot make the store folder {home}: {exc.strerror or exc}") from None
+        self.remote = None if config.remote_url is None else RemoteTier(  # a bad URL is refused before anything is made
+            config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
+            max_pending_bytes=config.remote_pending_bytes)
         with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             master = read_master_key(config.master_key_file, home, hex_key)
@@ -102,9 +105,6 @@ class Store:
             from dss.catalog.listen import FeedListener
 
             self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
-        self.remote = None if config.remote_url is None else RemoteTier(
-            config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
-            max_pending_bytes=config.remote_pending_bytes)
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
         self.index = PageIndex(self.host, has_remote=self.remote is not None)

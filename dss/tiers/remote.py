@@ -96,17 +96,23 @@ class RemoteTier:
             from redis.retry import Retry
         except ImportError:
             raise ConfigError("remote_url needs redis-py: pip install 'dss[server]'") from None
-        self._error: type[Exception] = redis.RedisError
+        self._error: tuple[type[Exception], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
         self.prefix = prefix
         self.max_pending_bytes = max_pending_bytes
         # one immediate retry: a pooled connection a restarted Redis dropped fails once
         options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                                    "retry": Retry(NoBackoff(), 1)}
         self.is_cluster = "+cluster://" in url
-        if self.is_cluster:
-            self.client: Any = redis.RedisCluster.from_url(url.replace("+cluster://", "://", 1), **options)
-        else:
-            self.client = redis.Redis.from_url(url, **options)
+        self._client: Any = None
+        try:
+            if self.is_cluster:  # connects at once to learn the slots: made on first use (see client)
+                cluster_url = url.replace("+cluster://", "://", 1)
+                redis.connection.parse_url(cluster_url)
+                self._connect = lambda: redis.RedisCluster.from_url(cluster_url, **options)
+            else:
+                self._client = redis.Redis.from_url(url, **options)
+        except ValueError as exc:  # never the URL itself: it may hold a password
+            raise ConfigError(f"remote_url is not a Redis URL: {str(exc).split(':')[0]}") from None
         self.is_up = True
         self.errors = dict.fromkeys(OPS, 0)
         self.pending_bytes = 0
@@ -118,6 +124,14 @@ class RemoteTier:
         self._closed = False
         self._thread = threading.Thread(target=self._write_loop, name="dss-remote-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client (a Redis Cluster's is made on first use; raises while the
+        cluster cannot be reached, which the calling operation counts as a failure)."""
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -268,4 +282,5 @@ class RemoteTier:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
