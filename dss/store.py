@@ -16,7 +16,10 @@ Contracts that hold for every method:
   leaves no half-visible version.
 * ``resume`` never counts a page unless some tier holds its bytes under this session's
   namespace and layout; bytes that fail their checksum on read are a miss and are
-  quarantined, never returned.
+  quarantined, never returned. The remote tier (Redis, a cache shared by the nodes of a
+  fleet) is the one exception to "holds": a page the catalog has on another node's disk
+  is counted as ``remote`` without asking Redis, which may have evicted it; reading it then
+  returns ``None`` (a miss), never other bytes.
 """
 
 from __future__ import annotations
@@ -294,7 +297,8 @@ class Store:
         Walks the session's trie (every version, not only the head), fills pages it lacks
         from the tenant's registered shared prefixes, then — past the trie's match — looks
         further pages up by their chain hash in the session's namespace. Side-effect free:
-        changes nothing, so engines may ask repeatedly.
+        changes nothing, so engines may ask repeatedly. Pages another node stored count as
+        ``tiers["remote"]`` (see the module docstring).
         """
         buf = view(tokens)
         with self._reading():
