@@ -40,8 +40,11 @@ from dss.state import SessionState
 class Mirror:
     """Session states and namespaces of one process. Not thread-safe; the store locks."""
 
-    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, keys: DataKeys) -> None:
+    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, keys: DataKeys, node_ref: int) -> None:
         self.catalog = catalog
+        self.node_ref = node_ref
+        self.forgotten = 0
+        """How many namespaces this process saw forgotten (erased) since it opened."""
         self.epoch = epoch
         self.index = index
         self.keys = keys
@@ -77,7 +80,8 @@ class Mirror:
                     namespace = self.index.namespaces.get(event.user_ref)
                     if namespace is not None and namespace.loaded:
                         with self.catalog.read() as conn:
-                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, event.seq))
+                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, self.node_ref,
+                                                                              event.seq))
                 case PagesStored(records=stored):
                     self.index.apply(self.namespace(event.user_ref), stored)
                 case PagesDropped():
@@ -89,6 +93,7 @@ class Mirror:
                     if self.lsh is not None:
                         self.lsh.drop_namespace(event.user_ref)
                         self.lsh_stale = {s: u for s, u in self.lsh_stale.items() if u != event.user_ref}
+                    self.forgotten += 1
 
     def _apply_own(self, ref: int, write: SessionWrite) -> None:
         """Apply this process's own write to the session's cached state, in place when the
@@ -303,9 +308,9 @@ class Mirror:
         if not namespace.loaded:
             if conn is None:
                 with self.catalog.read() as own:
-                    self.index.apply(namespace, pages.namespace_pages(own, user_ref))
+                    self.index.apply(namespace, pages.namespace_pages(own, user_ref, self.node_ref))
             else:
-                self.index.apply(namespace, pages.namespace_pages(conn, user_ref))
+                self.index.apply(namespace, pages.namespace_pages(conn, user_ref, self.node_ref))
             namespace.loaded = True
         return namespace
 

@@ -16,7 +16,10 @@ Contracts that hold for every method:
   leaves no half-visible version.
 * ``resume`` never counts a page unless some tier holds its bytes under this session's
   namespace and layout; bytes that fail their checksum on read are a miss and are
-  quarantined, never returned.
+  quarantined, never returned. The remote tier (Redis, a cache shared by the nodes of a
+  fleet) is the one exception to "holds": a page the catalog has on another node's disk
+  is counted as ``remote`` without asking Redis, which may have evicted it; reading it then
+  returns ``None`` (a miss), never other bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dss.catalog.database import catalog_errors, now, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens
+from dss.core.errors import ConfigError, ErasureInProgress, ErasureIncomplete, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
@@ -60,6 +63,7 @@ from dss.resume import Candidate, Rates, ResumeResult
 from dss.state import SessionState, session_of
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
+from dss.tiers.remote import RemoteTier
 from dss.writer import Guard, Writer
 
 log = logging.getLogger("dss.store")
@@ -88,6 +92,9 @@ class Store:
             home.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot make the store folder {home}: {exc.strerror or exc}") from None
+        self.remote = None if config.remote_url is None else RemoteTier(  # a bad URL is refused before anything is made
+            config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
+            max_pending_bytes=config.remote_pending_bytes)
         with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             master = read_master_key(config.master_key_file, home, hex_key)
@@ -96,31 +103,42 @@ class Store:
                                         sql_url=sql_url)
             self.catalog.ensure_schema()
             self._master = adopt_master_key(self.catalog, master, config.master_key_file)
-            adopt_folder(self.catalog, home)
+            self.node = adopt_folder(self.catalog, home, config.node_id)
             self._epoch = Epoch(home / "epoch")
+        self.listener = None
+        if not self.catalog.is_sqlite:  # (imported here: psycopg is there only with a PostgreSQL catalog)
+            from dss.catalog.listen import FeedListener
+
+            self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
-        self.index = PageIndex(self.host)
+        self.index = PageIndex(self.host, has_remote=self.remote is not None)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
-        self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys)
-        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys,
-                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes)
-        self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
-                           config.recompute_tokens_per_s)
+        self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
+        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys, node_ref=self.node.ref,
+                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes, remote=self.remote)
+        speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
+        if self.remote is not None:
+            speeds["remote"] = config.remote_read_gbps * 1e9
+        self.rates = Rates(speeds, config.recompute_tokens_per_s)
         self.matcher = Matcher(self.mirror, self.index, self.rates)
         self._near: Nearest | None = None
         if config.approximate or config.lsh_redis_url is not None:
             self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
-        self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
-        self.guard = Guard(self.mirror)
+        self.eraser = Eraser(self.catalog, self.mirror, self.pages)
+        self.guard = Guard(self.mirror, self.pages)
         self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master)
         with self.catalog.read() as conn:
-            removed = self.disk.recover(set(pages.all_segments(conn, "disk")))
+            removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
         if removed:
             log.info("removed %d page files left behind by dead writers", len(removed))
-        finished = self.eraser.resume_all()
-        if finished:
-            log.info("finished %d erasures a crash had interrupted", len(finished))
+        try:
+            finished = self.eraser.resume_all()
+        except ErasureIncomplete as exc:  # e.g. the remote tier is down: the next open (or forget_user) finishes it
+            log.warning("an erasure a crash had interrupted is still unfinished: %s", exc)
+        else:
+            if finished:
+                log.info("finished %d erasures a crash had interrupted", len(finished))
         if config.approximate:
             built = self._nearest_index().build_all()
             log.info("LSH index: %d namespaces and layouts indexed at open", built)
@@ -134,7 +152,13 @@ class Store:
 
     def _release(self) -> None:
         """Close the files and connections opened so far (all of them once open)."""
-        for part in (getattr(self, "disk", None), getattr(self, "_epoch", None), getattr(self, "catalog", None)):
+        remote = getattr(self, "remote", None)
+        if remote is not None:
+            if not remote.flush(timeout_s=4 * self.config.remote_timeout_s):
+                log.warning("closing with %d bytes not yet written to the remote tier", remote.pending_bytes)
+            remote.close()
+        for part in (getattr(self, "listener", None), getattr(self, "disk", None), getattr(self, "_epoch", None),
+                     getattr(self, "catalog", None)):
             if part is not None:
                 part.close()
 
@@ -287,7 +311,8 @@ class Store:
         MinHash-LSH proposes are compared token by token and the longest exact common prefix
         with stored pages wins (``source="lsh"``); the result names the nearest one and how
         many were tried. Only exact prefixes are ever reported. Side-effect free: changes
-        nothing (but counts a divergence position), so engines may ask repeatedly.
+        nothing (but counts a divergence position), so engines may ask repeatedly. Pages
+        another node stored count as ``tiers["remote"]`` (see the module docstring).
         """
         buf = view(tokens)
         approximate = self._approximate(approximate)
@@ -491,8 +516,8 @@ class Store:
         indexes dropped to stay within it, bands and rows, storage ``"memory"``, ``"redis"`` or
         ``"none"`` before approximate matching was first used)."""
         with self._reading(), self.catalog.read() as conn:
-            disk_used = pages.tier_bytes(conn, "disk")
-            disk_pages = pages.count_located(conn, "disk")
+            disk_used = pages.tier_bytes(conn, "disk", self.node.ref)
+            disk_pages = pages.count_located(conn, "disk", self.node.ref)
             open_jobs = erasures.open_jobs(conn)
             lsh = self._near.lsh.stats() if self._near is not None else {
                 "indexes": 0, "entries": 0, "capacity": self.config.lsh_max_entries, "storage": "none"}

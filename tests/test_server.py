@@ -38,12 +38,13 @@ def b64(data: bytes) -> str:
 class Service:
     """The app on a fresh store, with keys: ``admin`` (tenant t1, admin), ``t1`` and ``t2``."""
 
-    def __init__(self, home: Path, catalog_url: str | None = None, **config: Any) -> None:
+    def __init__(self, home: Path, catalog_url: str | None = None, store_options: dict[str, Any] | None = None,
+                 **config: Any) -> None:
         self.home = home
         self.keys = {"admin": add_key(home / "api-keys.json", "t1", is_admin=True)[0],
                      "t1": add_key(home / "api-keys.json", "t1")[0],
                      "t2": add_key(home / "api-keys.json", "t2")[0]}
-        self.store = dss.open(home, fsync=False, catalog_url=catalog_url)
+        self.store = dss.open(home, fsync=False, catalog_url=catalog_url, **(store_options or {}))
         self.config = load_server_config(home, **config)
         self.app = create_app(self.store, self.config, KeyRing(self.config.keys_file, reload_interval_s=0),
                               close_store=True)

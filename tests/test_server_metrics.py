@@ -135,3 +135,24 @@ def test_erasures_done_open_and_the_age_of_the_oldest(service: Service) -> None:
     assert 0 < m[("dss_erasure_oldest_open_seconds", ())] < 60
     service.store.eraser.run(job)
     assert scrape(service)[("dss_erasures_open", ())] == 0
+
+
+def test_remote_tier_gauges_and_errors(tmp_path: Path) -> None:
+    """A remote tier nobody answers at: one failed read, two pages waiting to be written."""
+    from tests.servers import free_port
+
+    svc = Service(tmp_path / "home",
+                  store_options={"remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.2})
+    with svc.http:
+        m = scrape(svc)
+        assert m[("dss_remote_up", ())] == 1
+        assert m[("dss_remote_pending_bytes", ())] == 0
+        ops = ("get", "put", "delete", "scan", "verify")
+        assert {op: m[("dss_remote_errors_total", (("op", op),))] for op in ops} == dict.fromkeys(ops, 0)
+        assert svc.store.remote is not None and svc.store.remote.get(["dss:{00}:00"]) == [None]
+        svc.create("a")
+        svc.commit(T, "a", pages={0: page(1), 1: page(2)})
+        m = scrape(svc)
+        assert m[("dss_remote_up", ())] == 0
+        assert m[("dss_remote_errors_total", (("op", "get"),))] == 1
+        assert m[("dss_remote_pending_bytes", ())] == svc.store.remote.pending_bytes > 2 * LAYOUT.page_bytes

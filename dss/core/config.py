@@ -59,6 +59,23 @@ class StoreConfig(BaseModel):
                                  description="Time limit of one read-only SQL query, seconds.")
     sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
                                       "default: a role dss creates, which needs CREATEROLE for the catalog user.")
+    node_id: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                                description="Name of this folder as a node of a fleet sharing one catalog; needed "
+                                "to join a catalog another folder uses. Default: the folder's own id.")
+    remote_url: SecretStr | None = Field(None, description="URL of the remote tier shared by the fleet: "
+                                         "redis://host:port/db (rediss:// for TLS), redis+cluster://host:port for "
+                                         "a Redis Cluster.")
+    remote_prefix: str = Field("dss:", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+                               description="Prefix of every key dss writes in the remote tier.")
+    remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
+                                    description="Time limit of one remote-tier round trip, seconds.")
+    remote_pending_bytes: int = Field(256 << 20, description="Most page bytes waiting to be written to the "
+                                      "remote tier; beyond it the oldest are not written (a later miss).")
+    remote_read_gbps: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                    description="Estimated remote-tier load bandwidth, GB/s.")
+    feed_poll_s: float = Field(1.0, gt=0, le=3600, allow_inf_nan=False,
+                               description="PostgreSQL catalog: how often a node polls for other nodes' writes "
+                               "when no notification came (LISTEN/NOTIFY tells it sooner).")
 
     approximate: bool = Field(False, description="Default of resume(approximate=...): when the exact paths match "
                               "less than lsh_min_share of the prompt, verify MinHash-LSH candidates exactly "
@@ -78,7 +95,7 @@ class StoreConfig(BaseModel):
     lsh_redis_prefix: str = Field("dss-lsh", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                                   description="Prefix of the LSH index's Redis keys.")
 
-    @field_validator("host_bytes", "disk_bytes", "segment_bytes", mode="before")
+    @field_validator("host_bytes", "disk_bytes", "segment_bytes", "remote_pending_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
@@ -87,6 +104,10 @@ class StoreConfig(BaseModel):
     def _sql_url_needs_postgresql(self) -> StoreConfig:
         if self.sql_url is not None and self.url.startswith("sqlite"):
             raise ValueError("sql_url applies to a PostgreSQL catalog only (catalog_url is SQLite)")
+        if self.remote_url is not None:
+            scheme = self.remote_url.get_secret_value().split("://", 1)[0]
+            if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+                raise ValueError("remote_url must start with redis://, rediss:// or redis+cluster://")
         return self
 
     @model_validator(mode="after")
@@ -124,6 +145,12 @@ _ENV = {
     "DSS_LSH_MIN_SHARE": "lsh_min_share",
     "DSS_LSH_MAX_ENTRIES": "lsh_max_entries",
     "DSS_LSH_REDIS_URL": "lsh_redis_url",
+    "DSS_NODE_ID": "node_id",
+    "DSS_REMOTE_URL": "remote_url",
+    "DSS_REMOTE_PREFIX": "remote_prefix",
+    "DSS_REMOTE_TIMEOUT_S": "remote_timeout_s",
+    "DSS_REMOTE_PENDING_BYTES": "remote_pending_bytes",
+    "DSS_FEED_POLL_S": "feed_poll_s",
 }
 
 DEFAULT_HOME = "dss-data"

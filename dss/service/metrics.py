@@ -19,7 +19,11 @@ Counters and histograms (updated as requests run):
 Gauges read from the store when scraped: ``dss_sessions``, ``dss_tier_pages{tier}``,
 ``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``, ``dss_erasures_open`` (erasure jobs
 not finished, every process of the catalog), ``dss_erasure_oldest_open_seconds`` (age of the
-oldest of them; 0 when none — an alert fires when it keeps growing).
+oldest of them; 0 when none — an alert fires when it keeps growing); with a remote tier also
+``dss_remote_up`` (1 while Redis answers, 0 once a call failed, until one succeeds),
+``dss_remote_errors_total{op}`` (failed ``get``, ``put``, ``delete``, ``scan`` calls, and
+values that failed ``verify``) and ``dss_remote_pending_bytes`` (page bytes waiting to be
+written through).
 
 No label ever carries a tenant, user or session id (erasure must leave none behind).
 """
@@ -30,7 +34,7 @@ import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dss.core.errors import DssError
@@ -143,3 +147,16 @@ class StoreCollector(Collector):
                 size.add_metric([tier], stats[tier]["bytes"])
                 capacity.add_metric([tier], stats[tier]["capacity"])
         yield from (sessions, pages, size, capacity, open_erasures, oldest)
+        remote = self.store.remote
+        if remote is not None:
+            up = GaugeMetricFamily("dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call "
+                                   "failed.")
+            up.add_metric([], 1.0 if remote.is_up else 0.0)
+            errors = CounterMetricFamily("dss_remote_errors", "Remote-tier calls that failed, and values that failed "
+                                         "verification.", labels=["op"])
+            for op, count in remote.errors.items():
+                errors.add_metric([op], count)
+            pending = GaugeMetricFamily("dss_remote_pending_bytes", "Page bytes waiting to be written to the "
+                                        "remote tier.")
+            pending.add_metric([], remote.pending_bytes)
+            yield from (up, errors, pending)
