@@ -25,8 +25,9 @@ The rules (``policy="dss"``, the default):
   the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of
   ``move_batch_pages`` (8–16) until it is at its low mark, so foreground writes rarely evict
   inline. Demoting from host drops the host copy (disk holds the page); demoting from disk, the
-  last tier, drops whole segments, lowest first by the best score of their pages, then oldest
-  first by the newest version holding them.
+  last tier, drops whole segments: first those whose pages are not hot (decayed frequency
+  below ``HOT_FREQUENCY``), oldest first by the newest version holding them (so pages only old
+  versions hold go first), then the hot ones, least frequently used first.
 * **Refcount safety.** A page being read, loaded into an engine or moved is *held*
   (:meth:`Placement.hold`); no held page is ever chosen. Pinned versions' pages and registered
   shared prefixes (which are pinned) never leave the last tier.
@@ -58,6 +59,10 @@ from dss.tiers.host import HostTier
 
 SLACK = 0.05
 """Fraction of a durable tier's capacity freed beyond what a write needs (inline eviction)."""
+
+HOT_FREQUENCY = 2.0
+"""Decayed accesses from which a disk segment's pages count as hot: such segments leave the
+disk after every other, the least frequently used first (the others in the catalog's order)."""
 
 TIERS = ("host", "disk")
 """The tiers this process places pages on, fastest first."""
@@ -327,8 +332,8 @@ class Placement:
     def segment_order(self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]],
                       now: float | None = None) -> list[SegmentRow]:
         """Disk segments in the order they leave (pinned ones left out): LRU keeps the catalog's
-        order (oldest newest-version first); ``dss`` puts segments whose best page scores lowest
-        first, the catalog's order breaking ties."""
+        order (oldest newest-version first); ``dss`` keeps it for segments without a hot page and
+        puts the hot ones last, least frequently used first."""
         free = [s for s in segments if not s.is_pinned]
         if self.is_lru or not free:
             return free
@@ -343,7 +348,8 @@ class Placement:
                 if s is not None and s.last != -math.inf:
                     worth = max(worth, s.freq * 2.0 ** (-max(0.0, t - s.last) / h_f))
             best.append(worth)
-        return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i], i))]
+        hot = HOT_FREQUENCY
+        return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, i))]
 
 
 def watermarks(settings: Settings, tier: str, capacity: int) -> tuple[int, int]:
