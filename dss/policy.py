@@ -8,7 +8,8 @@ The rules (``policy="dss"``, the default):
   0.6 / 0.3 / 0.1), each term scaled to [0, 1] among the pages compared:
 
   - *frequency* — accesses with exponential decay: each access adds 1, the sum halves every
-    ``frequency_half_life_s``; divided by the highest frequency among the candidates;
+    ``frequency_half_life_s``; on a log scale, ``log(1 + f) / log(1 + f_max)`` among the
+    candidates (so a shared prompt read by everyone does not flatten every other page to 0);
   - *recency* — ``2 ** (-age / recency_half_life_s)``, age since the last access;
   - *cost* — the seconds to bring the page back (its bytes over the disk's read bandwidth)
     versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
@@ -252,12 +253,12 @@ class Placement:
             tokens = s.tokens if s is not None and s.tokens else 0
             # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
             values.append(tokens / (size * per_byte) if tokens and size else 0.0)
-        top_f = max(freqs, default=0.0) or 1.0
+        top_f = math.log1p(max(freqs, default=0.0)) or 1.0
         top_v = max(values, default=0.0)
         out = []
         for f, r, v in zip(freqs, recs, values):
             c = v / top_v if top_v else 1.0
-            out.append(w_f * f / top_f + w_r * r + w_c * c)
+            out.append(w_f * math.log1p(f) / top_f + w_r * r + w_c * c)
         return out
 
     def order(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[int]:
@@ -286,11 +287,11 @@ class Placement:
             freed += sizes[i]
         return chosen
 
-    def host_room(self, host: HostTier, size: int, owner: Owner | None) -> list[PageId] | None:
-        """The pages to drop so a page of ``size`` bytes of ``owner`` fits the host tier: first
-        the owner's own pages while the user (then the tenant) would exceed its quota, then the
-        lowest-scored pages of anyone while the tier would exceed its capacity. ``None``: it
-        cannot fit (over a quota by itself, or held pages fill the room)."""
+    def host_room(self, host: HostTier, page_id: PageId, size: int, owner: Owner | None) -> list[PageId] | None:
+        """The pages to drop so page ``page_id`` of ``size`` bytes of ``owner`` fits the host
+        tier: first the owner's own pages while the user (then the tenant) would exceed its
+        quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
+        ``None``: it stays out (over a quota by itself, or held pages fill the room)."""
         s = self.settings
         candidates = host.candidates()
         chosen: list[PageId] = []

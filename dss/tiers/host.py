@@ -24,12 +24,12 @@ class HostTier(CacheTier):
     name = "host"
 
     def __init__(self, capacity_bytes: int,
-                 choose: Callable[[HostTier, int, Owner | None], list[PageId] | None] | None = None) -> None:
+                 choose: Callable[[HostTier, PageId, int, Owner | None], list[PageId] | None] | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.choose = choose
-        """``choose(tier, size, owner)``: the pages to drop so a page of ``size`` bytes of
-        ``owner`` fits (``None``: it may not go in)."""
+        """``choose(tier, page_id, size, owner)``: the pages to drop so page ``page_id`` of
+        ``size`` bytes of ``owner`` fits (``None``: it may not go in)."""
         self._pages: OrderedDict[PageId, bytes] = OrderedDict()
         self._owner: dict[PageId, Owner] = {}
         self.owner_bytes: Counter[Owner] = Counter()
@@ -66,7 +66,7 @@ class HostTier(CacheTier):
             return None
         victims: list[PageId] | None
         if self.choose is not None:
-            victims = self.choose(self, size, owner)
+            victims = self.choose(self, page_id, size, owner)
             if victims is None:
                 return None
         else:
