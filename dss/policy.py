@@ -356,8 +356,8 @@ class Placement:
 def watermarks(settings: Settings, tier: str, capacity: int) -> tuple[int, int]:
     """``(high, low)`` marks of a tier in bytes."""
     if tier == "host":
-        return int(capacity * settings.host_high), int(capacity * settings.host_low)
-    return int(capacity * settings.disk_high), int(capacity * settings.disk_low)
+        return round(capacity * settings.host_high), round(capacity * settings.host_low)
+    return round(capacity * settings.disk_high), round(capacity * settings.disk_low)
 
 
 def room_needed(used: int, need: int, capacity: int) -> int:
