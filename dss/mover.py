@@ -20,8 +20,11 @@ for it. ``store.run_mover()`` runs one pass in the caller's thread (tests, bench
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +38,9 @@ from dss.policy import Placement
 from dss.writer import Guard, Writer
 
 log = logging.getLogger("dss.mover")
+
+RECORD_EVERY_S = 5.0
+"""How often the thread writes this process's row of ``tier_policy`` (real seconds)."""
 
 
 class Mover:
@@ -56,6 +62,8 @@ class Mover:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pass_lock = threading.Lock()
+        self.process = f"{socket.gethostname()}:{os.getpid()}"[:128]
+        self._recorded = 0.0
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -100,6 +108,8 @@ class Mover:
                 self._safely(job)
             if not self._stop.is_set():
                 self._safely(self.run)
+                if time.monotonic() - self._recorded >= RECORD_EVERY_S:
+                    self._safely(self.record)
 
     def _safely(self, job: Callable[[], Any]) -> None:
         try:
@@ -110,6 +120,31 @@ class Mover:
             log.exception("mover pass failed")
 
     # -- one pass --------------------------------------------------------------------------
+
+    def record(self) -> None:
+        """Write this process's tiers, watermarks, quotas and counters to ``tier_policy``."""
+        placement = self.placement
+        s = placement.settings
+        host = self.pages.host
+        with self.guard.reading():
+            with self.catalog.read() as conn:
+                disk_used = pages.tier_bytes(conn, "disk")
+            rows = []
+            for tier, capacity, used, user_q, tenant_q in (
+                    ("host", host.capacity_bytes, host.used_bytes, s.host_user_quota, s.host_tenant_quota),
+                    ("disk", self.disk_bytes, disk_used, s.disk_user_quota, s.disk_tenant_quota)):
+                high, low = policy.watermarks(s, tier, capacity)
+                counts = placement.counts[tier]
+                rows.append({"tier": tier, "policy": s.policy, "capacity_bytes": capacity, "used_bytes": used,
+                             "high_watermark_bytes": high, "low_watermark_bytes": low, "user_quota_bytes": user_q,
+                             "tenant_quota_bytes": tenant_q,
+                             **{name: int(counts[name]) for name in ("hits", "misses", "promotions", "demotions",
+                                                                     "evictions", "moved_bytes")},
+                             "prefetch_hits": int(placement.prefetch["hits"]) if tier == "host" else 0,
+                             "prefetch_wasted": int(placement.prefetch["wasted"]) if tier == "host" else 0})
+            with self.catalog.engine.begin() as conn:  # not a change: no feed sequence number
+                pages.record_policy(conn, self.process, rows)
+        self._recorded = time.monotonic()
 
     def over_high(self) -> bool:
         """Whether host is past its high mark (cheap; the disk is checked in :meth:`run`)."""

@@ -99,7 +99,7 @@ Owner = tuple[str, int]
 class PageStats:
     """What the policy remembers of one page."""
 
-    __slots__ = ("freq", "last", "window_start", "window_count", "demoted_at", "tokens")
+    __slots__ = ("freq", "last", "window_start", "window_count", "demoted_at", "tokens", "tick")
 
     def __init__(self, now: float) -> None:
         self.freq = 0.0
@@ -108,6 +108,7 @@ class PageStats:
         self.window_count = 0
         self.demoted_at = -math.inf
         self.tokens = 0
+        self.tick = 0
 
 
 COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "inline_evictions")
@@ -129,6 +130,11 @@ class Placement:
         self.counts: dict[str, Counter[str]] = {tier: Counter() for tier in TIERS}
         self.prefetch = Counter({"issued": 0, "hits": 0, "wasted": 0})
         self.prefetched: set[PageId] = set()
+        self._order: list[PageId] = []
+        self._order_at = -math.inf
+        self._order_tick = 0
+        self._tick = 0
+        self._pos = 0
         self._lock = threading.Lock()
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -142,10 +148,13 @@ class Placement:
         h = self.settings.frequency_half_life_s
         window = self.settings.promote_interval_s
         stats = self.stats
+        self._tick += 1
+        tick = self._tick
         for page_id in page_ids:
             s = stats.get(page_id)
             if s is None:
                 s = stats[page_id] = PageStats(t)
+            s.tick = tick
             s.freq = s.freq * 2.0 ** (-(t - s.last) / h) + 1.0 if t >= s.last else s.freq + 1.0
             s.last = max(t, s.last)
             if t - s.window_start > window:
@@ -326,8 +335,52 @@ class Placement:
                     return None
         freed = sum(sizes[p] for p in chosen)
         need = host.used_bytes - freed + size - host.capacity_bytes
-        if need > 0 and take(need, None) < need:
-            return None
+        if need > 0:
+            got = self.next_victims(host, need, taken)
+            if got is None:
+                return None
+            chosen.extend(got)
+        return chosen
+
+    def next_victims(self, host: HostTier, need: int, exclude: set[PageId] = frozenset()) -> list[PageId] | None:
+        """The pages that leave host next, to free ``need`` bytes (``None``: held pages fill it).
+
+        Scoring every page at every put would cost O(pages) a put: the order is computed once
+        and consumed, skipping pages gone, held, or accessed since it was computed (their score
+        only rose); it is recomputed when used up or older than a quarter of
+        ``recency_half_life_s``. LRU walks the tier's own order."""
+        chosen: list[PageId] = []
+        held = self.held
+        if self.is_lru:
+            for page_id, page_size, _ in host.candidates():
+                if need <= 0:
+                    break
+                if page_id not in held and page_id not in exclude:
+                    chosen.append(page_id)
+                    need -= page_size
+            return chosen if need <= 0 else None
+        now = self.now()
+        if now - self._order_at > self.settings.recency_half_life_s / 4:
+            self._order = []
+        refreshed = False
+        stats = self.stats
+        while need > 0:
+            if self._pos >= len(self._order):
+                if refreshed:
+                    return None
+                candidates = host.candidates()
+                ids = [c[0] for c in candidates]
+                self._order = [ids[i] for i in self.order(ids, [c[1] for c in candidates], now)]
+                self._order_at, self._order_tick, self._pos, refreshed = now, self._tick, 0, True
+                continue
+            page_id = self._order[self._pos]
+            self._pos += 1
+            st = stats.get(page_id)
+            if (page_id not in host or page_id in held or page_id in exclude
+                    or (st is not None and st.tick > self._order_tick)):
+                continue
+            chosen.append(page_id)
+            need -= host.size_of(page_id)
         return chosen
 
     def segment_order(self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]],

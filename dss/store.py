@@ -35,7 +35,7 @@ from dss.catalog.database import catalog_errors, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens
+from dss.core.errors import ConfigError, DssError, ErasureInProgress, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
 from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
@@ -125,6 +125,7 @@ class Store:
         finished = self.eraser.resume_all()
         if finished:
             log.info("finished %d erasures a crash had interrupted", len(finished))
+        self.mover.record()
         if config.mover:
             self.mover.start()
 
@@ -133,6 +134,9 @@ class Store:
         mover = getattr(self, "mover", None)
         if mover is not None:
             mover.close()  # outside the lock: its batch in progress takes it
+            if not self.guard.is_closed:
+                with contextlib.suppress(DssError):
+                    mover.record()
         with self.guard.lock:
             if not self.guard.is_closed:
                 self.guard.is_closed = True
@@ -441,9 +445,12 @@ class Store:
 
     def run_mover(self) -> dict[str, int]:
         """Run one pass of the mover now, in this thread: demote host and evict disk down to
-        their low marks where they passed their high marks. Returns the pages moved per tier."""
+        their low marks where they passed their high marks, then record this process's tiers in
+        the ``tier_policy`` table. Returns the pages moved per tier."""
         self._check_open()
-        return self.mover.run()
+        moved = self.mover.run()
+        self.mover.record()
+        return moved
 
     def prefetch(self, session_id: str, *, tenant_id: str | None = None, wait: bool = False) -> int:
         """Move the pages of the session's head that only disk holds up to host, in the

@@ -15,7 +15,18 @@ from sqlalchemy import ColumnElement, and_, case, delete, func, insert, select, 
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import chunks, now
-from dss.catalog.schema import locations, pages, quarantine, segments, session_pages, sessions, tenants, tier_totals, users
+from dss.catalog.schema import (
+    locations,
+    pages,
+    quarantine,
+    segments,
+    session_pages,
+    sessions,
+    tenants,
+    tier_policy,
+    tier_totals,
+    users,
+)
 
 
 class PageRecord(NamedTuple):
@@ -303,3 +314,11 @@ def segment_page_ids(conn: Connection, tier: str) -> dict[int, list[bytes]]:
                                      .where(locations.c.tier == tier)):
         out.setdefault(ref, []).append(bytes(page_id))
     return out
+
+
+def record_policy(conn: Connection, process: str, rows: Sequence[dict]) -> None:
+    """Replace ``process``'s rows of ``tier_policy`` (one per tier) with ``rows``."""
+    conn.execute(delete(tier_policy).where(tier_policy.c.process == process))
+    if rows:
+        stamp = now()
+        conn.execute(insert(tier_policy), [{**row, "process": process, "updated_at": stamp} for row in rows])

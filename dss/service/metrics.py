@@ -15,7 +15,15 @@ Counters and histograms (updated as requests run):
 * ``dss_commits_total``, ``dss_committed_tokens_total`` — commits acknowledged.
 
 Gauges read from the store when scraped: ``dss_sessions``, ``dss_tier_pages{tier}``,
-``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``.
+``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``,
+``dss_tier_high_watermark_bytes{tier}``, ``dss_tier_low_watermark_bytes{tier}``.
+
+Counters of the placement policy read from the store when scraped (:meth:`dss.Store.stats`):
+``dss_tier_promotions_total{tier}`` (pages moved up into the tier),
+``dss_tier_demotions_total{tier}`` (moved down out of it, a copy stays below),
+``dss_tier_evictions_total{tier}`` (dropped with no copy below), ``dss_tier_moved_bytes_total{tier}``,
+``dss_prefetch_hits_total`` (prefetched pages then read from host), ``dss_prefetch_wasted_total``
+(prefetched pages that left host unread).
 
 No label ever carries a tenant, user or session id (erasure must leave none behind).
 """
@@ -26,7 +34,7 @@ import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dss.core.errors import DssError
@@ -114,6 +122,17 @@ class StoreCollector(Collector):
         pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
         size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
         capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
+        high = GaugeMetricFamily("dss_tier_high_watermark_bytes", "Fill of a tier at which the mover starts.",
+                                 labels=["tier"])
+        low = GaugeMetricFamily("dss_tier_low_watermark_bytes", "Fill of a tier the mover moves pages down to.",
+                                labels=["tier"])
+        moves = {name: CounterMetricFamily(f"dss_tier_{name}", text, labels=["tier"]) for name, text in (
+            ("promotions", "Pages moved up into a tier."),
+            ("demotions", "Pages moved down out of a tier (a lower tier keeps a copy)."),
+            ("evictions", "Pages dropped from a tier with no copy on a lower tier."),
+            ("moved_bytes", "Bytes of pages promoted into or demoted out of a tier."))}
+        prefetch_hits = CounterMetricFamily("dss_prefetch_hits", "Prefetched pages then read from host.")
+        prefetch_wasted = CounterMetricFamily("dss_prefetch_wasted", "Prefetched pages that left host unread.")
         try:
             stats = self.store.stats()
             num_sessions = self.store.count_sessions()
@@ -126,4 +145,12 @@ class StoreCollector(Collector):
                 pages.add_metric([tier], stats[tier]["pages"])
                 size.add_metric([tier], stats[tier]["bytes"])
                 capacity.add_metric([tier], stats[tier]["capacity"])
-        yield from (sessions, pages, size, capacity)
+                if "high_watermark" in stats[tier]:
+                    high.add_metric([tier], stats[tier]["high_watermark"])
+                    low.add_metric([tier], stats[tier]["low_watermark"])
+                    for name, family in moves.items():
+                        family.add_metric([tier], stats[tier][name])
+        prefetch = stats.get("prefetch", {})
+        prefetch_hits.add_metric([], prefetch.get("hits", 0))
+        prefetch_wasted.add_metric([], prefetch.get("wasted", 0))
+        yield from (sessions, pages, size, capacity, high, low, *moves.values(), prefetch_hits, prefetch_wasted)
