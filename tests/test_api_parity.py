@@ -209,6 +209,15 @@ def test_pin_and_unpin(api: Any, tenant: str) -> None:
 # -- resume and pages --------------------------------------------------------------------------
 
 
+def test_prefetch_answers_at_once(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    assert api.prefetch("s") == 0                       # no version yet
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    assert api.prefetch("s") == 0                       # host holds both pages already
+    with pytest.raises(dss.UnknownSession):
+        api.prefetch("nope")
+
+
 def test_resume_reports_page_aligned_matches_on_their_tiers(api: Any, tenant: str) -> None:
     make(api, tenant)
     v1 = api.commit("s", T, {0: page(1), 1: page(2)})
