@@ -122,11 +122,14 @@ class Mover:
     # -- one pass --------------------------------------------------------------------------
 
     def record(self) -> None:
-        """Write this process's tiers, watermarks, quotas and counters to ``tier_policy``."""
+        """Write this process's tiers, watermarks, quotas and counters to ``tier_policy`` (and
+        forget the statistics of pages gone from every tier)."""
         placement = self.placement
         s = placement.settings
         host = self.pages.host
         with self.guard.reading():
+            entries, host_ = self.pages.index.entries, self.pages.host
+            placement.prune(lambda p: p in entries or p in host_)
             with self.catalog.read() as conn:
                 disk_used = pages.tier_bytes(conn, "disk")
             rows = []

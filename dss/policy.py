@@ -61,6 +61,10 @@ from dss.tiers.host import HostTier
 SLACK = 0.05
 """Fraction of a durable tier's capacity freed beyond what a write needs (inline eviction)."""
 
+FREQUENCY_QUANTILE = 0.9
+"""The frequency term is ``log(1 + f)`` over that of this quantile of the candidates' frequencies,
+capped at 1: the few pages everyone reads (shared prompts) do not flatten everyone else's."""
+
 HOT_FREQUENCY = 2.0
 """Decayed accesses from which a disk segment's pages count as hot: such segments leave the
 disk after every other, the least frequently used first (the others in the catalog's order)."""
@@ -177,6 +181,13 @@ class Placement:
             self.stats.pop(page_id, None)
             self.prefetched.discard(page_id)
 
+    def prune(self, known: Callable[[PageId], bool]) -> int:
+        """Forget the statistics of pages ``known`` says no tier holds any more (deleted,
+        evicted from disk, erased); returns how many went."""
+        gone = [p for p in self.stats if not known(p)]
+        self.forget(gone)
+        return len(gone)
+
     @contextmanager
     def hold(self, page_ids: Sequence[PageId]) -> Iterator[None]:
         """Hold the pages while they are read, loaded or moved: no decision picks them."""
@@ -262,12 +273,13 @@ class Placement:
             tokens = s.tokens if s is not None and s.tokens else 0
             # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
             values.append(tokens / (size * per_byte) if tokens and size else 0.0)
-        top_f = math.log1p(max(freqs, default=0.0)) or 1.0
+        ranked = sorted(freqs)
+        top_f = math.log1p(ranked[int(len(ranked) * FREQUENCY_QUANTILE)] if ranked else 0.0) or 1.0
         top_v = max(values, default=0.0)
         out = []
         for f, r, v in zip(freqs, recs, values):
             c = v / top_v if top_v else 1.0
-            out.append(w_f * math.log1p(f) / top_f + w_r * r + w_c * c)
+            out.append(w_f * min(1.0, math.log1p(f) / top_f) + w_r * r + w_c * c)
         return out
 
     def order(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[int]:
