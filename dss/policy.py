@@ -8,8 +8,9 @@ The rules (``policy="dss"``, the default):
   0.6 / 0.3 / 0.1), each term scaled to [0, 1] among the pages compared:
 
   - *frequency* — accesses with exponential decay: each access adds 1, the sum halves every
-    ``frequency_half_life_s``; on a log scale, ``log(1 + f) / log(1 + f_max)`` among the
-    candidates (so a shared prompt read by everyone does not flatten every other page to 0);
+    ``frequency_half_life_s``; on a log scale, ``min(1, log(1 + f) / log(1 + f_90))`` where
+    ``f_90`` is the 90th percentile among the candidates (so a shared prompt everyone reads
+    does not flatten every other page's frequency to 0);
   - *recency* — ``2 ** (-age / recency_half_life_s)``, age since the last access;
   - *cost* — the seconds to bring the page back (its bytes over the disk's read bandwidth)
     versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
@@ -78,7 +79,7 @@ class Settings(NamedTuple):
 
     policy: str = "dss"
     weights: tuple[float, float, float] = (0.6, 0.3, 0.1)
-    frequency_half_life_s: float = 600.0
+    frequency_half_life_s: float = 120.0
     recency_half_life_s: float = 60.0
     promote_after: int = 2
     promote_interval_s: float = 300.0

@@ -66,7 +66,7 @@ class StoreConfig(BaseModel):
                                           "recency and cost) or 'lru' (plain least recently used).")
     policy_weights: tuple[float, float, float] = Field((0.6, 0.3, 0.1), description="Weights of frequency, "
                                                        "recency and 1/cost in a page's score.")
-    frequency_half_life_s: float = Field(600.0, gt=0, allow_inf_nan=False,
+    frequency_half_life_s: float = Field(120.0, gt=0, allow_inf_nan=False,
                                          description="Half-life of a page's access frequency, seconds.")
     recency_half_life_s: float = Field(60.0, gt=0, allow_inf_nan=False,
                                        description="Age at which a page's recency term halves, seconds.")
