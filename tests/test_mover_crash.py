@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-import dss
 from tests.conftest import _pg_schema
 from tests.mover_child import LAYOUT, digest, open_store, payload
 
