@@ -289,8 +289,10 @@ def test_check_and_stats(api: Any, tenant: str) -> None:
     api.commit("s", T, {0: page(1)})
     assert api.check() == []
     stats = api.stats()
-    assert set(stats) == {"host", "disk"}
+    assert set(stats) == {"host", "disk", "prefetch", "policy"}
     assert stats["host"]["pages"] >= 1 and stats["disk"]["bytes"] >= 32
+    assert stats["host"]["high_watermark"] == round(0.85 * stats["host"]["capacity"])
+    assert set(stats["prefetch"]) == {"issued", "hits", "wasted"} and stats["policy"]["name"] == "dss"
 
 
 def test_a_multi_turn_conversation_with_undo_and_regenerate(api: Any, tenant: str) -> None:
