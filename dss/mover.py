@@ -202,6 +202,9 @@ class Mover:
             if count >= self.batch or i == len(chosen) - 1:
                 with self.guard.lock:
                     self.guard.check_open()
+                    with self.catalog.read() as conn:  # another process's mover may have made room meanwhile
+                        if pages.tier_bytes(conn, "disk") <= low:
+                            break
                     if any(PageId(p) in placement.held for ref in batch for p in page_ids.get(ref, ())):
                         batch, count = [], 0
                         continue
