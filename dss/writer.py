@@ -14,13 +14,13 @@ on meanwhile is built again from a fresh state.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from dss import versions
 from dss.catalog import change as changes
-from dss.catalog.change import Applied, Change, Stale
+from dss.catalog.change import Applied, Change, Room, Stale
 from dss.catalog.database import Catalog, catalog_errors
 from dss.core.errors import Conflict, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
@@ -86,7 +86,7 @@ class Writer:
             with self.guard.lock:
                 self.guard.check_open()
                 with catalog_errors(), self.catalog.write() as tx:
-                    applied = changes.apply(tx, change, written, self.pages.room(tx, written))
+                    applied = changes.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
                 self.pages.disk.settled(w.name for w in written)
                 return self._taken(change, applied)
@@ -94,6 +94,16 @@ class Writer:
             if not committed:
                 self.pages.abort(written)
             raise
+
+    def evict(self, victims: Sequence[int]) -> Applied:
+        """Drop these disk segments and their pages in one catalog transaction (the mover
+        making room), then bring this process's caches up to date."""
+        change = Change()
+        with self.guard.lock:
+            self.guard.check_open()
+            with catalog_errors(), self.catalog.write() as tx:
+                applied = changes.apply(tx, change, (), Room(tuple(victims), True))
+            return self._taken(change, applied)
 
     def _taken(self, change: Change, applied: Applied) -> Applied:
         """After a change committed: tell other processes, update this one's caches."""
