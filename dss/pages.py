@@ -18,8 +18,9 @@ verification, for the store to quarantine.
 
 from __future__ import annotations
 
+import errno
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from dss import policy
@@ -39,6 +40,9 @@ log = logging.getLogger("dss.pages")
 
 SEALED = 1
 """Record flag: the payload on disk is sealed under the owner's data key."""
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""Write errors that mean no room: the write's pages stay in host only, its catalog rows commit."""
 
 
 def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageIndex,
@@ -79,6 +83,8 @@ class PageStore:
         self.keys = keys
         self.disk_bytes = disk_bytes
         self.segment_bytes = segment_bytes
+        self.before_full: Callable[[int], None] | None = None
+        """Called with the bytes of page files about to be written (the store compacts when they would not fit)."""
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -88,12 +94,20 @@ class PageStore:
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
+        if self.before_full is not None:
+            self.before_full(_segment_size(fresh))
         out: list[WrittenSegment] = []
         try:
             for batch in self._batches(fresh):
                 name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
                 out.append(WrittenSegment(name, size, tuple((p, where.offset, where.length)
                                                             for p, where in zip(batch, located))))
+        except OSError as exc:
+            self.abort(out)
+            if exc.errno not in DISK_FULL:
+                raise
+            log.warning("the disk holding page files is full (%s): the new pages stay in host only", exc.strerror)
+            return []
         except BaseException:
             self.abort(out)
             raise

@@ -24,17 +24,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dss import integrity, versions
+from dss.compaction import Compaction, Compactor
 from dss.catalog import erasures, pages, sessions
 from dss.catalog.change import Applied, Change
 from dss.catalog.database import catalog_errors, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens
+from dss.core.errors import ConfigError, DssError, ErasureInProgress, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
@@ -109,6 +111,11 @@ class Store:
         self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
         self.guard = Guard(self.mirror)
         self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master)
+        self.compactor = Compactor(self.catalog, self.disk, self.writer.apply, dead_share=config.compact_dead_share,
+                                   segment_bytes=config.segment_bytes)
+        self._compacting = threading.Lock()
+        if config.compact_auto:
+            self.pages.before_full = self._before_full
         with self.catalog.read() as conn:
             removed = self.disk.recover(set(pages.all_segments(conn, "disk")))
         if removed:
@@ -184,7 +191,10 @@ class Store:
 
         Returns the number of pages released (gone from every tier).
         """
-        return len(self.writer.write(session_id, tenant_id, versions.delete).dropped)
+        dropped = self.writer.write(session_id, tenant_id, versions.delete).dropped
+        if dropped:
+            self._auto_compact()
+        return len(dropped)
 
     # -- versions --------------------------------------------------------------------------
 
@@ -337,6 +347,7 @@ class Store:
             read = self.pages.read(ids)
         if read.bad:
             self.writer.apply(Change(quarantine=tuple(read.bad)))
+            self._auto_compact()
         if tenant_id is None:
             return read.payloads
         found = iter(read.payloads)
@@ -380,6 +391,44 @@ class Store:
         return [AuditEntry(audit_id=r.id, kind=r.kind, tenant_id=r.tenant_id, user_id=r.user_id,
                            created_at=r.created_at.isoformat(), receipt=stored(Receipt, r.receipt))
                 for r in rows]
+
+    # -- compaction ------------------------------------------------------------------------
+
+    def compact(self, *, dry_run: bool = False) -> Compaction:
+        """Rewrite the disk tier's sparse segment files (dead bytes at least
+        ``compact_dead_share`` of their size): live pages are copied into new files, the
+        catalog points at the copies in one transaction per new file, and the old files are
+        deleted after it committed, so dead bytes stop counting against ``disk_bytes``.
+        ``dry_run=True`` says what it would do and changes nothing. Safe against a kill at
+        any instant and against other processes writing, reading or compacting meanwhile.
+        Runs by itself (``compact_auto``) after writes that drop pages and before a full
+        disk evicts live pages."""
+        check_flag("dry_run", dry_run)
+        with self._reading():
+            pass
+        with self._compacting, catalog_errors():
+            return self.compactor.run(dry_run=dry_run)
+
+    def _auto_compact(self) -> None:
+        """Compact if some segment is sparse; never fails the write that asked (``compact_auto``)."""
+        if not self.config.compact_auto or not self._compacting.acquire(blocking=False):
+            return
+        try:
+            with catalog_errors():
+                if self.compactor.has_sparse():
+                    self.compactor.run()
+        except (DssError, OSError) as exc:
+            log.warning("compaction failed (the store is unchanged by it): %s", exc)
+        finally:
+            self._compacting.release()
+
+    def _before_full(self, need: int) -> None:
+        """Before ``need`` bytes of page files are written: if they would not fit the disk tier,
+        compact first, so dead bytes go before live pages are evicted."""
+        with self.catalog.read() as conn:
+            used = pages.tier_bytes(conn, "disk")
+        if used + need > self.config.disk_bytes:
+            self._auto_compact()
 
     # -- inspection ------------------------------------------------------------------------
 

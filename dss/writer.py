@@ -14,7 +14,7 @@ on meanwhile is built again from a fresh state.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,10 +70,12 @@ class Writer:
         self.guard = guard
         self._master = master
 
-    def apply(self, change: Change) -> Applied:
+    def apply(self, change: Change, files: Sequence[str] = ()) -> Applied:
         """Write a change's segment files (outside the lock), apply it in one catalog
         transaction with the policy's room, then bring this process's caches up to date.
-        Raises ``Stale`` (nothing written) when its session moved on meanwhile."""
+        Raises ``Stale`` (nothing written) when its session moved on meanwhile. ``files``:
+        segment files the caller wrote for the change (compaction's), deleted with the
+        change's own when its transaction does not commit."""
         written = self.pages.write(change.pages)
         committed = False
         try:
@@ -86,6 +88,7 @@ class Writer:
         except BaseException:
             if not committed:
                 self.pages.abort(written)
+                self.pages.disk.remove(files)
             raise
 
     def _taken(self, change: Change, applied: Applied) -> Applied:

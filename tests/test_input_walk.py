@@ -107,6 +107,7 @@ def rows(v1: int) -> list[Row]:
             {"query": "query", "params": "params", "max_rows": "max_rows"}, ("query", "params")),
         Row("delete_session", {"session_id": "b", "tenant_id": "t"}, {"session_id": "id", "tenant_id": "optional id"},
             ("session_id",)),
+        Row("compact", {"dry_run": True}, {"dry_run": "flag"}),
     ]
 
 

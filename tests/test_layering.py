@@ -21,6 +21,7 @@ FLOORS = [
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},
     {"erase", "integrity", "writer"},
+    {"compaction"},
     {"store"},
     {"service"},
     {"cli"},

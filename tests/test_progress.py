@@ -112,15 +112,16 @@ def old_catalog(tmp_path: Path) -> str:
 
 def test_db_upgrade_on_a_terminal_draws_a_bar_of_the_migrations(tmp_path: Path) -> None:
     out = on_terminal(dss_command("--home", old_catalog(tmp_path), "db", "upgrade"))
-    assert bars(out) == [("applying catalog migrations", "0/2", None),
-                         ("applying catalog migrations", "1/2", "0002"),
-                         ("applying catalog migrations", "2/2", "0003")]
-    assert out.endswith(b"catalog upgraded from 0001 to 0003\r\n")
+    assert bars(out) == [("applying catalog migrations", "0/3", None),
+                         ("applying catalog migrations", "1/3", "0002"),
+                         ("applying catalog migrations", "2/3", "0003"),
+                         ("applying catalog migrations", "3/3", "0004")]
+    assert out.endswith(b"catalog upgraded from 0001 to 0004\r\n")
 
 
 def test_db_upgrade_piped_prints_one_line(tmp_path: Path) -> None:
     assert piped(dss_command("--home", old_catalog(tmp_path), "db", "upgrade")) == (
-        "catalog upgraded from 0001 to 0003\n", "")
+        "catalog upgraded from 0001 to 0004\n", "")
 
 
 def test_a_bar_never_counts_past_its_total_and_finish_fills_it() -> None:

@@ -1,7 +1,7 @@
 """A write as one value, and the one function that applies it.
 
 Every write of the store (create, commit, save pages, rollback, branch, pin, delete,
-quarantine) is a :class:`Change`: the catalog rows it adds or removes, the pages it places,
+quarantine, compaction) is a :class:`Change`: the catalog rows it adds or removes, the pages it places,
 and — once applied — the feed events it emits. :mod:`dss.versions` builds changes from a
 session's state; :func:`apply` writes one in the caller's transaction, and returns the events
 with what this process needs to update its own caches in place (:meth:`dss.mirror.Mirror.apply`
@@ -94,6 +94,17 @@ class WrittenSegment(NamedTuple):
     pages: tuple[tuple[NewPage, int, int], ...]
 
 
+class MovedSegment(NamedTuple):
+    """A segment file compaction wrote (before its transaction): copies of live records of
+    older segments of one namespace, each ``(record, new_offset)``."""
+
+    name: str
+    tier: str
+    user_ref: int
+    size: int
+    moves: tuple[tuple[pages.LiveRecord, int], ...]
+
+
 class Room(NamedTuple):
     """What the placement policy decided for a change's segment files: the segments to drop
     first (``victims``), and whether the files then fit the tier (else they are not recorded)."""
@@ -131,6 +142,8 @@ class Change:
     pin_pages: tuple[tuple[PageId, ...], tuple[PageId, ...]] = ((), ())
     """Pages of the session to mark pinned, and to mark not pinned."""
     quarantine: tuple[Quarantined, ...] = ()
+    move: tuple[MovedSegment, ...] = ()
+    """Compaction: live pages copied into new segment files; their old segments go once empty."""
     delete: bool = False
     """Delete the session, its versions and its holds; pages no one holds any more go."""
 
@@ -191,6 +204,7 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
     if ref is not None and not change.delete:
         version_id, held = _session(conn, seq, stamp, ref, change)
     dropped = _quarantine(conn, seq, change.quarantine, events, dead)
+    _move(conn, seq, change.move, events, dead)
     released: list[bytes] = []
     if ref is not None and change.delete:
         released = pages.release(conn, ref)
@@ -292,6 +306,9 @@ def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Ev
     """Record pages that failed verification and drop them from the catalog."""
     if not bad:
         return []
+    bad = pages.still_located(conn, bad)  # a page compaction moved meanwhile was read from its old file
+    if not bad:
+        return []
     for q in bad:
         pages.add_quarantine(conn, q.page_id, q.user_ref, "disk", q.segment, q.offset, q.reason)
     ids = [q.page_id for q in bad]
@@ -303,11 +320,21 @@ def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Ev
     return ids
 
 
+def _move(conn: Any, seq: int, moved: Sequence[MovedSegment], events: list[Event], dead: list[str]) -> None:
+    """Point pages at their copies in compacted segments (those not dropped or moved meanwhile)."""
+    for segment in moved:
+        records, emptied = pages.relocate(conn, segment.name, segment.tier, segment.user_ref, segment.size,
+                                          segment.moves, seq)
+        dead += emptied
+        if records:
+            events.append(PagesStored(segment.user_ref, seq, tuple(records)))
+
+
 def _changed(events: list[Event], conn: Any, session_refs: Sequence[int], skip: int | None = None) -> None:
     """Tell other processes that these sessions changed (what they hold did)."""
     for ref, user_ref in sessions.owners(conn, [r for r in session_refs if r != skip]):
         events.append(SessionChanged(ref, user_ref))
 
 
-__all__ = ["Applied", "Change", "NewPage", "NewSession", "NewVersion", "Quarantined", "Room",
+__all__ = ["Applied", "Change", "MovedSegment", "NewPage", "NewSession", "NewVersion", "Quarantined", "Room",
            "SessionWrite", "Stale", "WrittenSegment", "apply"]

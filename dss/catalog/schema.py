@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0003"
+SCHEMA_REVISION = "0004"
 """The Alembic revision this code expects the catalog to be at."""
 
 
