@@ -140,6 +140,8 @@ def walk_cases(home: str, url: str) -> list[tuple[tuple[str, ...], list[str], Ca
         (("forget-user",), ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
          lambda code, out: code == 0 and out.startswith("user 'alice' of tenant 'acme': 1 sessions, 2 versions")),
         (("audit",), ["audit", "--json"], lambda code, out: (code, out) == (0, "[]\n")),
+        (("compact",), ["compact", "--dry-run", "--json"],
+         lambda code, out: code == 0 and json.loads(out)["bytes_before"] > 0),
         (("db",), ["db", "--home", home, "--catalog-url", url, "current"],
          lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n")),
         (("db", "upgrade"), ["db", "upgrade"],
