@@ -27,7 +27,7 @@ from dss import policy
 from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
-from dss.core.crypto import Sealer, SealError
+from dss.core.crypto import OVERHEAD, Sealer, SealError
 from dss.core.hashing import checksum
 from dss.core.types import PageId
 from dss.keys import DataKeys
@@ -58,7 +58,7 @@ def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageI
         if entry is not None and entry.disk is not None:
             out.append(NewPage(page_id, i, payload, None, 0, 0))
             continue
-        stored = sealer.seal(payload, page_id) if sealer is not None else payload
+        stored = sealer.seal_buffer(payload, page_id) if sealer is not None else payload
         out.append(NewPage(page_id, i, payload, stored, checksum(stored), SEALED if sealer is not None else 0))
     return tuple(out)
 
@@ -184,28 +184,33 @@ class PageStore:
                   if v is None and ids[i] in entries and entries[ids[i]].disk is not None]
         requests = [ReadRequest(*entry.disk, entry.page_id, entry.checksum)  # type: ignore[misc]
                     for _, entry in wanted]
-        found, failures = self.disk.read(requests)
-        failures = list(failures)
-        for j, ((i, entry), record) in enumerate(zip(wanted, found)):
-            if record is None:
-                continue
-            if record.flags & SEALED:
-                sealer = self.keys.sealer_of(entry.namespace.user_ref)
-                if sealer is None:
-                    continue
-                try:
-                    data = sealer.open(record.payload, entry.page_id)
-                except SealError:
+        failures: list[ReadFailure] = []
+        for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True):
+            failures.extend(chunk.failures)
+            for j, record in chunk.records:
+                i, entry = wanted[j]
+                sealed = bool(record.flags & SEALED)
+                if len(record.payload) != entry.size + (OVERHEAD if sealed else 0):  # a flipped flag, say
                     failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
-                                                   "fails authentication"))
+                                                   "has the wrong length for its flags"))
                     continue
-            else:
-                data = bytes(record.payload)
-            out[i] = data
-            evicted = self.host.put(entry.page_id, data)
-            if evicted:
-                self.index.left_host(evicted)
-            entry.namespace.bump()
+                if sealed:
+                    sealer = self.keys.sealer_of(entry.namespace.user_ref)
+                    if sealer is None:
+                        continue
+                    try:
+                        data = sealer.open(record.payload, entry.page_id)
+                    except SealError:
+                        failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
+                                                       "fails authentication"))
+                        continue
+                else:
+                    data = bytes(record.payload)
+                out[i] = data
+                evicted = self.host.put(entry.page_id, data)
+                if evicted:
+                    self.index.left_host(evicted)
+                entry.namespace.bump()
         bad = []
         for failure in failures:
             entry = wanted[failure.index][1]

@@ -57,7 +57,8 @@ def test_flipped_payload_byte_is_a_miss_and_quarantined(tmp_path: Path) -> None:
         got = store.read_pages(result.pages)
         assert got == [original(i) if i != 3 else None for i in range(10)]
         quarantined = store.sql("SELECT tier, reason FROM quarantine").rows
-        assert quarantined == [("disk", quarantined[0][1])] and "checksum" in quarantined[0][1]
+        # sealed records are authenticated by their AES-GCM tag (not hashed a second time)
+        assert quarantined == [("disk", quarantined[0][1])] and "fails authentication" in quarantined[0][1]
         assert store.resume("s", TOKENS).matched_tokens == 12  # pages 0..2 only
         assert store.check() == []
 

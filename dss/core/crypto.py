@@ -54,6 +54,14 @@ class Sealer:
         nonce = secrets.token_bytes(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, plaintext, aad)
 
+    def seal_buffer(self, plaintext: bytes | memoryview, aad: bytes) -> bytearray:
+        """:meth:`seal` for large payloads: encrypted straight into the blob, no copy after."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        blob = bytearray(len(plaintext) + OVERHEAD)
+        blob[:NONCE_BYTES] = nonce
+        self._aead.encrypt_into(nonce, plaintext, aad, memoryview(blob)[NONCE_BYTES:])
+        return blob
+
     def open(self, blob: bytes | memoryview, aad: bytes) -> bytes:
         """The plaintext of a sealed blob; raises :class:`SealError` if it does not authenticate."""
         view = memoryview(blob)

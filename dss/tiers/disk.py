@@ -12,6 +12,13 @@ pages means deleting whole segments (the store rewrites live pages elsewhere fir
 compacts). Every read checks the record's page id, length and checksum against what the
 catalog expects.
 
+I/O is batched both ways: a segment is written with one ``writev`` per :data:`IO_PAGES`
+records, and reads coalesce neighbouring records into one ``pread`` of at most
+:data:`IO_PAGES` records (more when they are small, up to :data:`IO_BYTES`), the next one
+issued by a helper thread while the caller verifies and opens the last (``read_chunks``).
+Records flagged sealed may be returned unverified (``sealed_verified_by_caller``): their
+AES-GCM tag authenticates them, so hashing them as well would be done twice.
+
 Each process writes under a writer id and holds an exclusive ``flock`` on
 ``locks/<writer>.lock`` while it lives; a segment without a catalog row is an orphan only
 once its writer's lock can be taken, i.e. the writer is dead.
@@ -25,8 +32,10 @@ import itertools
 import os
 import secrets
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from dss.core.hashing import checksum as page_checksum
 from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
@@ -37,6 +46,21 @@ RECORD = struct.Struct("<16sIIq")
 HEADER_BYTES = len(MAGIC)
 COALESCE_GAP = 256 << 10
 """Records closer than this are read with one ``pread``."""
+IO_PAGES = 16
+"""Records per ``writev`` and (at most, unless they are small) per ``pread``."""
+IO_BYTES = 4 << 20
+"""A ``pread`` of small records may hold more than :data:`IO_PAGES` of them, up to this many bytes."""
+SEALED_FLAG = 1
+"""Record flag bit 0: the payload is sealed (authenticated by its reader)."""
+
+
+class IoCounts:
+    """This tier's I/O calls and the records they moved, since it was opened."""
+
+    __slots__ = ("pages_read", "pages_written", "reads", "writes")
+
+    def __init__(self) -> None:
+        self.reads = self.pages_read = self.writes = self.pages_written = 0
 
 
 class DiskTier(DurableTier):
@@ -56,6 +80,8 @@ class DiskTier(DurableTier):
         self._lock_fd = os.open(self.locks_dir / f"{self.writer}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._counter = itertools.count()
+        self.io = IoCounts()
+        self._pool: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -63,26 +89,38 @@ class DiskTier(DurableTier):
             os.unlink(self.locks_dir / f"{self.writer}.lock")
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # -- writing ---------------------------------------------------------------------------
 
     def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
-        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier."""
+        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
+
+        The records go out with one ``writev`` per :data:`IO_PAGES` of them (no copy into a
+        buffer), then one ``fsync`` of the file and one of the folder.
+        """
         name = f"{self.writer}-{next(self._counter):010d}.seg"
-        parts: list[bytes] = [MAGIC]
-        locations: list[Located] = []
-        offset = HEADER_BYTES
-        for page_id, checksum, payload, flags in pages:
-            parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
-            parts.append(payload)
-            length = RECORD.size + len(payload)
-            locations.append(Located(name, offset, length))
-            offset += length
         tmp = self.tmp_dir / name
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        locations: list[Located] = []
+        offset = HEADER_BYTES
         try:
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                f.writelines(parts)
+            parts: list[bytes | memoryview] = [MAGIC]
+            count = 0
+            for page_id, checksum, payload, flags in pages:
+                parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
+                parts.append(payload)
+                length = RECORD.size + len(payload)
+                locations.append(Located(name, offset, length))
+                offset += length
+                count += 1
+                if count == IO_PAGES:
+                    self._write_parts(fd, parts, count)
+                    parts, count = [], 0
+            if parts:
+                self._write_parts(fd, parts, count)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -93,6 +131,12 @@ class DiskTier(DurableTier):
         os.rename(tmp, self.segments_dir / name)
         self._sync_dir(self.segments_dir)
         return name, offset, locations
+
+    def _write_parts(self, fd: int, parts: list[bytes | memoryview], records: int) -> None:
+        """Write ``parts`` in order with ``writev`` (again for what a short write left)."""
+        self.io.writes += 1
+        self.io.pages_written += records
+        write_all(fd, parts)
 
     def remove(self, segments: Iterable[str]) -> None:
         """Delete segments (absent ones are ignored), then fsync the directory."""
@@ -108,42 +152,88 @@ class DiskTier(DurableTier):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[StoredPage | None], list[ReadFailure]]:
+    def read(self, requests: Sequence[ReadRequest], *,
+             sealed_verified_by_caller: bool = False) -> tuple[list[StoredPage | None], list[ReadFailure]]:
         """Verified records in request order; see DurableTier. Never raises for bad files."""
         out: list[StoredPage | None] = [None] * len(requests)
         failures: list[ReadFailure] = []
+        for chunk in self.read_chunks(requests, sealed_verified_by_caller=sealed_verified_by_caller):
+            for i, record in chunk.records:
+                out[i] = record
+            failures.extend(chunk.failures)
+        return out, failures
+
+    def read_chunks(self, requests: Sequence[ReadRequest], *,
+                    sealed_verified_by_caller: bool = False) -> Iterator[Chunk]:
+        """The records of ``requests``, one :class:`Chunk` per ``pread`` (each record in exactly
+        one chunk), in file order. While the caller works on a chunk, a helper thread reads
+        the next. Records that are missing, torn or corrupt are failures; so are records
+        flagged sealed whose header is wrong, but their payloads are not hashed when
+        ``sealed_verified_by_caller`` (the caller authenticates them). Never raises for bad files."""
+        if not requests:
+            return
+        plan, failures, fds = self._plan(requests)
+        try:
+            if failures:
+                yield Chunk([], failures)
+            if not plan:
+                return
+            pool = self._pool or self._start_pool()
+            pending: Future[bytes | OSError] = pool.submit(_pread, fds[plan[0][0]], plan[0][2] - plan[0][1],
+                                                           plan[0][1])
+            for k, (segment, start, end, run) in enumerate(plan):
+                data = pending.result()
+                if k + 1 < len(plan):
+                    nxt = plan[k + 1]
+                    pending = pool.submit(_pread, fds[nxt[0]], nxt[2] - nxt[1], nxt[1])
+                self.io.reads += 1
+                self.io.pages_read += len(run)
+                yield self._chunk(data, start, run, requests, sealed_verified_by_caller)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _plan(self, requests: Sequence[ReadRequest]) -> tuple[list[tuple[str, int, int, list[int]]],
+                                                              list[ReadFailure], dict[str, int]]:
+        """The preads to make ``(segment, start, end, request indices)``, the requests of
+        segments that cannot be opened, and the open segments' file descriptors."""
+        plan: list[tuple[str, int, int, list[int]]] = []
+        failures: list[ReadFailure] = []
+        fds: dict[str, int] = {}
         order = sorted(range(len(requests)), key=lambda i: (requests[i].segment, requests[i].offset))
         for segment, group in itertools.groupby(order, key=lambda i: requests[i].segment):
             indices = list(group)
             try:
-                fd = os.open(self.segments_dir / segment, os.O_RDONLY)
+                fds[segment] = os.open(self.segments_dir / segment, os.O_RDONLY)
             except OSError as exc:
                 failures.extend(ReadFailure(i, f"segment {segment}: {exc.strerror}") for i in indices)
                 continue
-            try:
-                for run in _runs(indices, requests):
-                    self._read_run(fd, run, requests, out, failures)
-            finally:
-                os.close(fd)
-        return out, failures
+            for run in _runs(indices, requests):
+                start = requests[run[0]].offset
+                plan.append((segment, start, max(requests[i].offset + requests[i].length for i in run), run))
+        return plan, failures, fds
 
-    def _read_run(self, fd: int, run: list[int], requests: Sequence[ReadRequest],
-                  out: list[StoredPage | None], failures: list[ReadFailure]) -> None:
-        start = requests[run[0]].offset
-        end = max(requests[i].offset + requests[i].length for i in run)
-        try:
-            data = memoryview(os.pread(fd, end - start, start))
-        except OSError as exc:
-            failures.extend(ReadFailure(i, f"read failed: {exc.strerror}") for i in run)
-            return
+    def _start_pool(self) -> ThreadPoolExecutor:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-read")
+        return self._pool
+
+    @staticmethod
+    def _chunk(data: bytes | OSError, start: int, run: list[int], requests: Sequence[ReadRequest],
+               sealed_verified_by_caller: bool) -> Chunk:
+        if isinstance(data, OSError):
+            return Chunk([], [ReadFailure(i, f"read failed: {data.strerror}") for i in run])
+        view = memoryview(data)
+        records: list[tuple[int, StoredPage]] = []
+        failures: list[ReadFailure] = []
         for i in run:
             req = requests[i]
-            record = data[req.offset - start : req.offset - start + req.length]
-            problem = _verify(record, req)
+            record = view[req.offset - start : req.offset - start + req.length]
+            problem = _verify(record, req, sealed_verified_by_caller)
             if problem:
                 failures.append(ReadFailure(i, problem))
             else:
-                out[i] = StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])
+                records.append((i, StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])))
+        return Chunk(records, failures)
 
     # -- inventory and recovery ------------------------------------------------------------
 
@@ -205,29 +295,58 @@ class DiskTier(DurableTier):
             os.close(fd)
 
 
+class Chunk(NamedTuple):
+    """What one ``pread`` yielded: ``(request index, record)`` of the good records, and the failures."""
+
+    records: list[tuple[int, StoredPage]]
+    failures: list[ReadFailure]
+
+
+def write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """Write every byte of ``parts`` in order (``writev``, again after a short write)."""
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= len(parts[0]):
+            written -= len(parts[0])
+            parts = parts[1:]
+        if parts and written:
+            parts = [memoryview(parts[0])[written:], *parts[1:]]
+
+
+def _pread(fd: int, size: int, offset: int) -> bytes | OSError:
+    try:
+        return os.pread(fd, size, offset)
+    except OSError as exc:
+        return exc
+
+
 def _runs(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:
-    """Split offset-sorted request indices into runs close enough to read at once."""
+    """Split offset-sorted request indices into runs to read with one ``pread`` each: records
+    close together, at most :data:`IO_PAGES` of them unless the run is under :data:`IO_BYTES`."""
     runs: list[list[int]] = []
-    end = -1
+    start = end = -1
     for i in indices:
         req = requests[i]
-        if runs and req.offset <= end + COALESCE_GAP:
+        grown = max(end, req.offset + req.length) - start
+        if runs and req.offset <= end + COALESCE_GAP and (len(runs[-1]) < IO_PAGES or grown <= IO_BYTES):
             runs[-1].append(i)
             end = max(end, req.offset + req.length)
         else:
             runs.append([i])
-            end = req.offset + req.length
+            start, end = req.offset, req.offset + req.length
     return runs
 
 
-def _verify(record: memoryview, req: ReadRequest) -> str | None:
+def _verify(record: memoryview, req: ReadRequest, sealed_verified_by_caller: bool = False) -> str | None:
     if len(record) < req.length:
         return f"record at {req.segment}:{req.offset} is truncated"
-    page_id, size, _flags, stored = RECORD.unpack_from(record)
+    page_id, size, flags, stored = RECORD.unpack_from(record)
     if page_id != req.page_id:
         return f"record at {req.segment}:{req.offset} holds another page"
     if size != req.length - RECORD.size or stored != req.checksum:
         return f"record at {req.segment}:{req.offset} has a corrupt header"
+    if sealed_verified_by_caller and flags & SEALED_FLAG:
+        return None
     if page_checksum(record[RECORD.size :]) != req.checksum:
         return f"record at {req.segment}:{req.offset} fails its checksum"
     return None
