@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ PAGE_BYTES = PAGE_TOKENS * TOKEN_KV_BYTES
 TURN_TOKENS = 1024
 SAVE_PAGES = 16
 LAYOUT = dss.Layout(name="bench-8b", page_tokens=PAGE_TOKENS, page_bytes=PAGE_BYTES, model="llama-8b", dtype="bf16")
-_BLOCK = os.urandom(PAGE_BYTES)
+_BLOCK = random.Random(0).randbytes(PAGE_BYTES)
 
 
 def payload(tag: int, index: int) -> bytes:
@@ -170,8 +171,9 @@ def child_direct(folder: Path) -> dict[str, float]:
 
 
 def in_child(*args: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True,
-                         env=os.environ)
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=os.environ)
+    if out.returncode:
+        raise SystemExit(f"the measuring process failed:\n{out.stderr}")
     return json.loads(out.stdout.splitlines()[-1])
 
 

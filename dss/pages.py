@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from dss import policy
 from dss.catalog import pages
@@ -46,10 +46,10 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageIndex,
-              sealer: Sealer | None) -> tuple[NewPage, ...]:
-    """The given pages (``payloads[i]`` is page ``ids[i]``), each with the bytes that go to
-    disk — sealed with ``sealer`` (bound to its id) unless it is ``None`` — or ``None`` when
-    this process knows a durable tier holds it already."""
+              seal: bool) -> tuple[NewPage, ...]:
+    """The given pages (``payloads[i]`` is page ``ids[i]``), each to be written as it is or
+    sealed (``seal``) as :meth:`PageStore.write` writes it — or not at all (``stored`` is
+    ``None``) when this process knows a durable tier holds it already."""
     entries = index.entries
     out = []
     for i, payload in payloads.items():
@@ -57,9 +57,10 @@ def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageI
         entry = entries.get(page_id)
         if entry is not None and entry.disk is not None:
             out.append(NewPage(page_id, i, payload, None, 0, 0))
-            continue
-        stored = sealer.seal_buffer(payload, page_id) if sealer is not None else payload
-        out.append(NewPage(page_id, i, payload, stored, checksum(stored), SEALED if sealer is not None else 0))
+        elif seal:
+            out.append(NewPage(page_id, i, payload, payload, 0, SEALED))
+        else:
+            out.append(NewPage(page_id, i, payload, payload, checksum(payload), 0))
     return tuple(out)
 
 
@@ -88,20 +89,25 @@ class PageStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, new: Sequence[NewPage]) -> list[WrittenSegment]:
+    def write(self, new: Sequence[NewPage], sealer: Sealer | None = None) -> list[WrittenSegment]:
         """Write the pages that need it as segment files of at most ``segment_bytes`` each; no
-        catalog, no lock. Writes nothing when they could never fit the tier."""
+        catalog, no lock. Pages flagged sealed are sealed with ``sealer`` (bound to their id)
+        as they are written, while the disk writes the ones before them. Writes nothing when
+        they could never fit the tier, or when the disk is full (the pages stay in host)."""
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
+        if any(p.flags & SEALED for p in fresh) and sealer is None:
+            raise ValueError("sealed pages need their namespace's sealer")
         if self.before_full is not None:
             self.before_full(_segment_size(fresh))
         out: list[WrittenSegment] = []
         try:
             for batch in self._batches(fresh):
-                name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
+                done: list[NewPage] = []
+                name, size, located = self.disk.write(_records(batch, sealer, done))
                 out.append(WrittenSegment(name, size, tuple((p, where.offset, where.length)
-                                                            for p, where in zip(batch, located))))
+                                                            for p, where in zip(done, located))))
         except OSError as exc:
             self.abort(out)
             if exc.errno not in DISK_FULL:
@@ -161,8 +167,7 @@ class PageStore:
         batches: list[list[NewPage]] = [[]]
         size = HEADER_BYTES
         for page in fresh:
-            assert page.stored is not None
-            grow = RECORD.size + len(page.stored)
+            grow = _record_size(page)
             if batches[-1] and size + grow > self.segment_bytes:
                 batches.append([])
                 size = HEADER_BYTES
@@ -237,4 +242,24 @@ class PageStore:
 
 
 def _segment_size(fresh: Sequence[NewPage]) -> int:
-    return HEADER_BYTES + sum(RECORD.size + len(p.stored or b"") for p in fresh)
+    return HEADER_BYTES + sum(_record_size(p) for p in fresh)
+
+
+def _record_size(page: NewPage) -> int:
+    """Bytes a page's record takes in a segment (sealed ones grow by the nonce and tag)."""
+    assert page.stored is not None
+    return RECORD.size + len(page.stored) + (OVERHEAD if page.flags & SEALED else 0)
+
+
+def _records(batch: Sequence[NewPage], sealer: Sealer | None, done: list[NewPage]) -> Iterator[tuple[PageId, int, Any, int]]:
+    """The records of ``batch`` for :meth:`DiskTier.write`, sealed one by one as the tier asks
+    for them; each page, with its stored bytes and checksum, is appended to ``done``."""
+    for page in batch:
+        stored = page.stored
+        assert stored is not None
+        if page.flags & SEALED:
+            assert sealer is not None
+            stored = sealer.seal_buffer(page.payload, page.page_id)
+            page = page._replace(stored=stored, checksum=checksum(stored))
+        done.append(page)
+        yield page.page_id, page.checksum, stored, page.flags

@@ -27,7 +27,7 @@ from dss.core.types import Layout
 from dss.keys import DataKeys, ensure_namespace
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
-from dss.pages import PageStore
+from dss.pages import SEALED, PageStore
 from dss.state import SessionState
 
 ATTEMPTS = 16
@@ -76,7 +76,11 @@ class Writer:
         Raises ``Stale`` (nothing written) when its session moved on meanwhile. ``files``:
         segment files the caller wrote for the change (compaction's), deleted with the
         change's own when its transaction does not commit."""
-        written = self.pages.write(change.pages)
+        sealer = None
+        if change.user_ref is not None and any(p.flags & SEALED and p.stored is not None for p in change.pages):
+            with self.guard.lock:
+                sealer = self.keys.of(change.user_ref).sealer
+        written = self.pages.write(change.pages, sealer)
         committed = False
         try:
             with self.guard.lock:

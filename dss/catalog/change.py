@@ -64,8 +64,11 @@ class NewVersion(NamedTuple):
 
 class NewPage(NamedTuple):
     """A page to store: its id and index in its prompt, its payload, and the bytes that go
-    to disk (``stored``, sealed unless the store does not encrypt; ``None`` when a durable
-    tier holds it already) with their checksum and record flags."""
+    to disk (``stored``; ``None`` when a durable tier holds it already) with their checksum
+    and record flags. A page flagged sealed (``flags`` bit 0) is sealed as it is written
+    (:meth:`dss.pages.PageStore.write`, overlapping the sealing with the disk): until then
+    ``stored`` is its payload and ``checksum`` 0; the written segment's pages carry the
+    sealed bytes and their checksum."""
 
     page_id: PageId
     index: int

@@ -35,7 +35,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dss.core.hashing import checksum as page_checksum
 from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
@@ -81,7 +81,7 @@ class DiskTier(DurableTier):
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._counter = itertools.count()
         self.io = IoCounts()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -89,25 +89,26 @@ class DiskTier(DurableTier):
             os.unlink(self.locks_dir / f"{self.writer}.lock")
             os.close(self._lock_fd)
             self._lock_fd = -1
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool.shutdown(wait=True)
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
+    def write(self, pages: Iterable[tuple[PageId, int, Any, int]]) -> tuple[str, int, list[Located]]:
         """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
 
         The records go out with one ``writev`` per :data:`IO_PAGES` of them (no copy into a
-        buffer), then one ``fsync`` of the file and one of the folder.
+        buffer), each issued by the helper thread while the next ones are taken from
+        ``pages`` (which may be produced lazily: sealed as they are asked for), then one
+        ``fsync`` of the file and one of the folder.
         """
         name = f"{self.writer}-{next(self._counter):010d}.seg"
         tmp = self.tmp_dir / name
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         locations: list[Located] = []
         offset = HEADER_BYTES
+        pending: Future[None] | None = None
         try:
-            parts: list[bytes | memoryview] = [MAGIC]
+            parts: list[Any] = [MAGIC]
             count = 0
             for page_id, checksum, payload, flags in pages:
                 parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
@@ -117,13 +118,20 @@ class DiskTier(DurableTier):
                 offset += length
                 count += 1
                 if count == IO_PAGES:
-                    self._write_parts(fd, parts, count)
+                    if pending is not None:
+                        pending.result()
+                    pending = self._pool.submit(self._write_parts, fd, parts, count)
                     parts, count = [], 0
+            if pending is not None:
+                pending, done = None, pending
+                done.result()
             if parts:
                 self._write_parts(fd, parts, count)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
+            if pending is not None:
+                pending.exception()  # wait: the fd must outlive the write in flight
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
@@ -132,7 +140,7 @@ class DiskTier(DurableTier):
         self._sync_dir(self.segments_dir)
         return name, offset, locations
 
-    def _write_parts(self, fd: int, parts: list[bytes | memoryview], records: int) -> None:
+    def _write_parts(self, fd: int, parts: list[Any], records: int) -> None:
         """Write ``parts`` in order with ``writev`` (again for what a short write left)."""
         self.io.writes += 1
         self.io.pages_written += records
@@ -178,7 +186,7 @@ class DiskTier(DurableTier):
                 yield Chunk([], failures)
             if not plan:
                 return
-            pool = self._pool or self._start_pool()
+            pool = self._pool
             pending: Future[bytes | OSError] = pool.submit(_pread, fds[plan[0][0]], plan[0][2] - plan[0][1],
                                                            plan[0][1])
             for k, (segment, start, end, run) in enumerate(plan):
@@ -212,10 +220,6 @@ class DiskTier(DurableTier):
                 start = requests[run[0]].offset
                 plan.append((segment, start, max(requests[i].offset + requests[i].length for i in run), run))
         return plan, failures, fds
-
-    def _start_pool(self) -> ThreadPoolExecutor:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-read")
-        return self._pool
 
     @staticmethod
     def _chunk(data: bytes | OSError, start: int, run: list[int], requests: Sequence[ReadRequest],
@@ -302,7 +306,7 @@ class Chunk(NamedTuple):
     failures: list[ReadFailure]
 
 
-def write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+def write_all(fd: int, parts: list[Any]) -> None:
     """Write every byte of ``parts`` in order (``writev``, again after a short write)."""
     while parts:
         written = os.writev(fd, parts)
