@@ -104,11 +104,11 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
         out[f"commit/direct/{name}"] = direct_write(scratch, out[f"commit/{name}/bytes"])
         session = f"s-{tag}"
         store.create_session(session, layout=LAYOUT)
-        other = tokens_of(tag + 100_000, TURN_TOKENS)
+        other = tokens_of(tag + 1000, TURN_TOKENS)
         before = segment_bytes(store)
         start = time.perf_counter()
         for first in range(0, len(pages), SAVE_PAGES):
-            chunk = {i: payload(tag + 100_000, i) for i in range(first, first + SAVE_PAGES)}
+            chunk = {i: payload(tag + 1000, i) for i in range(first, first + SAVE_PAGES)}
             store.save_pages(session, other[: (first + SAVE_PAGES) * PAGE_TOKENS], chunk)
         store.commit(session, other)
         out[f"save/{name}"] = time.perf_counter() - start

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -33,7 +34,7 @@ from dss.core.types import PageId
 from dss.keys import DataKeys
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
 from dss.tiers.base import ReadFailure, ReadRequest
-from dss.tiers.disk import HEADER_BYTES, RECORD, DiskTier
+from dss.tiers.disk import HEADER_BYTES, IO_PAGES, RECORD, DiskTier
 from dss.tiers.host import HostTier
 
 log = logging.getLogger("dss.pages")
@@ -84,6 +85,7 @@ class PageStore:
         self.keys = keys
         self.disk_bytes = disk_bytes
         self.segment_bytes = segment_bytes
+        self._ring = SealRing()
         self.before_full: Callable[[int], None] | None = None
         """Called with the bytes of page files about to be written (the store compacts when they would not fit)."""
 
@@ -102,10 +104,11 @@ class PageStore:
         if self.before_full is not None:
             self.before_full(_segment_size(fresh))
         out: list[WrittenSegment] = []
+        ring = self._ring if self._ring.lock.acquire(blocking=False) else None
         try:
             for batch in self._batches(fresh):
                 done: list[NewPage] = []
-                name, size, located = self.disk.write(_records(batch, sealer, done))
+                name, size, located = self.disk.write(_records(batch, sealer, ring, done))
                 out.append(WrittenSegment(name, size, tuple((p, where.offset, where.length)
                                                             for p, where in zip(done, located))))
         except OSError as exc:
@@ -117,6 +120,9 @@ class PageStore:
         except BaseException:
             self.abort(out)
             raise
+        finally:
+            if ring is not None:
+                ring.lock.release()
         return out
 
     def room(self, tx: Tx, written: Sequence[WrittenSegment]) -> Room:
@@ -190,7 +196,7 @@ class PageStore:
         requests = [ReadRequest(*entry.disk, entry.page_id, entry.checksum)  # type: ignore[misc]
                     for _, entry in wanted]
         failures: list[ReadFailure] = []
-        for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True):
+        for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True, transient=True):
             failures.extend(chunk.failures)
             for j, record in chunk.records:
                 i, entry = wanted[j]
@@ -251,15 +257,36 @@ def _record_size(page: NewPage) -> int:
     return RECORD.size + len(page.stored) + (OVERHEAD if page.flags & SEALED else 0)
 
 
-def _records(batch: Sequence[NewPage], sealer: Sealer | None, done: list[NewPage]) -> Iterator[tuple[PageId, int, Any, int]]:
+class SealRing:
+    """Buffers pages are sealed into on their way to disk, reused round-robin so their memory
+    is not faulted in afresh for every page. :meth:`DiskTier.write` has at most two batches of
+    :data:`IO_PAGES` records in hand (one being written, one being filled), so a ring of twice
+    that many never hands out a buffer still in use. One write at a time holds the ring."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._buffers: list[bytearray | None] = [None] * (2 * IO_PAGES)
+        self._next = 0
+
+    def seal(self, sealer: Sealer, payload: bytes, aad: bytes) -> bytearray:
+        k = self._next
+        self._next = (k + 1) % len(self._buffers)
+        blob = self._buffers[k] = sealer.seal_into(payload, aad, self._buffers[k])
+        return blob
+
+
+def _records(batch: Sequence[NewPage], sealer: Sealer | None, ring: SealRing | None,
+             done: list[NewPage]) -> Iterator[tuple[PageId, int, Any, int]]:
     """The records of ``batch`` for :meth:`DiskTier.write`, sealed one by one as the tier asks
-    for them; each page, with its stored bytes and checksum, is appended to ``done``."""
+    for them (into ``ring``'s buffers if given); each page, with its checksum, is appended to
+    ``done`` (its sealed bytes are on disk once the write returned: ``stored`` is emptied)."""
     for page in batch:
         stored = page.stored
         assert stored is not None
         if page.flags & SEALED:
             assert sealer is not None
-            stored = sealer.seal_buffer(page.payload, page.page_id)
-            page = page._replace(stored=stored, checksum=checksum(stored))
+            stored = ring.seal(sealer, page.payload, page.page_id) if ring is not None else \
+                sealer.seal_into(page.payload, page.page_id)
+            page = page._replace(stored=b"", checksum=checksum(stored))
         done.append(page)
         yield page.page_id, page.checksum, stored, page.flags

@@ -54,10 +54,12 @@ class Sealer:
         nonce = secrets.token_bytes(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, plaintext, aad)
 
-    def seal_buffer(self, plaintext: bytes | memoryview, aad: bytes) -> bytearray:
-        """:meth:`seal` for large payloads: encrypted straight into the blob, no copy after."""
+    def seal_into(self, plaintext: bytes | memoryview, aad: bytes, blob: bytearray | None = None) -> bytearray:
+        """:meth:`seal` for large payloads: encrypted straight into ``blob`` (reused when it
+        has the right size, so its memory is not faulted in again), no copy after."""
         nonce = secrets.token_bytes(NONCE_BYTES)
-        blob = bytearray(len(plaintext) + OVERHEAD)
+        if blob is None or len(blob) != len(plaintext) + OVERHEAD:
+            blob = bytearray(len(plaintext) + OVERHEAD)
         blob[:NONCE_BYTES] = nonce
         self._aead.encrypt_into(nonce, plaintext, aad, memoryview(blob)[NONCE_BYTES:])
         return blob

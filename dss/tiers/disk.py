@@ -32,6 +32,7 @@ import itertools
 import os
 import secrets
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -82,6 +83,8 @@ class DiskTier(DurableTier):
         self._counter = itertools.count()
         self.io = IoCounts()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
+        self._buffers: list[bytearray] = [bytearray(), bytearray()]
+        self._buffers_lock = threading.Lock()
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -171,35 +174,51 @@ class DiskTier(DurableTier):
             failures.extend(chunk.failures)
         return out, failures
 
-    def read_chunks(self, requests: Sequence[ReadRequest], *,
-                    sealed_verified_by_caller: bool = False) -> Iterator[Chunk]:
+    def read_chunks(self, requests: Sequence[ReadRequest], *, sealed_verified_by_caller: bool = False,
+                    transient: bool = False) -> Iterator[Chunk]:
         """The records of ``requests``, one :class:`Chunk` per ``pread`` (each record in exactly
         one chunk), in file order. While the caller works on a chunk, a helper thread reads
         the next. Records that are missing, torn or corrupt are failures; so are records
         flagged sealed whose header is wrong, but their payloads are not hashed when
-        ``sealed_verified_by_caller`` (the caller authenticates them). Never raises for bad files."""
+        ``sealed_verified_by_caller`` (the caller authenticates them). Never raises for bad files.
+
+        ``transient``: the caller is done with a chunk's payloads when it asks for the next one
+        (it copies or opens them), so the tier reads into two buffers it keeps and reuses
+        rather than into fresh memory for every read."""
         if not requests:
             return
         plan, failures, fds = self._plan(requests)
+        buffers = self._buffers if transient and self._buffers_lock.acquire(blocking=False) else None
+        pending: Future[memoryview | OSError] | None = None
         try:
             if failures:
                 yield Chunk([], failures)
             if not plan:
                 return
-            pool = self._pool
-            pending: Future[bytes | OSError] = pool.submit(_pread, fds[plan[0][0]], plan[0][2] - plan[0][1],
-                                                           plan[0][1])
-            for k, (segment, start, end, run) in enumerate(plan):
+
+            def submit(k: int) -> Future[memoryview | OSError]:
+                segment, start, end, _ = plan[k]
+                into = None
+                if buffers is not None:
+                    if len(buffers[k % 2]) < end - start:
+                        buffers[k % 2] = bytearray(end - start)
+                    into = buffers[k % 2]
+                return self._pool.submit(_pread, fds[segment], end - start, start, into)
+
+            pending = submit(0)
+            for k, (_, start, _, run) in enumerate(plan):
                 data = pending.result()
-                if k + 1 < len(plan):
-                    nxt = plan[k + 1]
-                    pending = pool.submit(_pread, fds[nxt[0]], nxt[2] - nxt[1], nxt[1])
+                pending = submit(k + 1) if k + 1 < len(plan) else None
                 self.io.reads += 1
                 self.io.pages_read += len(run)
                 yield self._chunk(data, start, run, requests, sealed_verified_by_caller)
         finally:
+            if pending is not None:
+                pending.exception()  # wait: the read in flight needs its file and buffer
             for fd in fds.values():
                 os.close(fd)
+            if buffers is not None:
+                self._buffers_lock.release()
 
     def _plan(self, requests: Sequence[ReadRequest]) -> tuple[list[tuple[str, int, int, list[int]]],
                                                               list[ReadFailure], dict[str, int]]:
@@ -222,11 +241,11 @@ class DiskTier(DurableTier):
         return plan, failures, fds
 
     @staticmethod
-    def _chunk(data: bytes | OSError, start: int, run: list[int], requests: Sequence[ReadRequest],
+    def _chunk(data: memoryview | OSError, start: int, run: list[int], requests: Sequence[ReadRequest],
                sealed_verified_by_caller: bool) -> Chunk:
         if isinstance(data, OSError):
             return Chunk([], [ReadFailure(i, f"read failed: {data.strerror}") for i in run])
-        view = memoryview(data)
+        view = data
         records: list[tuple[int, StoredPage]] = []
         failures: list[ReadFailure] = []
         for i in run:
@@ -317,9 +336,19 @@ def write_all(fd: int, parts: list[Any]) -> None:
             parts = [memoryview(parts[0])[written:], *parts[1:]]
 
 
-def _pread(fd: int, size: int, offset: int) -> bytes | OSError:
+def _pread(fd: int, size: int, offset: int, into: bytearray | None = None) -> memoryview | OSError:
+    """``size`` bytes at ``offset`` (fewer at the end of the file), into ``into`` if given."""
     try:
-        return os.pread(fd, size, offset)
+        if into is None:
+            return memoryview(os.pread(fd, size, offset))
+        view = memoryview(into)[:size]
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return view[:got]
     except OSError as exc:
         return exc
 
