@@ -48,12 +48,13 @@ from dss.store import Store
 from dss.core.tokens import TokenInput
 from dss.core.version import VERSION
 from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.compaction import Compaction
 from dss.erasure import AuditEntry, Plan, Receipt
 
 __version__ = VERSION
 
 __all__ = [
-    "AmbiguousSession", "AuditEntry", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
+    "AmbiguousSession", "AuditEntry", "CatalogCorrupt", "Compaction", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
     "ErasureInProgress", "ErasureIncomplete", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
     "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NotFound",
     "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",

@@ -36,7 +36,7 @@ from dss.catalog.database import catalog_errors, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, DssError, ErasureInProgress, InvalidInput, InvalidTokens
+from dss.core.errors import ConfigError, DssError, ErasureInProgress, InternalError, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
@@ -407,7 +407,11 @@ class Store:
         with self._reading():
             pass
         with self._compacting, catalog_errors():
-            return self.compactor.run(dry_run=dry_run)
+            try:
+                return self.compactor.run(dry_run=dry_run)
+            except OSError as exc:
+                raise InternalError(f"compaction could not write a page file ({exc.strerror or exc}); the files "
+                                    "compacted before stay compacted, the others as they were") from None
 
     def _auto_compact(self) -> None:
         """Compact if some segment is sparse; never fails the write that asked (``compact_auto``)."""
