@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
 from dss.core.errors import ConfigError, DssError, ErasureInProgress, InternalError, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
-from dss.core.types import Layout, PageRef, Session, SqlResult, Version
+from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
     check_callback,
     check_flag,
@@ -56,6 +57,7 @@ from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.pages import PageStore
+from dss.residency import for_catalog as device_tier
 from dss.resume import Rates, ResumeResult
 from dss.state import SessionState, session_of
 from dss.tiers.disk import DiskTier
@@ -100,14 +102,16 @@ class Store:
             self._epoch = Epoch(home / "epoch")
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
-        self.index = PageIndex(self.host)
+        self.device = device_tier(_catalog_key(config), config.residency_ttl_s)
+        self.index = PageIndex(self.host, self.device.held)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys)
         self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys,
                                disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes)
-        self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
+        self.rates = Rates({"device": math.inf, "host": config.host_read_gbps * 1e9,
+                            "disk": config.disk_read_gbps * 1e9},
                            config.recompute_tokens_per_s)
-        self.matcher = Matcher(self.mirror, self.index, self.rates)
+        self.matcher = Matcher(self.mirror, self.index, self.rates, self.device)
         self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
         self.guard = Guard(self.mirror)
         self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master)
@@ -392,6 +396,45 @@ class Store:
                            created_at=r.created_at.isoformat(), receipt=stored(Receipt, r.receipt))
                 for r in rows]
 
+    # -- engines: the device tier -----------------------------------------------------------
+
+    def mark_resident(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
+        """Engine instance ``engine_id`` holds these pages in its own KV memory (the ``device``
+        tier): ``resume`` reports them there (those host or disk holds too), and
+        :meth:`residency` counts them for it. Kept in this process's memory, shared by the
+        stores of this process on the same catalog; each call renews the engine's lease
+        (``residency_ttl_s``; an empty list only renews it)."""
+        check_name("engine_id", engine_id)
+        ids = check_page_ids(page_ids)
+        self._check_open()
+        self.device.mark(engine_id, ids)
+
+    def evicted(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
+        """Engine instance ``engine_id`` no longer holds these pages (it reused their memory)."""
+        check_name("engine_id", engine_id)
+        ids = check_page_ids(page_ids)
+        self._check_open()
+        self.device.evict(engine_id, ids)
+
+    def forget_engine(self, engine_id: str) -> int:
+        """Engine instance ``engine_id`` went away: forget the pages it held; returns how many."""
+        check_name("engine_id", engine_id)
+        self._check_open()
+        return self.device.forget(engine_id)
+
+    def residency(self, session_id: str, *, tenant_id: str | None = None) -> dict[str, int]:
+        """``{engine_id: pages}``: how many pages of the session's head version each live engine
+        holds (engines holding none are left out), for a router to send the session's next
+        request where its KV already is."""
+        with self._reading():
+            state = self.mirror.state(session_id, tenant_id)
+            if state.head_id is None:
+                return {}
+            record = state.record
+            match = self.matcher.match(state.tokens(state.head_id), record.layout, record.tenant_id, record.user_ref,
+                                       state)
+            return self.device.holders(PageId(p.page_id) for p in match.pages)
+
     # -- compaction ------------------------------------------------------------------------
 
     def compact(self, *, dry_run: bool = False) -> Compaction:
@@ -484,6 +527,11 @@ class Store:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _catalog_key(config: StoreConfig) -> str:
+    """What names a catalog in this process (the residency of engines is shared per catalog)."""
+    return config.catalog_url or f"sqlite:///{(config.home / 'catalog.db').resolve()}"
 
 
 def _sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, Layout]:

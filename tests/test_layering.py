@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     {"core"},
     {"catalog", "tiers", "trie"},
-    {"keys", "folder", "pageindex", "policy", "erasure"},
+    {"keys", "folder", "pageindex", "policy", "erasure", "residency"},
     {"state"},
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},

@@ -64,6 +64,9 @@ class StoreConfig(BaseModel):
                                       "this share of its size is rewritten by compaction.")
     compact_auto: bool = Field(True, description="Compact sparse disk segments after writes that drop pages and "
                                "before a full disk evicts live ones.")
+    residency_ttl_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                   description="An engine that reports no residency (device tier) for this many "
+                                   "seconds is taken to be gone: the pages it held no longer count as on device.")
 
     @field_validator("host_bytes", "disk_bytes", "segment_bytes", mode="before")
     @classmethod
