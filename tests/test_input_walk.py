@@ -108,6 +108,13 @@ def rows(v1: int) -> list[Row]:
         Row("delete_session", {"session_id": "b", "tenant_id": "t"}, {"session_id": "id", "tenant_id": "optional id"},
             ("session_id",)),
         Row("compact", {"dry_run": True}, {"dry_run": "flag"}),
+        Row("mark_resident", {"engine_id": "e", "page_ids": REFS}, {"engine_id": "id", "page_ids": "page ids"},
+            ("engine_id", "page_ids")),
+        Row("evicted", {"engine_id": "e", "page_ids": REFS}, {"engine_id": "id", "page_ids": "page ids"},
+            ("engine_id", "page_ids")),
+        Row("residency", {"session_id": "s", "tenant_id": "t"}, {"session_id": "id", "tenant_id": "optional id"},
+            ("session_id",)),
+        Row("forget_engine", {"engine_id": "e"}, {"engine_id": "id"}, ("engine_id",)),
     ]
 
 
