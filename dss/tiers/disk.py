@@ -83,6 +83,7 @@ class DiskTier(DurableTier):
         self._counter = itertools.count()
         self.io = IoCounts()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
+        self._pool_pid = os.getpid()
         self._buffers: list[bytearray] = [bytearray(), bytearray()]
         self._buffers_lock = threading.Lock()
 
@@ -123,7 +124,7 @@ class DiskTier(DurableTier):
                 if count == IO_PAGES:
                     if pending is not None:
                         pending.result()
-                    pending = self._pool.submit(self._write_parts, fd, parts, count)
+                    pending = self._io().submit(self._write_parts, fd, parts, count)
                     parts, count = [], 0
             if pending is not None:
                 pending, done = None, pending
@@ -203,7 +204,7 @@ class DiskTier(DurableTier):
                     if len(buffers[k % 2]) < end - start:
                         buffers[k % 2] = bytearray(end - start)
                     into = buffers[k % 2]
-                return self._pool.submit(_pread, fds[segment], end - start, start, into)
+                return self._io().submit(_pread, fds[segment], end - start, start, into)
 
             pending = submit(0)
             for k, (_, start, _, run) in enumerate(plan):
@@ -219,6 +220,14 @@ class DiskTier(DurableTier):
                 os.close(fd)
             if buffers is not None:
                 self._buffers_lock.release()
+
+    def _io(self) -> ThreadPoolExecutor:
+        """The helper thread's executor (a fresh one in a process forked from the one that made it)."""
+        if self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
+            self._pool_pid = os.getpid()
+            self._buffers_lock = threading.Lock()
+        return self._pool
 
     def _plan(self, requests: Sequence[ReadRequest]) -> tuple[list[tuple[str, int, int, list[int]]],
                                                               list[ReadFailure], dict[str, int]]:
