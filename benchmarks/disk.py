@@ -4,9 +4,10 @@ With pages shaped like an 8B model's KV (16 tokens of 128 KiB each: 2 MiB pages,
 turn is 64 pages, 128 MiB), in two stores on the same disk — sealed (``encrypt=True``, the
 default) and plain (``encrypt=False``) — it measures:
 
-* **write**: a 1K-token commit (64 pages in one call) and the same turn saved the way an engine
-  saves it (``save_pages`` of 16 pages at a time, then the commit), each against a direct
-  write + fsync of the same number of bytes to one new file;
+* **write**: a 1K-token commit (64 pages in one call) and the same turn saved the way vLLM's
+  worker saves it (``save_pages`` of the pages each step filled: 64 when the prompt is
+  prefilled in one step, 32 with 512-token chunked prefill; then the commit of the tokens),
+  each against a direct write + fsync of the same number of bytes to one new file;
 * **read**: a long session's pages read back (``resume``, then ``read_pages``) in a fresh
   process whose page cache was emptied of the store's files (``posix_fadvise(DONTNEED)``),
   against a direct sequential read of the same segment files in a fresh process, cold too;
@@ -45,7 +46,9 @@ TOKEN_KV_BYTES = 128 << 10
 """KV bytes of one token of an 8B model (32 layers, 8 KV heads of 128, K and V, bf16)."""
 PAGE_BYTES = PAGE_TOKENS * TOKEN_KV_BYTES
 TURN_TOKENS = 1024
-SAVE_PAGES = 16
+SAVE_CHUNKS = {"save": 64, "save/chunked": 32}
+"""Engine saves: pages per ``save_pages`` call. vLLM's worker saves the pages each step filled;
+a 1K-token prefill in one step fills 64, in 512-token chunks (chunked prefill) 32 per step."""
 LAYOUT = dss.Layout(name="bench-8b", page_tokens=PAGE_TOKENS, page_bytes=PAGE_BYTES, model="llama-8b", dtype="bf16")
 _BLOCK = random.Random(0).randbytes(PAGE_BYTES)
 
@@ -102,19 +105,22 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
         out[f"commit/{name}"] = time.perf_counter() - start
         out[f"commit/{name}/bytes"] = segment_bytes(store) - before
         out[f"commit/direct/{name}"] = direct_write(scratch, out[f"commit/{name}/bytes"])
-        session = f"s-{tag}"
-        store.create_session(session, layout=LAYOUT)
-        other = tokens_of(tag + 1000, TURN_TOKENS)
-        before = segment_bytes(store)
-        start = time.perf_counter()
-        for first in range(0, len(pages), SAVE_PAGES):
-            chunk = {i: payload(tag + 1000, i) for i in range(first, first + SAVE_PAGES)}
-            store.save_pages(session, other[: (first + SAVE_PAGES) * PAGE_TOKENS], chunk)
-        store.commit(session, other)
-        out[f"save/{name}"] = time.perf_counter() - start
-        out[f"save/{name}/bytes"] = segment_bytes(store) - before
-        out[f"save/direct/{name}"] = direct_write(scratch, out[f"save/{name}/bytes"])
-        for session in (f"w-{tag}", f"s-{tag}"):
+        for k, (kind, per_call) in enumerate(SAVE_CHUNKS.items()):
+            session = f"s{k}-{tag}"
+            store.create_session(session, layout=LAYOUT)
+            seed = tag + 1000 * (k + 1)
+            other = tokens_of(seed, TURN_TOKENS)
+            chunks = [{i: payload(seed, i) for i in range(first, first + per_call)}
+                      for first in range(0, len(pages), per_call)]
+            before = segment_bytes(store)
+            start = time.perf_counter()
+            for chunk in chunks:
+                store.save_pages(session, other[: (max(chunk) + 1) * PAGE_TOKENS], chunk)
+            store.commit(session, other)
+            out[f"{kind}/{name}"] = time.perf_counter() - start
+            out[f"{kind}/{name}/bytes"] = segment_bytes(store) - before
+            out[f"{kind}/direct/{name}"] = direct_write(scratch, out[f"{kind}/{name}/bytes"])
+        for session in (f"w-{tag}", *(f"s{k}-{tag}" for k in range(len(SAVE_CHUNKS)))):
             store.delete_session(session)
     return out
 
@@ -232,8 +238,9 @@ def report(writes: list[dict[str, float]], reads: list[dict[str, float]], demoti
            sample: dict[str, float], session_tokens: int) -> None:
     mib = 1 << 20
     lines = []
-    for kind, label in (("commit", "write: 1K-token commit (64 pages, one call)"),
-                        ("save", f"write: 1K-token turn saved {SAVE_PAGES} pages at a time")):
+    kinds = [("commit", "write: 1K-token commit (64 pages, one call)")] + [
+        (kind, f"write: 1K-token turn saved {n} pages a call, then commit") for kind, n in SAVE_CHUNKS.items()]
+    for kind, label in kinds:
         for name in ("sealed", "plain"):
             speed = statistics.median(r[f"{kind}/{name}/bytes"] / r[f"{kind}/{name}"] for r in writes) / mib
             direct = statistics.median(r[f"{kind}/{name}/bytes"] / r[f"{kind}/direct/{name}"] for r in writes) / mib
@@ -250,7 +257,7 @@ def report(writes: list[dict[str, float]], reads: list[dict[str, float]], demoti
     print(f"{'measurement':58} {'dss MiB/s':>10} {'direct MiB/s':>13} {'dss/direct':>11}")
     for label, speed, direct, ratio in lines:
         print(f"{label:58} {speed:10.0f} {direct:13.0f} {ratio:10.0%}")
-    for kind in ("commit", "save"):
+    for kind, _ in kinds:
         cost = median_ratio(writes, f"{kind}/sealed", f"{kind}/plain") - 1
         print(f"sealing cost, {kind}: {cost:+.1%} time")
     print(f"sealing cost, read: {median_ratio(reads, 'read/sealed', 'read/plain') - 1:+.1%} time")
