@@ -97,13 +97,13 @@ class Compactor:
         self.dead_share = dead_share
         self.segment_bytes = segment_bytes
 
-    def usage(self) -> list[SegmentUsage]:
+    def usage(self, refs: Sequence[int] | None = None) -> list[SegmentUsage]:
         with self.catalog.read() as conn:
-            return pages.segment_usage(conn, "disk")
+            return pages.segment_usage(conn, "disk", refs)
 
-    def has_sparse(self) -> bool:
-        """Whether some segment is sparse (one catalog read)."""
-        return any(is_sparse(s, self.dead_share) for s in self.usage())
+    def has_sparse(self, refs: Sequence[int] | None = None) -> bool:
+        """Whether some segment (of ``refs``, if given) is sparse (one catalog read)."""
+        return any(is_sparse(s, self.dead_share) for s in self.usage(refs))
 
     def run(self, *, dry_run: bool = False) -> Compaction:
         """Compact every sparse segment now (or, with ``dry_run``, say what that would do)."""

@@ -195,10 +195,10 @@ class Store:
 
         Returns the number of pages released (gone from every tier).
         """
-        dropped = self.writer.write(session_id, tenant_id, versions.delete).dropped
-        if dropped:
-            self._auto_compact()
-        return len(dropped)
+        applied = self.writer.write(session_id, tenant_id, versions.delete)
+        if applied.thinned:
+            self._auto_compact(applied.thinned)
+        return len(applied.dropped)
 
     # -- versions --------------------------------------------------------------------------
 
@@ -350,8 +350,9 @@ class Store:
                 ids = [i for i, ok in zip(ids, allowed) if ok]
             read = self.pages.read(ids)
         if read.bad:
-            self.writer.apply(Change(quarantine=tuple(read.bad)))
-            self._auto_compact()
+            applied = self.writer.apply(Change(quarantine=tuple(read.bad)))
+            if applied.thinned:
+                self._auto_compact(applied.thinned)
         if tenant_id is None:
             return read.payloads
         found = iter(read.payloads)
@@ -456,13 +457,14 @@ class Store:
                 raise InternalError(f"compaction could not write a page file ({exc.strerror or exc}); the files "
                                     "compacted before stay compacted, the others as they were") from None
 
-    def _auto_compact(self) -> None:
-        """Compact if some segment is sparse; never fails the write that asked (``compact_auto``)."""
+    def _auto_compact(self, thinned: Sequence[int] | None = None) -> None:
+        """Compact if some segment (of ``thinned``: those a write just thinned out) is sparse;
+        never fails the write that asked (``compact_auto``)."""
         if not self.config.compact_auto or not self._compacting.acquire(blocking=False):
             return
         try:
             with catalog_errors():
-                if self.compactor.has_sparse():
+                if self.compactor.has_sparse(thinned):
                     self.compactor.run()
         except (DssError, OSError) as exc:
             log.warning("compaction failed (the store is unchanged by it): %s", exc)

@@ -178,6 +178,8 @@ class Applied(NamedTuple):
     dropped: tuple[bytes, ...]
     """Pages the change removed from every tier (a deleted session's, quarantined ones)."""
     dead_files: tuple[str, ...]
+    thinned: tuple[int, ...] = ()
+    """Segments that lost pages and keep some: their dead bytes grew (compaction may be due)."""
 
 
 def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room()) -> Applied:
@@ -200,19 +202,20 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
     if change.create is not None:
         ref, layout_ref = _create(conn, seq, stamp, change)
     dead: list[str] = []
+    thinned: list[int] = []
     evicted = _evict(conn, seq, room.victims, events, dead)
     stored = _store(conn, seq, stamp, change, layout_ref, written, room.fits, events, dead)
     version_id = None
     held: list[bytes] = []
     if ref is not None and not change.delete:
         version_id, held = _session(conn, seq, stamp, ref, change)
-    dropped = _quarantine(conn, seq, change.quarantine, events, dead)
+    dropped = _quarantine(conn, seq, change.quarantine, events, dead, thinned)
     _move(conn, seq, change.move, events, dead)
     released: list[bytes] = []
     if ref is not None and change.delete:
         released = pages.release(conn, ref)
         sessions.delete_session_rows(conn, ref)
-        holders, emptied = pages.drop_pages(conn, released, seq)
+        holders, emptied = pages.drop_pages(conn, released, seq, thinned)
         dead += emptied
         _changed(events, conn, holders, skip=ref)
         assert change.user_ref is not None
@@ -223,7 +226,8 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
         events.append(SessionChanged(ref, change.user_ref, SessionWrite(change, seq, stamp, version_id, tuple(held),
                                                                         unheld, layout_ref)))
     feed.record(conn, seq, events)
-    return Applied(seq, ref, version_id, tuple(events), tuple(stored), (*dropped, *released), tuple(dead))
+    return Applied(seq, ref, version_id, tuple(events), tuple(stored), (*dropped, *released), tuple(dead),
+                   tuple(sorted(set(thinned))))
 
 
 def _create(conn: Any, seq: int, stamp: dt.datetime, change: Change) -> tuple[int, int]:
@@ -305,7 +309,8 @@ def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) 
     return version_id, held
 
 
-def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Event], dead: list[str]) -> list[bytes]:
+def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Event], dead: list[str],
+                thinned: list[int]) -> list[bytes]:
     """Record pages that failed verification and drop them from the catalog."""
     if not bad:
         return []
@@ -315,7 +320,7 @@ def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Ev
     for q in bad:
         pages.add_quarantine(conn, q.page_id, q.user_ref, "disk", q.segment, q.offset, q.reason)
     ids = [q.page_id for q in bad]
-    holders, emptied = pages.drop_pages(conn, ids, seq)
+    holders, emptied = pages.drop_pages(conn, ids, seq, thinned)
     dead += emptied
     _changed(events, conn, holders)
     for user_ref in sorted({q.user_ref for q in bad}):

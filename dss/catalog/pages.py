@@ -104,9 +104,11 @@ def _count(conn: Connection, tier: str, size: int, num: int) -> None:
         conn.execute(insert(tier_totals).values(tier=tier, bytes=size, num_segments=num))
 
 
-def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int) -> tuple[list[int], list[str]]:
+def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int,
+               thinned: list[int] | None = None) -> tuple[list[int], list[str]]:
     """Delete pages with their holds and locations; delete the rows of segments left with no
-    page. Returns the sessions that held any of them and the names of the emptied files.
+    page. Returns the sessions that held any of them and the names of the emptied files;
+    ``thinned`` (if given) gets the segments that lost pages but keep some (their dead bytes grew).
 
     Every session that held one of the pages is stamped with ``seq`` (this transaction's):
     what it holds changed, so a process that cached it reloads it before its next write.
@@ -123,15 +125,19 @@ def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int) -> tuple[l
         conn.execute(delete(pages).where(pages.c.page_id.in_(part)))
     for part in chunks(sorted(holders)):
         conn.execute(update(sessions).where(sessions.c.id.in_(part)).values(seq=seq))
-    return sorted(holders), drop_empty_segments(conn, sorted(touched))
+    emptied = drop_empty_segments(conn, sorted(touched), kept=thinned)
+    return sorted(holders), emptied
 
 
-def drop_empty_segments(conn: Connection, segment_refs: Sequence[int]) -> list[str]:
-    """Delete the rows of those segments that hold no page; return their names."""
+def drop_empty_segments(conn: Connection, segment_refs: Sequence[int], kept: list[int] | None = None) -> list[str]:
+    """Delete the rows of those segments that hold no page; return their names (``kept``, if
+    given, gets the others)."""
     emptied: list[str] = []
     for part in chunks(segment_refs):
         live = {r[0] for r in conn.execute(
             select(locations.c.segment_ref).where(locations.c.segment_ref.in_(part)).distinct())}
+        if kept is not None:
+            kept.extend(s for s in part if s in live)
         dead = [s for s in part if s not in live]
         if dead:
             emptied.extend(delete_segments(conn, segments.c.id.in_(dead)))
@@ -302,8 +308,8 @@ class LiveRecord(NamedTuple):
     checksum: int
 
 
-def segment_usage(conn: Connection, tier: str) -> list[SegmentUsage]:
-    """Every segment of a tier with its live bytes, oldest first."""
+def segment_usage(conn: Connection, tier: str, refs: Sequence[int] | None = None) -> list[SegmentUsage]:
+    """Every segment of a tier (or of ``refs`` only) with its live bytes, oldest first."""
     live = func.coalesce(func.sum(locations.c.length), 0)
     query = (select(segments.c.id, segments.c.name, segments.c.user_ref, segments.c.size, live,
                     func.count(locations.c.page_id))
@@ -311,7 +317,13 @@ def segment_usage(conn: Connection, tier: str) -> list[SegmentUsage]:
              .where(segments.c.tier == tier)
              .group_by(segments.c.id, segments.c.name, segments.c.user_ref, segments.c.size)
              .order_by(segments.c.id))
-    return [SegmentUsage(r[0], r[1], r[2], r[3], int(r[4]), r[5]) for r in conn.execute(query)]
+    if refs is None:
+        return [SegmentUsage(r[0], r[1], r[2], r[3], int(r[4]), r[5]) for r in conn.execute(query)]
+    out: list[SegmentUsage] = []
+    for part in chunks(sorted(set(refs))):
+        out.extend(SegmentUsage(r[0], r[1], r[2], r[3], int(r[4]), r[5])
+                   for r in conn.execute(query.where(segments.c.id.in_(part))))
+    return sorted(out)
 
 
 def live_records(conn: Connection, segment_refs: Sequence[int]) -> list[LiveRecord]:
