@@ -96,7 +96,8 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
     out: dict[str, float] = {}
     tokens = tokens_of(tag, TURN_TOKENS)
     pages = {i: payload(tag, i) for i in range(TURN_TOKENS // PAGE_TOKENS)}
-    for name, store in stores.items():
+    order = list(stores.items())
+    for name, store in order if tag % 2 == 0 else order[::-1]:  # neither store always goes first
         before = segment_bytes(store)
         session = f"w-{tag}"
         store.create_session(session, layout=LAYOUT)
@@ -219,13 +220,14 @@ def run(root: Path, rounds: int, session_tokens: int) -> None:
         build_long_session(store, session_tokens)
         store.close()
     reads: list[dict[str, float]] = []
-    for _ in track(range(rounds), "reading the long session cold"):
-        reads.append({
-            "direct/sealed": in_child("direct", str(folders["sealed"]))["seconds"],
-            **{f"read/{name}": in_child("read", str(folder), str(keys), "1" if name == "sealed" else "0",
-                                        str(session_tokens))["seconds"] for name, folder in folders.items()},
-            "direct/plain": in_child("direct", str(folders["plain"]))["seconds"],
-        })
+    for k in track(range(rounds), "reading the long session cold"):
+        row: dict[str, float] = {}
+        names = ["sealed", "plain"] if k % 2 == 0 else ["plain", "sealed"]  # neither always goes first
+        for name in names:
+            row[f"direct/{name}"] = in_child("direct", str(folders[name]))["seconds"]
+            row[f"read/{name}"] = in_child("read", str(folders[name]), str(keys), "1" if name == "sealed" else "0",
+                                           str(session_tokens))["seconds"]
+        reads.append(row)
     sample = in_child("read", str(folders["sealed"]), str(keys), "1", str(session_tokens))
     report(writes, reads, demotion, sample, session_tokens)
 

@@ -54,7 +54,8 @@ from dss.erasure import AuditEntry, Plan, Receipt
 __version__ = VERSION
 
 __all__ = [
-    "AmbiguousSession", "AuditEntry", "CatalogCorrupt", "Compaction", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
+    "AmbiguousSession", "AuditEntry", "CatalogCorrupt", "CatalogUnavailable", "Compaction", "ConfigError",
+    "Conflict", "DssError",
     "ErasureInProgress", "ErasureIncomplete", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
     "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NotFound",
     "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
