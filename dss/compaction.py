@@ -2,8 +2,8 @@
 
 Segment files are never changed once written, so a page dropped from a segment (its session
 deleted, the page quarantined) leaves its record behind as **dead** bytes that still count
-against ``disk_bytes``. A segment is **sparse** when its dead bytes (records no page row
-locates there, and its header) reach ``compact_dead_share`` of its size. Compaction:
+against ``disk_bytes``. A segment is **sparse** when its dead records (those no page row
+locates there) reach ``compact_dead_share`` of its size. Compaction:
 
 1. reads, in one catalog read, the sparse segments and the live records in them;
 2. per namespace, reads those records (batched, verified: page id, length, checksum) and
@@ -58,13 +58,15 @@ class Compaction(NamedTuple):
 
 
 def is_sparse(segment: SegmentUsage, dead_share: float) -> bool:
-    """Whether a segment's dead bytes reach ``dead_share`` of its size."""
-    return segment.size > 0 and segment.size - segment.live >= dead_share * segment.size
+    """Whether a segment's dead records (its header aside: a file just compacted has none,
+    so it is never rewritten again until a page of it goes) reach ``dead_share`` of its size."""
+    dead = segment.size - HEADER_BYTES - segment.live
+    return dead > 0 and dead >= dead_share * segment.size
 
 
 def plan(usage: Sequence[SegmentUsage], dead_share: float, segment_bytes: int) -> list[list[SegmentUsage]]:
     """The sparse segments, grouped: one group per new file (one namespace, at most
-    ``segment_bytes`` of live records; a group of one segment with no live record just goes)."""
+    ``segment_bytes`` of live records, or one segment alone)."""
     groups: list[list[SegmentUsage]] = []
     sparse = sorted((s for s in usage if is_sparse(s, dead_share)), key=lambda s: (s.user_ref, s.ref))
     for _, same_user in itertools.groupby(sparse, key=lambda s: s.user_ref):
