@@ -60,7 +60,7 @@ class StoreConfig(BaseModel):
     sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
                                       "default: a role dss creates, which needs CREATEROLE for the catalog user.")
     compact_dead_share: float = Field(0.5, gt=0, le=1, allow_inf_nan=False,
-                                      description="A disk segment whose dead bytes (records of dropped pages) reach "
+                                      description="A disk segment whose dead records (of dropped pages) reach "
                                       "this share of its size is rewritten by compaction.")
     compact_auto: bool = Field(True, description="Compact sparse disk segments after writes that drop pages and "
                                "before a full disk evicts live ones.")
