@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -108,8 +107,7 @@ class Store:
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys)
         self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys,
                                disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes)
-        self.rates = Rates({"device": math.inf, "host": config.host_read_gbps * 1e9,
-                            "disk": config.disk_read_gbps * 1e9},
+        self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
                            config.recompute_tokens_per_s)
         self.matcher = Matcher(self.mirror, self.index, self.rates, self.device)
         self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
