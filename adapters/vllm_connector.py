@@ -96,7 +96,8 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
             self.layout = layouts[0]
             self.store = dss.open(self.settings.store, **self.settings.store_options)
             self._scheduler = SchedulerSide(self.settings, layouts, shards, len(kv_cache_config.kv_cache_groups),
-                                            self.store, state_groups(kv_cache_config))
+                                            self.store, state_groups(kv_cache_config),
+                                            engine_id=transfer.engine_id or "vllm")
         else:
             tp_rank, pp_rank = _worker_ranks()
             layers = page_layers(kv_cache_config)
@@ -122,10 +123,17 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     def shutdown(self) -> None:
-        """Finish the worker's loads and writes, then close the store."""
+        """Finish the worker's loads and writes (or forget what the engine held), then close the store."""
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.device.close()
         self.store.close()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """The scheduler's block pool: which blocks vLLM's prefix cache holds (the device tier)."""
+        if self._scheduler is not None:
+            self._scheduler.device.bind(gpu_block_pool)
 
     # -- worker side -----------------------------------------------------------------------
 

@@ -28,7 +28,9 @@ per finished request (:mod:`dss_adapters.vllm_requests`). For every request it
    groups, only pages whose boundary state vLLM hands over in that step
    (:meth:`SchedulerSide._with_states`);
 5. when a load fails (a block reported by a worker, or a whole asynchronous load), plans
-   the pages from there on again, to be saved once vLLM has recomputed them.
+   the pages from there on again, to be saved once vLLM has recomputed them;
+6. tells the store which pages vLLM's prefix cache still holds after a request finished,
+   and which it let go (:mod:`dss_adapters.vllm_device`: the device tier).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dss_adapters.vllm_device import DeviceResidency
 from dss_adapters.vllm_hosts import WorkerHosts
 from dss_adapters.vllm_layout import Shards
 from dss_adapters.vllm_meta import (
@@ -79,10 +82,11 @@ class SchedulerSide:
     """Scheduler-side state of the connector (see the module docstring)."""
 
     def __init__(self, settings: Settings, layouts: list[dss.Layout], shards: Shards, num_groups: int,
-                 store: dss.Store, state_groups: Sequence[int] = ()) -> None:
+                 store: dss.Store, state_groups: Sequence[int] = (), engine_id: str = "vllm") -> None:
         """``layouts``: the shards' layouts the scheduler can tell itself (pipeline stage 0's);
         with pipeline parallelism the others come from :meth:`take_handshakes`, and nothing is
-        loaded before. ``state_groups``: the state-space (Mamba) KV cache groups."""
+        loaded before. ``state_groups``: the state-space (Mamba) KV cache groups; ``engine_id``: the
+        engine whose memory holds the device tier's pages."""
         self.settings = settings
         self.state_groups = list(state_groups)
         self.layouts = layouts
@@ -103,6 +107,7 @@ class SchedulerSide:
         self._settled: dict[int, bool] = {}
         self._num_running = 0
         """Requests the last step computed: a synchronous load would stall them."""
+        self.device = DeviceResidency(store, engine_id, layouts[0], num_groups)
 
     # -- vLLM hooks ------------------------------------------------------------------------
 
@@ -178,6 +183,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: SchedulerOutput) -> DssConnectorMetadata:
         """This step's jobs: the pending loads, and a save for every block that becomes full."""
         self._step += 1
+        self.device.step()
         self._num_running = len(scheduler_output.num_scheduled_tokens)
         has_sync_loads = any(not job.is_async for job in self._loads)
         meta = DssConnectorMetadata(loads=self._loads, step=self._step, settled=self._settled,
@@ -274,7 +280,11 @@ class SchedulerSide:
     def finished(self, request: Request) -> dict[str, Any] | None:
         """Commit a finished request's tokens to its session; its output ``kv_transfer_params``."""
         self._plans.pop(request.request_id, None)
-        return self.book.finish(request)
+        tracked = self.book.live.get(request.request_id)
+        out = self.book.finish(request)
+        if tracked is not None:
+            self.device.finished(request, tracked.save_scope)
+        return out
 
     def take_stats(self) -> DssConnectorStats | None:
         return self.stats.take()

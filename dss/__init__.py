@@ -49,13 +49,15 @@ from dss.store import Store
 from dss.core.tokens import TokenInput
 from dss.core.version import VERSION
 from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.compaction import Compaction
 from dss.erasure import AuditEntry, Plan, Receipt
 
 __version__ = VERSION
 
 __all__ = [
-    "AmbiguousSession", "AuditEntry", "Candidate", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
-    "ErasureInProgress", "ErasureIncomplete", "Explanation", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
+    "AmbiguousSession", "AuditEntry", "Candidate", "CatalogCorrupt", "CatalogUnavailable", "Compaction",
+    "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "Explanation", "Forbidden",
+    "InternalError", "PayloadTooLarge", "Unauthorized",
     "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NotFound",
     "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
     "SessionExists", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "UnknownSession",

@@ -13,6 +13,7 @@ from dss.core.hashing import chain_ids, chain_root
 from dss.core.tokens import TOKEN_BYTES
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
+from dss.residency import Residency
 from dss.resume import Rates, ResumeResult
 from dss.state import SessionState
 from dss.trie import Match, Span
@@ -32,14 +33,21 @@ def shared_session_id(layout: Layout) -> str:
 class Matcher:
     """Answers ``resume`` and ``lookup`` from this process's mirror and page index."""
 
-    def __init__(self, mirror: Mirror, index: PageIndex, rates: Rates) -> None:
+    def __init__(self, mirror: Mirror, index: PageIndex, rates: Rates, residency: Residency | None = None) -> None:
         self.mirror = mirror
         self.index = index
         self.rates = rates
+        self.residency = residency
+        self._residency_seen = -1
 
     def match(self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None,
               state: SessionState | None) -> ResumeResult:
         """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
+        if self.residency is not None:
+            self.residency.expire(at_most_every_s=1.0)
+        if self.residency is not None and self.residency.version != self._residency_seen:
+            self._residency_seen = self.residency.version
+            self.index.bump_all()  # tier codes cached per namespace generation now name other tiers
         page_tokens = layout.page_tokens
         total = len(buf) // TOKEN_BYTES // page_tokens
         code_of = self.index.code_of

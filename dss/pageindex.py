@@ -9,13 +9,14 @@ per-page lookups only after something changed.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from dss.catalog.pages import PageRecord
 from dss.tiers.base import Located
 from dss.tiers.host import HostTier
 from dss.core.types import TIER_CODE, PageId
 
+DEVICE = TIER_CODE["device"]
 HOST = TIER_CODE["host"]
 DISK = TIER_CODE["disk"]
 REMOTE = TIER_CODE["remote"]
@@ -64,38 +65,49 @@ class PageEntry:
 class PageIndex:
     """Every page entry of this process, keyed by page id (ids never collide across namespaces)."""
 
-    def __init__(self, host: HostTier, *, has_remote: bool = False) -> None:
+    def __init__(self, host: HostTier, *, has_remote: bool = False,
+                 resident: Container[PageId] = frozenset()) -> None:
+        """``has_remote``: the store has a remote tier; ``resident``: the pages some engine holds
+        in its own memory (the device tier)."""
         self.host = host
         self.has_remote = has_remote
         self.entries: dict[PageId, PageEntry] = {}
         self.namespaces: dict[int, NamespacePages] = {}
-        self.code_of = self._make_code_of()
+        self.code_of = self._make_code_of(resident)
 
-    def _make_code_of(self) -> Callable[[PageId], int]:
+    def _make_code_of(self, resident: Container[PageId]) -> Callable[[PageId], int]:
         host, entries = self.host, self.entries
         if not self.has_remote:
             def code_of(page_id: PageId) -> int:
-                """The fastest tier holding the page (0: none)."""
+                """The fastest tier holding the page (0: none); ``device`` only for a page that
+                host or disk holds too (no other engine could load it otherwise)."""
                 if page_id in host:
-                    return HOST
+                    return DEVICE if page_id in resident else HOST
                 entry = entries.get(page_id)
-                return DISK if entry is not None and entry.disk is not None else 0
+                if entry is not None and entry.disk is not None:
+                    return DEVICE if page_id in resident else DISK
+                return 0
 
             return code_of
 
         def code_of(page_id: PageId) -> int:  # noqa: F811 (chosen once, by whether there is a remote tier)
-            """The fastest tier holding the page (0: none); a page the catalog holds on another
-            node's disk only is on the remote tier (a miss there is found when it is read)."""
+            """As above; a page the catalog holds on another node's disk only is on the remote
+            tier (a miss there is found when it is read)."""
             if page_id in host:
-                return HOST
+                return DEVICE if page_id in resident else HOST
             entry = entries.get(page_id)
             if entry is None:
                 return 0
             if entry.disk is not None:
-                return DISK
+                return DEVICE if page_id in resident else DISK
             return REMOTE if entry.is_durable else 0
 
         return code_of
+
+    def bump_all(self) -> None:
+        """Something about pages of every namespace changed (what engines hold)."""
+        for namespace in self.namespaces.values():
+            namespace.bump()
 
     def namespace(self, user_ref: int) -> NamespacePages:
         namespace = self.namespaces.get(user_ref)

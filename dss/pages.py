@@ -25,8 +25,10 @@ verification, for the store to quarantine.
 
 from __future__ import annotations
 
+import errno
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dss import policy
@@ -34,14 +36,14 @@ from dss.policy import Placement
 from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
-from dss.core.crypto import Sealer, SealError
+from dss.core.crypto import OVERHEAD, Sealer, SealError
 from dss.core.hashing import checksum
 from dss.core.errors import ErasureInProgress
 from dss.core.types import PageId
 from dss.keys import DataKeys, remote_tag
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
 from dss.tiers.base import ReadFailure, ReadRequest
-from dss.tiers.disk import HEADER_BYTES, RECORD, DiskTier
+from dss.tiers.disk import HEADER_BYTES, IO_PAGES, RECORD, DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.remote import RemoteTier, key_of, pack_value, unpack_value
 
@@ -50,13 +52,16 @@ log = logging.getLogger("dss.pages")
 SEALED = 1
 """Record flag: the payload on disk is sealed under the owner's data key."""
 
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""Write errors that mean no room: the write's pages stay in host only, its catalog rows commit."""
+
 
 def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageIndex,
-              sealer: Sealer | None) -> tuple[NewPage, ...]:
-    """The given pages (``payloads[i]`` is page ``ids[i]``), each with the bytes that go to
-    disk — sealed with ``sealer`` (bound to its id) unless it is ``None`` — or ``None`` when
-    this process knows a durable tier holds it already (this node's disk, or another's: the
-    catalog keeps one disk copy of a page in the fleet)."""
+              seal: bool) -> tuple[NewPage, ...]:
+    """The given pages (``payloads[i]`` is page ``ids[i]``), each to be written as it is or
+    sealed (``seal``) as :meth:`PageStore.write` writes it — or not at all (``stored`` is
+    ``None``) when this process knows a durable tier holds it already (this node's disk,
+    or another's: the catalog keeps one disk copy of a page in the fleet)."""
     entries = index.entries
     out = []
     for i, payload in payloads.items():
@@ -64,9 +69,10 @@ def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageI
         entry = entries.get(page_id)
         if entry is not None and (entry.disk is not None or entry.is_durable):
             out.append(NewPage(page_id, i, payload, None, 0, 0))
-            continue
-        stored = sealer.seal(payload, page_id) if sealer is not None else payload
-        out.append(NewPage(page_id, i, payload, stored, checksum(stored), SEALED if sealer is not None else 0))
+        elif seal:
+            out.append(NewPage(page_id, i, payload, payload, 0, SEALED))
+        else:
+            out.append(NewPage(page_id, i, payload, payload, checksum(payload), 0))
     return tuple(out)
 
 
@@ -97,24 +103,45 @@ class PageStore:
         self.keys = keys
         self.disk_bytes = disk_bytes
         self.segment_bytes = segment_bytes
+        self._ring = SealRing()
+        self.before_full: Callable[[int], None] | None = None
+        """Called with the bytes of page files about to be written (the store compacts when they would not fit)."""
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, new: Sequence[NewPage]) -> list[WrittenSegment]:
+    def write(self, new: Sequence[NewPage], sealer: Sealer | None = None) -> list[WrittenSegment]:
         """Write the pages that need it as segment files of at most ``segment_bytes`` each; no
-        catalog, no lock. Writes nothing when they could never fit the tier."""
+        catalog, no lock. Pages flagged sealed are sealed with ``sealer`` (bound to their id)
+        as they are written, while the disk writes the ones before them. Writes nothing when
+        they could never fit the tier, or when the disk is full (the pages stay in host)."""
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
+        if any(p.flags & SEALED for p in fresh) and sealer is None:
+            raise ValueError("sealed pages need their namespace's sealer")
+        if self.before_full is not None:
+            self.before_full(_segment_size(fresh))
         out: list[WrittenSegment] = []
+        ring = self._ring if self._ring.lock.acquire(blocking=False) else None
+        keep = self.remote is not None
         try:
             for batch in self._batches(fresh):
-                name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
+                done: list[NewPage] = []
+                name, size, located = self.disk.write(_records(batch, sealer, ring, done, keep))
                 out.append(WrittenSegment(name, size, self.node_ref, tuple((p, where.offset, where.length)
-                                                            for p, where in zip(batch, located))))
+                                                            for p, where in zip(done, located))))
+        except OSError as exc:
+            self.abort(out)
+            if exc.errno not in DISK_FULL:
+                raise
+            log.warning("the disk holding page files is full (%s): the new pages stay in host only", exc.strerror)
+            return []
         except BaseException:
             self.abort(out)
             raise
+        finally:
+            if ring is not None:
+                ring.lock.release()
         return out
 
     def room(self, tx: Tx, written: Sequence[WrittenSegment], user_ref: int | None = None) -> Room:
@@ -185,9 +212,11 @@ class PageStore:
             segments = [seg for seg in segments if not any(PageId(p) in held for p in page_ids.get(seg.ref, ()))]
         return placement.segment_order(segments, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
 
-    def settle(self, applied: Applied, new: Sequence[NewPage], namespace: NamespacePages | None) -> None:
+    def settle(self, applied: Applied, new: Sequence[NewPage], namespace: NamespacePages | None,
+               written: Sequence[WrittenSegment] = ()) -> None:
         """After the transaction committed: delete dead files, put the payloads in the host
-        tier (a page no durable tier took stays known there while it lasts)."""
+        tier (a page no durable tier took stays known there while it lasts), and queue the
+        pages of ``written`` (the change's segment files) for the remote tier."""
         self.disk.remove(applied.dead_files)
         self.placement.forget(applied.dropped)
         entries = self.index.entries
@@ -208,18 +237,19 @@ class PageStore:
         if namespace is not None:
             namespace.bump()
         if self.remote is not None and applied.stored:
-            self._write_through(applied, new)
+            self._write_through(applied, written)
         self._check_fill()
 
-    def _write_through(self, applied: Applied, new: Sequence[NewPage]) -> None:
-        """Queue the pages the transaction recorded for the remote tier (sealed as on disk)."""
+    def _write_through(self, applied: Applied, written: Sequence[WrittenSegment]) -> None:
+        """Queue the pages the transaction recorded for the remote tier, sealed as on disk
+        (the written segments' pages carry their stored bytes: see :func:`_records`)."""
         assert self.remote is not None
         owner = {r.page_id: r.user_ref for r in applied.stored}
         tags = {user_ref: self._tag(user_ref) for user_ref in set(owner.values())}
         items = []
-        for page in new:
+        for page in (p for segment in written for p, _, _ in segment.pages):
             tag = tags.get(owner.get(page.page_id, -1))
-            if tag is not None and page.stored is not None:
+            if tag is not None and page.stored:
                 items.append((key_of(self.remote.prefix, tag, page.page_id),
                               pack_value(page.checksum, page.flags, page.stored)))
         self.remote.put(items)
@@ -280,8 +310,7 @@ class PageStore:
         batches: list[list[NewPage]] = [[]]
         size = HEADER_BYTES
         for page in fresh:
-            assert page.stored is not None
-            grow = RECORD.size + len(page.stored)
+            grow = _record_size(page)
             if batches[-1] and size + grow > self.segment_bytes:
                 batches.append([])
                 size = HEADER_BYTES
@@ -317,35 +346,40 @@ class PageStore:
                   if v is None and ids[i] in entries and entries[ids[i]].disk is not None]
         requests = [ReadRequest(*entry.disk, entry.page_id, entry.checksum)  # type: ignore[misc]
                     for _, entry in wanted]
-        found, failures = self.disk.read(requests)
-        failures = list(failures)
-        for j, ((i, entry), record) in enumerate(zip(wanted, found)):
-            if record is None:
-                continue
-            if record.flags & SEALED:
-                sealer = self.keys.sealer_of(entry.namespace.user_ref)
-                if sealer is None:
-                    continue
-                try:
-                    data = sealer.open(record.payload, entry.page_id)
-                except SealError:
+        failures: list[ReadFailure] = []
+        for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True, transient=True):
+            failures.extend(chunk.failures)
+            for j, record in chunk.records:
+                i, entry = wanted[j]
+                sealed = bool(record.flags & SEALED)
+                if len(record.payload) != entry.size + (OVERHEAD if sealed else 0):  # a flipped flag, say
                     failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
-                                                   "fails authentication"))
+                                                   "has the wrong length for its flags"))
                     continue
-            else:
-                data = bytes(record.payload)
-            out[i] = data
-            if prefetch or placement.should_promote(entry.page_id, load=load, now=now):
-                evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref))
-                if evicted is not None:
-                    placement.count("host", "promotions")
-                    placement.count("host", "moved_bytes", len(data))
-                    placement.count("disk", "moved_bytes", len(data))
-                    if prefetch:
-                        placement.prefetch_issued(entry.page_id)
-                if evicted:
-                    self.left_host(evicted, inline=True)
-            entry.namespace.bump()
+                if sealed:
+                    sealer = self.keys.sealer_of(entry.namespace.user_ref)
+                    if sealer is None:
+                        continue
+                    try:
+                        data = sealer.open(record.payload, entry.page_id)
+                    except SealError:
+                        failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
+                                                       "fails authentication"))
+                        continue
+                else:
+                    data = bytes(record.payload)
+                out[i] = data
+                if prefetch or placement.should_promote(entry.page_id, load=load, now=now):
+                    evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref))
+                    if evicted is not None:
+                        placement.count("host", "promotions")
+                        placement.count("host", "moved_bytes", len(data))
+                        placement.count("disk", "moved_bytes", len(data))
+                        if prefetch:
+                            placement.prefetch_issued(entry.page_id)
+                    if evicted:
+                        self.left_host(evicted, inline=True)
+                entry.namespace.bump()
         if not prefetch:
             served = sum(1 for i, _ in wanted if out[i] is not None)
             placement.count("host", "misses", len(ids) - len(hits))
@@ -431,4 +465,46 @@ class PageStore:
 
 
 def _segment_size(fresh: Sequence[NewPage]) -> int:
-    return HEADER_BYTES + sum(RECORD.size + len(p.stored or b"") for p in fresh)
+    return HEADER_BYTES + sum(_record_size(p) for p in fresh)
+
+
+def _record_size(page: NewPage) -> int:
+    """Bytes a page's record takes in a segment (sealed ones grow by the nonce and tag)."""
+    assert page.stored is not None
+    return RECORD.size + len(page.stored) + (OVERHEAD if page.flags & SEALED else 0)
+
+
+class SealRing:
+    """Buffers pages are sealed into on their way to disk, reused round-robin so their memory
+    is not faulted in afresh for every page. :meth:`DiskTier.write` has at most two batches of
+    :data:`IO_PAGES` records in hand (one being written, one being filled), so a ring of twice
+    that many never hands out a buffer still in use. One write at a time holds the ring."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._buffers: list[bytearray | None] = [None] * (2 * IO_PAGES)
+        self._next = 0
+
+    def seal(self, sealer: Sealer, payload: bytes, aad: bytes) -> bytearray:
+        k = self._next
+        self._next = (k + 1) % len(self._buffers)
+        blob = self._buffers[k] = sealer.seal_into(payload, aad, self._buffers[k])
+        return blob
+
+
+def _records(batch: Sequence[NewPage], sealer: Sealer | None, ring: SealRing | None,
+             done: list[NewPage], keep: bool = False) -> Iterator[tuple[PageId, int, Any, int]]:
+    """The records of ``batch`` for :meth:`DiskTier.write`, sealed one by one as the tier asks
+    for them (into ``ring``'s buffers if given); each page, with its checksum, is appended to
+    ``done`` (its sealed bytes are on disk once the write returned: ``stored`` is emptied,
+    unless ``keep``, when it is a copy of them — for the remote tier's write-through)."""
+    for page in batch:
+        stored = page.stored
+        assert stored is not None
+        if page.flags & SEALED:
+            assert sealer is not None
+            stored = ring.seal(sealer, page.payload, page.page_id) if ring is not None else \
+                sealer.seal_into(page.payload, page.page_id)
+            page = page._replace(stored=bytes(stored) if keep else b"", checksum=checksum(stored))
+        done.append(page)
+        yield page.page_id, page.checksum, stored, page.flags

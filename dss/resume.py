@@ -119,11 +119,13 @@ class ResumeResult:
 
     @property
     def load_seconds(self) -> float:
-        """Estimated time to load the matched pages from their tiers."""
+        """Estimated time to load the matched pages from their tiers (none for pages on ``device``:
+        the engine holding them needs no load)."""
         if self._rates is None:
             return 0.0
         per_page = self.page_bytes / self.page_tokens
-        return sum(tokens * per_page / self._rates.tier_bytes_per_s.get(tier, 1e9) for tier, tokens in self.tiers.items())
+        return sum(tokens * per_page / self._rates.tier_bytes_per_s.get(tier, 1e9) for tier, tokens in self.tiers.items()
+                   if tier != "device")
 
     @property
     def recompute_seconds(self) -> float:

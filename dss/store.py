@@ -27,18 +27,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dss import integrity, policy, versions
+from dss.compaction import Compaction, Compactor
 from dss.catalog import erasures, pages, sessions
 from dss.catalog.change import Applied, Change
 from dss.catalog.database import catalog_errors, now, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, ErasureInProgress, ErasureIncomplete, InvalidInput, InvalidTokens
+from dss.core.errors import (ConfigError, DssError, ErasureInProgress, ErasureIncomplete, InternalError, InvalidInput,
+                             InvalidTokens)
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
 from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
@@ -62,6 +65,7 @@ from dss.nearest import Decode, Explanation, Nearest
 from dss.pageindex import PageIndex
 from dss.pages import PageStore
 from dss.policy import Placement
+from dss.residency import for_catalog as device_tier
 from dss.resume import Candidate, Rates, ResumeResult
 from dss.state import SessionState, session_of
 from dss.tiers.disk import DiskTier
@@ -116,7 +120,8 @@ class Store:
         self.disk = DiskTier(home, fsync=config.fsync)
         self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
         self.host = HostTier(config.host_bytes, choose=self.placement.host_room)
-        self.index = PageIndex(self.host, has_remote=self.remote is not None)
+        self.device = device_tier(_catalog_key(config), config.residency_ttl_s)
+        self.index = PageIndex(self.host, has_remote=self.remote is not None, resident=self.device.held)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
         self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys, node_ref=self.node.ref,
@@ -126,7 +131,7 @@ class Store:
         if self.remote is not None:
             speeds["remote"] = config.remote_read_gbps * 1e9
         self.rates = Rates(speeds, config.recompute_tokens_per_s)
-        self.matcher = Matcher(self.mirror, self.index, self.rates)
+        self.matcher = Matcher(self.mirror, self.index, self.rates, self.device)
         self._near: Nearest | None = None
         if config.approximate or config.lsh_redis_url is not None:
             self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
@@ -137,6 +142,11 @@ class Store:
                            disk_bytes=config.disk_bytes, interval_s=config.mover_interval_s,
                            batch=config.move_batch_pages)
         self.pages.filled = self.mover.wake
+        self.compactor = Compactor(self.catalog, self.disk, self.writer.apply, node_ref=self.node.ref,
+                                   dead_share=config.compact_dead_share, segment_bytes=config.segment_bytes)
+        self._compacting = threading.Lock()
+        if config.compact_auto:
+            self.pages.before_full = self._before_full
         with self.catalog.read() as conn:
             removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
         if removed:
@@ -236,7 +246,10 @@ class Store:
 
         Returns the number of pages released (gone from every tier).
         """
-        return len(self.writer.write(session_id, tenant_id, versions.delete).dropped)
+        applied = self.writer.write(session_id, tenant_id, versions.delete)
+        if applied.thinned:
+            self._auto_compact(applied.thinned)
+        return len(applied.dropped)
 
     # -- versions --------------------------------------------------------------------------
 
@@ -477,7 +490,9 @@ class Store:
                 ids = [i for i, ok in zip(ids, allowed) if ok]
             read = self.pages.read(ids, load=load)
         if read.bad:
-            self.writer.apply(Change(quarantine=tuple(read.bad)))
+            applied = self.writer.apply(Change(quarantine=tuple(read.bad)))
+            if applied.thinned:
+                self._auto_compact(applied.thinned)
         if tenant_id is None:
             return read.payloads
         found = iter(read.payloads)
@@ -521,6 +536,88 @@ class Store:
         return [AuditEntry(audit_id=r.id, kind=r.kind, tenant_id=r.tenant_id, user_id=r.user_id,
                            created_at=r.created_at.isoformat(), receipt=stored(Receipt, r.receipt))
                 for r in rows]
+
+    # -- engines: the device tier -----------------------------------------------------------
+
+    def mark_resident(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
+        """Engine instance ``engine_id`` holds these pages in its own KV memory (the ``device``
+        tier): ``resume`` reports them there (those host or disk holds too), and
+        :meth:`residency` counts them for it. Kept in this process's memory, shared by the
+        stores of this process on the same catalog; each call renews the engine's lease
+        (``residency_ttl_s``; an empty list only renews it)."""
+        check_name("engine_id", engine_id)
+        ids = check_page_ids(page_ids)
+        self._check_open()
+        self.device.mark(engine_id, ids)
+
+    def evicted(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
+        """Engine instance ``engine_id`` no longer holds these pages (it reused their memory)."""
+        check_name("engine_id", engine_id)
+        ids = check_page_ids(page_ids)
+        self._check_open()
+        self.device.evict(engine_id, ids)
+
+    def forget_engine(self, engine_id: str) -> int:
+        """Engine instance ``engine_id`` went away: forget the pages it held; returns how many."""
+        check_name("engine_id", engine_id)
+        self._check_open()
+        return self.device.forget(engine_id)
+
+    def residency(self, session_id: str, *, tenant_id: str | None = None) -> dict[str, int]:
+        """``{engine_id: pages}``: how many pages of the session's head version each live engine
+        holds (engines holding none are left out), for a router to send the session's next
+        request where its KV already is."""
+        with self._reading():
+            state = self.mirror.state(session_id, tenant_id)
+            if state.head_id is None:
+                return {}
+            record = state.record
+            match = self.matcher.match(state.tokens(state.head_id), record.layout, record.tenant_id, record.user_ref,
+                                       state)
+            return self.device.holders(PageId(p.page_id) for p in match.pages)
+
+    # -- compaction ------------------------------------------------------------------------
+
+    def compact(self, *, dry_run: bool = False) -> Compaction:
+        """Rewrite the disk tier's sparse segment files (dead bytes at least
+        ``compact_dead_share`` of their size): live pages are copied into new files, the
+        catalog points at the copies in one transaction per new file, and the old files are
+        deleted after it committed, so dead bytes stop counting against ``disk_bytes``.
+        ``dry_run=True`` says what it would do and changes nothing. Safe against a kill at
+        any instant and against other processes writing, reading or compacting meanwhile.
+        Runs by itself (``compact_auto``) after writes that drop pages and before a full
+        disk evicts live pages."""
+        check_flag("dry_run", dry_run)
+        with self._reading():
+            pass
+        with self._compacting, catalog_errors():
+            try:
+                return self.compactor.run(dry_run=dry_run)
+            except OSError as exc:
+                raise InternalError(f"compaction could not write a page file ({exc.strerror or exc}); the files "
+                                    "compacted before stay compacted, the others as they were") from None
+
+    def _auto_compact(self, thinned: Sequence[int] | None = None) -> None:
+        """Compact if some segment (of ``thinned``: those a write just thinned out) is sparse;
+        never fails the write that asked (``compact_auto``)."""
+        if not self.config.compact_auto or not self._compacting.acquire(blocking=False):
+            return
+        try:
+            with catalog_errors():
+                if self.compactor.has_sparse(thinned):
+                    self.compactor.run()
+        except (DssError, OSError) as exc:
+            log.warning("compaction failed (the store is unchanged by it): %s", exc)
+        finally:
+            self._compacting.release()
+
+    def _before_full(self, need: int) -> None:
+        """Before ``need`` bytes of page files are written: if they would not fit the disk tier,
+        compact first, so dead bytes go before live pages are evicted."""
+        with self.catalog.read() as conn:
+            used = pages.tier_bytes(conn, "disk", self.node.ref)
+        if used + need > self.config.disk_bytes:
+            self._auto_compact()
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -689,6 +786,11 @@ def policy_settings(config: StoreConfig) -> policy.Settings:
         disk_user_quota=config.disk_user_quota, disk_tenant_quota=config.disk_tenant_quota,
         move_batch_pages=config.move_batch_pages, disk_bytes_per_s=config.disk_read_gbps * 1e9,
         recompute_tokens_per_s=config.recompute_tokens_per_s)
+
+
+def _catalog_key(config: StoreConfig) -> str:
+    """What names a catalog in this process (the residency of engines is shared per catalog)."""
+    return config.catalog_url or f"sqlite:///{(config.home / 'catalog.db').resolve()}"
 
 
 def _sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, Layout]:

@@ -62,7 +62,7 @@ def commit(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, An
     fresh = tuple(p for p in ids if p not in held)
     return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
                   base_seq=state.record.seq, layout_ref=state.record.layout_ref,
-                  pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer), version=version,
+                  pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None), version=version,
                   hold=fresh, hold_pinned=_pinned_among(state, fresh), retag=retag, touch=touch)
 
 
@@ -74,7 +74,7 @@ def save(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, Any]
     fresh = tuple(ids[i] for i in payloads if ids[i] not in state.held)
     return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
                   base_seq=state.record.seq, layout_ref=state.record.layout_ref,
-                  pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer), hold=fresh,
+                  pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None), hold=fresh,
                   hold_pinned=_pinned_among(state, fresh))
 
 

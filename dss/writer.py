@@ -20,14 +20,14 @@ from typing import Any
 
 from dss import versions
 from dss.catalog import change as changes
-from dss.catalog.change import Applied, Change, Room, Stale
+from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
 from dss.catalog.database import Catalog, catalog_errors
 from dss.core.errors import Conflict, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
 from dss.keys import DataKeys, ensure_namespace
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
-from dss.pages import PageStore
+from dss.pages import SEALED, PageStore
 from dss.state import SessionState
 
 ATTEMPTS = 16
@@ -76,11 +76,17 @@ class Writer:
         self.guard = guard
         self._master = master
 
-    def apply(self, change: Change) -> Applied:
+    def apply(self, change: Change, files: Sequence[str] = ()) -> Applied:
         """Write a change's segment files (outside the lock), apply it in one catalog
         transaction with the policy's room, then bring this process's caches up to date.
-        Raises ``Stale`` (nothing written) when its session moved on meanwhile."""
-        written = self.pages.write(change.pages)
+        Raises ``Stale`` (nothing written) when its session moved on meanwhile. ``files``:
+        segment files the caller wrote for the change (compaction's), deleted with the
+        change's own when its transaction does not commit."""
+        sealer = None
+        if change.user_ref is not None and any(p.flags & SEALED and p.stored is not None for p in change.pages):
+            with self.guard.lock:
+                sealer = self.keys.of(change.user_ref).sealer
+        written = self.pages.write(change.pages, sealer)
         committed = False
         try:
             with self.guard.lock:
@@ -89,10 +95,11 @@ class Writer:
                     applied = changes.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
                 self.pages.disk.settled(w.name for w in written)
-                return self._taken(change, applied)
+                return self._taken(change, applied, written)
         except BaseException:
             if not committed:
                 self.pages.abort(written)
+                self.pages.disk.remove(files)
             raise
 
     def evict(self, victims: Sequence[int]) -> Applied:
@@ -105,12 +112,13 @@ class Writer:
                 applied = changes.apply(tx, change, (), Room(tuple(victims), True))
             return self._taken(change, applied)
 
-    def _taken(self, change: Change, applied: Applied) -> Applied:
-        """After a change committed: tell other processes, update this one's caches."""
+    def _taken(self, change: Change, applied: Applied, written: Sequence[WrittenSegment] = ()) -> Applied:
+        """After a change committed: tell other processes, update this one's caches (and the
+        remote tier, with ``written``)."""
         self.mirror.wrote(applied.seq)
         self.mirror.apply(applied.events)
         namespace = self.index.namespaces.get(change.user_ref) if change.user_ref is not None else None
-        self.pages.settle(applied, change.pages, namespace)
+        self.pages.settle(applied, change.pages, namespace, written)
         return applied
 
     def write(self, session_id: str, tenant_id: str | None, build: Callable[..., Change], *args: Any) -> Applied:

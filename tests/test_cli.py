@@ -80,9 +80,9 @@ def test_check(home: str) -> None:
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     home = str(tmp_path / "new")
     assert run("--home", home, "db", "current") == (0, "empty\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0005\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0005\n")
-    assert run("--home", home, "db", "current") == (0, "0005\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0006\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0006\n")
+    assert run("--home", home, "db", "current") == (0, "0006\n")
 
 
 def test_demo_reuses_and_verifies(tmp_path: Path) -> None:
@@ -142,6 +142,8 @@ def walk_cases(home: str, url: str) -> list[tuple[tuple[str, ...], list[str], Ca
         (("forget-user",), ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
          lambda code, out: code == 0 and out.startswith("user 'alice' of tenant 'acme': 1 sessions, 2 versions")),
         (("audit",), ["audit", "--json"], lambda code, out: (code, out) == (0, "[]\n")),
+        (("compact",), ["compact", "--dry-run", "--json"],
+         lambda code, out: code == 0 and json.loads(out)["bytes_before"] > 0),
         (("db",), ["db", "--home", home, "--catalog-url", url, "current"],
          lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n")),
         (("db", "upgrade"), ["db", "upgrade"],

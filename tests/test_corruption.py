@@ -57,8 +57,38 @@ def test_flipped_payload_byte_is_a_miss_and_quarantined(tmp_path: Path) -> None:
         got = store.read_pages(result.pages)
         assert got == [original(i) if i != 3 else None for i in range(10)]
         quarantined = store.sql("SELECT tier, reason FROM quarantine").rows
-        assert quarantined == [("disk", quarantined[0][1])] and "checksum" in quarantined[0][1]
+        # sealed records are authenticated by their AES-GCM tag (not hashed a second time)
+        assert quarantined == [("disk", quarantined[0][1])] and "fails authentication" in quarantined[0][1]
         assert store.resume("s", TOKENS).matched_tokens == 12  # pages 0..2 only
+        assert store.check() == []
+
+
+def test_a_plaintext_page_with_a_flipped_byte_fails_its_checksum(tmp_path: Path) -> None:
+    with dss.open(tmp_path, encrypt=False) as store:
+        store.create_session("s", layout=LAYOUT)
+        store.commit("s", TOKENS, {i: original(i) for i in range(10)})
+    with dss.open(tmp_path, encrypt=False) as store:
+        offset, length = location(store, 3)
+        flip(segment(tmp_path), offset + length - 1)
+        assert store.read_pages(store.resume("s", TOKENS).pages) == [original(i) if i != 3 else None
+                                                                     for i in range(10)]
+        assert "fails its checksum" in store.sql("SELECT reason FROM quarantine").rows[0][0]
+        assert store.check() == []
+
+
+def test_a_sealed_record_whose_flag_is_cleared_is_never_served_as_plaintext(tmp_path: Path) -> None:
+    """The flags are outside the checksum: a sealed record flagged plain would pass it, and its
+    ciphertext be served as KV; its length (page plus nonce and tag) gives it away."""
+    build(tmp_path)
+    with dss.open(tmp_path) as store:
+        offset, _ = location(store, 6)
+        path = segment(tmp_path)
+        data = bytearray(path.read_bytes())
+        data[offset + 20] &= 0xFE  # flags (u32 after the 16-byte id and the u32 length): sealed bit off
+        path.write_bytes(bytes(data))
+        got = store.read_pages(store.resume("s", TOKENS).pages)
+        assert got == [original(i) if i != 6 else None for i in range(10)]
+        assert "wrong length for its flags" in store.sql("SELECT reason FROM quarantine").rows[0][0]
         assert store.check() == []
 
 

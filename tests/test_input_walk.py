@@ -109,6 +109,22 @@ def rows(v1: int) -> list[Row]:
             {"query": "query", "params": "params", "max_rows": "max_rows"}, ("query", "params")),
         Row("delete_session", {"session_id": "b", "tenant_id": "t"}, {"session_id": "id", "tenant_id": "optional id"},
             ("session_id",)),
+        Row("nearest", {"tokens": T, "session_id": "s", "tenant_id": "t", "k": 5},
+            {"tokens": "tokens", "session_id": "optional id", "tenant_id": "optional id", "k": "max_rows"},
+            ("tokens",)),
+        Row("explain", {"session_id": "s", "tokens": T, "tenant_id": "t", "decode": None},
+            {"tokens": "tokens", "tenant_id": "optional id", "decode": "callback"}, ("session_id", "tokens")),
+        Row("prefetch_candidates", {"tokens": T, "session_id": "s", "tenant_id": "t", "promote": False},
+            {"tokens": "tokens", "session_id": "optional id", "tenant_id": "optional id", "promote": "flag"},
+            ("tokens",)),
+        Row("compact", {"dry_run": True}, {"dry_run": "flag"}),
+        Row("mark_resident", {"engine_id": "e", "page_ids": REFS}, {"engine_id": "id", "page_ids": "page ids"},
+            ("engine_id", "page_ids")),
+        Row("evicted", {"engine_id": "e", "page_ids": REFS}, {"engine_id": "id", "page_ids": "page ids"},
+            ("engine_id", "page_ids")),
+        Row("residency", {"session_id": "s", "tenant_id": "t"}, {"session_id": "id", "tenant_id": "optional id"},
+            ("session_id",)),
+        Row("forget_engine", {"engine_id": "e"}, {"engine_id": "id"}, ("engine_id",)),
     ]
 
 

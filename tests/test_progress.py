@@ -98,7 +98,7 @@ def test_forget_user_piped_or_json_prints_the_receipt_and_nothing_else(home: str
 
 
 def old_catalog(tmp_path: Path) -> str:
-    """A store folder whose catalog is at revision 0001 (two migrations behind)."""
+    """A store folder whose catalog is at revision 0001 (five migrations behind)."""
     from alembic import command
 
     catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
@@ -112,15 +112,18 @@ def old_catalog(tmp_path: Path) -> str:
 
 def test_db_upgrade_on_a_terminal_draws_a_bar_of_the_migrations(tmp_path: Path) -> None:
     out = on_terminal(dss_command("--home", old_catalog(tmp_path), "db", "upgrade"))
-    assert bars(out) == [("applying catalog migrations", "0/2", None),
-                         ("applying catalog migrations", "1/2", "0002"),
-                         ("applying catalog migrations", "2/2", "0003")]
-    assert out.endswith(b"catalog upgraded from 0001 to 0003\r\n")
+    assert bars(out) == [("applying catalog migrations", "0/5", None),
+                         ("applying catalog migrations", "1/5", "0002"),
+                         ("applying catalog migrations", "2/5", "0003"),
+                         ("applying catalog migrations", "3/5", "0004"),
+                         ("applying catalog migrations", "4/5", "0005"),
+                         ("applying catalog migrations", "5/5", "0006")]
+    assert out.endswith(b"catalog upgraded from 0001 to 0006\r\n")
 
 
 def test_db_upgrade_piped_prints_one_line(tmp_path: Path) -> None:
     assert piped(dss_command("--home", old_catalog(tmp_path), "db", "upgrade")) == (
-        "catalog upgraded from 0001 to 0003\n", "")
+        "catalog upgraded from 0001 to 0006\n", "")
 
 
 def test_a_bar_never_counts_past_its_total_and_finish_fills_it() -> None:

@@ -55,3 +55,48 @@ def test_recovery_removes_only_files_of_dead_writers(tmp_path: Path) -> None:
     alive.close()
     assert other.recover(recorded=set()) == [mine]
     other.close()
+
+
+def records(count: int, size: int, flags: int = 0) -> list[tuple[PageId, int, bytes, int]]:
+    out = []
+    for i in range(count):
+        payload = i.to_bytes(4, "little") * (size // 4)
+        out.append((PageId(i.to_bytes(16, "little")), checksum(payload), payload, flags))
+    return out
+
+
+def test_pages_move_sixteen_per_io(tmp_path: Path) -> None:
+    """A segment of 40 records goes out in 3 writes (16, 16, 8); reading big records back takes
+    16 per pread, small ones as many as fit 4 MiB; the result is the same either way."""
+    disk = DiskTier(tmp_path)
+    for size, reads in ((512 << 10, 3), (1024, 1)):
+        before = (disk.io.writes, disk.io.reads)
+        pages = records(40, size)
+        name, _, located = disk.write(pages)
+        assert (disk.io.writes - before[0], disk.io.pages_written) == (3, 40 if size > 1024 else 80)
+        requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)]
+        for transient in (False, True):
+            got: dict[int, bytes] = {}
+            for chunk in disk.read_chunks(requests, transient=transient):
+                assert chunk.failures == []
+                got.update((i, bytes(record.payload)) for i, record in chunk.records)
+            assert got == {i: p for i, (_, _, p, _) in enumerate(pages)}
+        assert disk.io.reads - before[1] == 2 * reads
+    disk.close()
+
+
+def test_a_sealed_record_is_left_to_its_reader_to_authenticate(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path)
+    pages = records(2, 64, flags=1)
+    name, _, located = disk.write(pages)
+    path = tmp_path / "segments" / name
+    data = bytearray(path.read_bytes())
+    data[located[1].offset + RECORD.size] ^= 0xFF  # a payload byte of the second (sealed) record
+    path.write_bytes(bytes(data))
+    requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)]
+    found, failures = disk.read(requests)
+    assert found[0] is not None and found[1] is None
+    assert [f.reason.split()[-2:] for f in failures] == [["its", "checksum"]]
+    found, failures = disk.read(requests, sealed_verified_by_caller=True)
+    assert [r is not None for r in found] == [True, True] and failures == []  # its tag will fail instead
+    disk.close()

@@ -1,7 +1,7 @@
 """A write as one value, and the one function that applies it.
 
 Every write of the store (create, commit, save pages, rollback, branch, pin, delete,
-quarantine) is a :class:`Change`: the catalog rows it adds or removes, the pages it places,
+quarantine, compaction) is a :class:`Change`: the catalog rows it adds or removes, the pages it places,
 and — once applied — the feed events it emits. :mod:`dss.versions` builds changes from a
 session's state; :func:`apply` writes one in the caller's transaction, and returns the events
 with what this process needs to update its own caches in place (:meth:`dss.mirror.Mirror.apply`
@@ -64,8 +64,11 @@ class NewVersion(NamedTuple):
 
 class NewPage(NamedTuple):
     """A page to store: its id and index in its prompt, its payload, and the bytes that go
-    to disk (``stored``, sealed unless the store does not encrypt; ``None`` when a durable
-    tier holds it already) with their checksum and record flags."""
+    to disk (``stored``; ``None`` when a durable tier holds it already) with their checksum
+    and record flags. A page flagged sealed (``flags`` bit 0) is sealed as it is written
+    (:meth:`dss.pages.PageStore.write`, overlapping the sealing with the disk): until then
+    ``stored`` is its payload and ``checksum`` 0; the written segment's pages carry the
+    sealed bytes and their checksum."""
 
     page_id: PageId
     index: int
@@ -94,6 +97,18 @@ class WrittenSegment(NamedTuple):
     node_ref: int
     """The node whose folder holds the file."""
     pages: tuple[tuple[NewPage, int, int], ...]
+
+
+class MovedSegment(NamedTuple):
+    """A segment file compaction wrote (before its transaction): copies of live records of
+    older segments of one namespace, each ``(record, new_offset)``."""
+
+    name: str
+    tier: str
+    node_ref: int
+    user_ref: int
+    size: int
+    moves: tuple[tuple[pages.LiveRecord, int], ...]
 
 
 class Room(NamedTuple):
@@ -133,6 +148,8 @@ class Change:
     pin_pages: tuple[tuple[PageId, ...], tuple[PageId, ...]] = ((), ())
     """Pages of the session to mark pinned, and to mark not pinned."""
     quarantine: tuple[Quarantined, ...] = ()
+    move: tuple[MovedSegment, ...] = ()
+    """Compaction: live pages copied into new segment files; their old segments go once empty."""
     delete: bool = False
     """Delete the session, its versions and its holds; pages no one holds any more go."""
 
@@ -164,6 +181,8 @@ class Applied(NamedTuple):
     dropped: tuple[bytes, ...]
     """Pages the change removed from every tier (a deleted session's, quarantined ones)."""
     dead_files: tuple[str, ...]
+    thinned: tuple[int, ...] = ()
+    """Segments that lost pages and keep some: their dead bytes grew (compaction may be due)."""
 
 
 def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room()) -> Applied:
@@ -186,18 +205,20 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
     if change.create is not None:
         ref, layout_ref = _create(conn, seq, stamp, change)
     dead: list[str] = []
+    thinned: list[int] = []
     evicted = _evict(conn, seq, room.victims, events, dead)
     stored = _store(conn, seq, stamp, change, layout_ref, written, room.fits, events, dead)
     version_id = None
     held: list[bytes] = []
     if ref is not None and not change.delete:
         version_id, held = _session(conn, seq, stamp, ref, change)
-    dropped = _quarantine(conn, seq, change.quarantine, events, dead)
+    dropped = _quarantine(conn, seq, change.quarantine, events, dead, thinned)
+    _move(conn, seq, change.move, events, dead)
     released: list[bytes] = []
     if ref is not None and change.delete:
         released = pages.release(conn, ref)
         sessions.delete_session_rows(conn, ref)
-        holders, emptied = pages.drop_pages(conn, released, seq)
+        holders, emptied = pages.drop_pages(conn, released, seq, thinned)
         dead += emptied
         _changed(events, conn, holders, skip=ref)
         assert change.user_ref is not None
@@ -208,7 +229,8 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
         events.append(SessionChanged(ref, change.user_ref, SessionWrite(change, seq, stamp, version_id, tuple(held),
                                                                         unheld, layout_ref)))
     feed.record(conn, seq, events)
-    return Applied(seq, ref, version_id, tuple(events), tuple(stored), (*dropped, *released), tuple(dead))
+    return Applied(seq, ref, version_id, tuple(events), tuple(stored), (*dropped, *released), tuple(dead),
+                   tuple(sorted(set(thinned))))
 
 
 def _create(conn: Any, seq: int, stamp: dt.datetime, change: Change) -> tuple[int, int]:
@@ -290,19 +312,33 @@ def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) 
     return version_id, held
 
 
-def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Event], dead: list[str]) -> list[bytes]:
+def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Event], dead: list[str],
+                thinned: list[int]) -> list[bytes]:
     """Record pages that failed verification and drop them from the catalog."""
+    if not bad:
+        return []
+    bad = pages.still_located(conn, bad)  # a page compaction moved meanwhile was read from its old file
     if not bad:
         return []
     for q in bad:
         pages.add_quarantine(conn, q.page_id, q.user_ref, "disk", q.segment, q.offset, q.reason)
     ids = [q.page_id for q in bad]
-    holders, emptied = pages.drop_pages(conn, ids, seq)
+    holders, emptied = pages.drop_pages(conn, ids, seq, thinned)
     dead += emptied
     _changed(events, conn, holders)
     for user_ref in sorted({q.user_ref for q in bad}):
         events.append(PagesDropped(user_ref, tuple(q.page_id for q in bad if q.user_ref == user_ref)))
     return ids
+
+
+def _move(conn: Any, seq: int, moved: Sequence[MovedSegment], events: list[Event], dead: list[str]) -> None:
+    """Point pages at their copies in compacted segments (those not dropped or moved meanwhile)."""
+    for segment in moved:
+        records, emptied = pages.relocate(conn, segment.name, segment.tier, segment.node_ref, segment.user_ref,
+                                          segment.size, segment.moves, seq)
+        dead += emptied
+        if records:
+            events.append(PagesStored(segment.user_ref, seq, tuple(records)))
 
 
 def _changed(events: list[Event], conn: Any, session_refs: Sequence[int], skip: int | None = None) -> None:
@@ -311,5 +347,5 @@ def _changed(events: list[Event], conn: Any, session_refs: Sequence[int], skip: 
         events.append(SessionChanged(ref, user_ref))
 
 
-__all__ = ["Applied", "Change", "NewPage", "NewSession", "NewVersion", "Quarantined", "Room",
+__all__ = ["Applied", "Change", "MovedSegment", "NewPage", "NewSession", "NewVersion", "Quarantined", "Room",
            "SessionWrite", "Stale", "WrittenSegment", "apply"]

@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 """The Alembic revision this code expects the catalog to be at."""
 
 

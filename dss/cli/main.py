@@ -20,6 +20,7 @@ from dss.cli.progress import bar
 from dss.core.config import StoreConfig, load_config
 from dss.core.crypto import read_master_key
 from dss.core.errors import DssError
+from dss.compaction import Compaction
 from dss.erasure import JobState, Plan
 from dss.store import Store
 
@@ -254,6 +255,36 @@ def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: boo
             receipt = store.forget_user(user_id, tenant_id=tenant, progress=steps.begin)
             steps.finish()
     click.echo(receipt.model_dump_json(exclude_none=True, indent=None if as_json else 2))
+
+
+@main.command()
+@click.option("--dry-run", is_flag=True, help="Print what compaction would do; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def compact(ctx: Context, dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Rewrite sparse page files (mostly dead records) so their dead bytes are freed."""
+    with ctx.open() as store:
+        plan = store.compact(dry_run=True)
+        if not dry_run and plan.segments and not yes:
+            if not sys.stdin.isatty():
+                raise DssCommandError("refusing to compact without --yes (stdin is not a terminal)")
+            click.echo(_describe_compaction(plan), err=True)
+            click.confirm("Compact now?", abort=True, err=True)
+        done = plan if dry_run or not plan.segments else store.compact()
+    if as_json:
+        click.echo(json.dumps({**done._asdict(), "freed_bytes": done.freed_bytes}))
+    else:
+        click.echo(_describe_compaction(done))
+
+
+def _describe_compaction(done: Compaction) -> str:
+    if not done.segments:
+        return f"nothing to compact: no page file is sparse ({done.bytes_before} bytes on disk)"
+    verb = "would rewrite" if done.dry_run else "rewrote"
+    return (f"{verb} {done.segments} page files into {done.new_segments} ({done.pages} pages): "
+            f"{done.bytes_before} -> {done.bytes_after} bytes on disk, {done.freed_bytes} freed")
 
 
 def _describe_plan(plan: Plan) -> str:

@@ -77,6 +77,14 @@ class StoreConfig(BaseModel):
     feed_poll_s: float = Field(1.0, gt=0, le=3600, allow_inf_nan=False,
                                description="PostgreSQL catalog: how often a node polls for other nodes' writes "
                                "when no notification came (LISTEN/NOTIFY tells it sooner).")
+    compact_dead_share: float = Field(0.5, gt=0, le=1, allow_inf_nan=False,
+                                      description="A disk segment whose dead records (of dropped pages) reach "
+                                      "this share of its size is rewritten by compaction.")
+    compact_auto: bool = Field(True, description="Compact sparse disk segments after writes that drop pages and "
+                               "before a full disk evicts live ones.")
+    residency_ttl_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                   description="An engine that reports no residency (device tier) for this many "
+                                   "seconds is taken to be gone: the pages it held no longer count as on device.")
 
     approximate: bool = Field(False, description="Default of resume(approximate=...): when the exact paths match "
                               "less than lsh_min_share of the prompt, verify MinHash-LSH candidates exactly "

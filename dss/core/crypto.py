@@ -54,6 +54,16 @@ class Sealer:
         nonce = secrets.token_bytes(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, plaintext, aad)
 
+    def seal_into(self, plaintext: bytes | memoryview, aad: bytes, blob: bytearray | None = None) -> bytearray:
+        """:meth:`seal` for large payloads: encrypted straight into ``blob`` (reused when it
+        has the right size, so its memory is not faulted in again), no copy after."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        if blob is None or len(blob) != len(plaintext) + OVERHEAD:
+            blob = bytearray(len(plaintext) + OVERHEAD)
+        blob[:NONCE_BYTES] = nonce
+        self._aead.encrypt_into(nonce, plaintext, aad, memoryview(blob)[NONCE_BYTES:])
+        return blob
+
     def open(self, blob: bytes | memoryview, aad: bytes) -> bytes:
         """The plaintext of a sealed blob; raises :class:`SealError` if it does not authenticate."""
         view = memoryview(blob)

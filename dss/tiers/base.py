@@ -86,8 +86,9 @@ class DurableTier(ABC):
     name: str
 
     @abstractmethod
-    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
-        """Publish ``(page_id, checksum, payload, flags)`` records atomically as one new segment.
+    def write(self, pages: Iterable[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
+        """Publish ``(page_id, checksum, payload, flags)`` records atomically as one new segment
+        (``pages`` may be produced lazily, as the tier asks for them).
 
         Returns ``(segment, size, locations)``. When it returns, the segment is durable;
         when it raises, nothing is visible.

@@ -12,6 +12,13 @@ pages means deleting whole segments (the store rewrites live pages elsewhere fir
 compacts). Every read checks the record's page id, length and checksum against what the
 catalog expects.
 
+I/O is batched both ways: a segment is written with one ``writev`` per :data:`IO_PAGES`
+records, and reads coalesce neighbouring records into one ``pread`` of at most
+:data:`IO_PAGES` records (more when they are small, up to :data:`IO_BYTES`), the next one
+issued by a helper thread while the caller verifies and opens the last (``read_chunks``).
+Records flagged sealed may be returned unverified (``sealed_verified_by_caller``): their
+AES-GCM tag authenticates them, so hashing them as well would be done twice.
+
 Each process writes under a writer id and holds an exclusive ``flock`` on
 ``locks/<writer>.lock`` while it lives; a segment without a catalog row is an orphan only
 once its writer's lock can be taken, i.e. the writer is dead.
@@ -25,8 +32,11 @@ import itertools
 import os
 import secrets
 import struct
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from dss.core.hashing import checksum as page_checksum
 from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
@@ -37,6 +47,21 @@ RECORD = struct.Struct("<16sIIq")
 HEADER_BYTES = len(MAGIC)
 COALESCE_GAP = 256 << 10
 """Records closer than this are read with one ``pread``."""
+IO_PAGES = 16
+"""Records per ``writev`` and (at most, unless they are small) per ``pread``."""
+IO_BYTES = 4 << 20
+"""A ``pread`` of small records may hold more than :data:`IO_PAGES` of them, up to this many bytes."""
+SEALED_FLAG = 1
+"""Record flag bit 0: the payload is sealed (authenticated by its reader)."""
+
+
+class IoCounts:
+    """This tier's I/O calls and the records they moved, since it was opened."""
+
+    __slots__ = ("pages_read", "pages_written", "reads", "writes")
+
+    def __init__(self) -> None:
+        self.reads = self.pages_read = self.writes = self.pages_written = 0
 
 
 class DiskTier(DurableTier):
@@ -61,6 +86,11 @@ class DiskTier(DurableTier):
         self._counter = itertools.count()
         self._in_flight: set[str] = set()
         """Segments this process wrote whose catalog transaction has not ended yet."""
+        self.io = IoCounts()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
+        self._pool_pid = os.getpid()
+        self._buffers: list[bytearray] = [bytearray(), bytearray()]
+        self._buffers_lock = threading.Lock()
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -68,30 +98,51 @@ class DiskTier(DurableTier):
             os.unlink(self.locks_dir / f"{self.writer}.lock")
             os.close(self._lock_fd)
             self._lock_fd = -1
+        self._pool.shutdown(wait=True)
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
-        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier."""
+    def write(self, pages: Iterable[tuple[PageId, int, Any, int]]) -> tuple[str, int, list[Located]]:
+        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
+
+        The records go out with one ``writev`` per :data:`IO_PAGES` of them (no copy into a
+        buffer), each issued by the helper thread while the next ones are taken from
+        ``pages`` (which may be produced lazily: sealed as they are asked for) and written
+        back to the disk right away, then one ``fsync`` of the file and one of the folder.
+        """
         name = f"{self.writer}-{next(self._counter):010d}.seg"
         self._in_flight.add(name)
-        parts: list[bytes] = [MAGIC]
-        locations: list[Located] = []
-        offset = HEADER_BYTES
-        for page_id, checksum, payload, flags in pages:
-            parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
-            parts.append(payload)
-            length = RECORD.size + len(payload)
-            locations.append(Located(name, offset, length))
-            offset += length
         tmp = self.tmp_dir / name
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        locations: list[Located] = []
+        offset = HEADER_BYTES
+        pending: Future[None] | None = None
         try:
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                f.writelines(parts)
+            parts: list[Any] = [MAGIC]
+            count = 0
+            written = 0
+            for page_id, checksum, payload, flags in pages:
+                parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
+                parts.append(payload)
+                length = RECORD.size + len(payload)
+                locations.append(Located(name, offset, length))
+                offset += length
+                count += 1
+                if count == IO_PAGES:
+                    if pending is not None:
+                        pending.result()
+                    pending = self._io().submit(self._write_parts, fd, parts, count, written, offset - written)
+                    parts, count, written = [], 0, offset
+            if pending is not None:
+                pending, done = None, pending
+                done.result()
+            if parts:
+                self._write_parts(fd, parts, count, written, offset - written)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
+            if pending is not None:
+                pending.exception()  # wait: the fd must outlive the write in flight
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
@@ -99,6 +150,17 @@ class DiskTier(DurableTier):
         os.rename(tmp, self.segments_dir / name)
         self._sync_dir(self.segments_dir)
         return name, offset, locations
+
+    def _write_parts(self, fd: int, parts: list[Any], records: int, start: int, length: int) -> None:
+        """Write ``parts`` (``length`` bytes from file offset ``start``) in order with ``writev``
+        (again for what a short write left); with ``fsync``, start writing them back to the
+        disk at once (``POSIX_FADV_DONTNEED``, which also keeps their bytes out of the page
+        cache: the host tier has the pages), so the final ``fsync`` has little left to wait for."""
+        self.io.writes += 1
+        self.io.pages_written += records
+        write_all(fd, parts)
+        if self.fsync and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
 
     def remove(self, segments: Iterable[str]) -> None:
         """Delete segments (absent ones are ignored), then fsync the directory."""
@@ -115,42 +177,108 @@ class DiskTier(DurableTier):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, requests: Sequence[ReadRequest]) -> tuple[list[StoredPage | None], list[ReadFailure]]:
+    def read(self, requests: Sequence[ReadRequest], *,
+             sealed_verified_by_caller: bool = False) -> tuple[list[StoredPage | None], list[ReadFailure]]:
         """Verified records in request order; see DurableTier. Never raises for bad files."""
         out: list[StoredPage | None] = [None] * len(requests)
         failures: list[ReadFailure] = []
+        for chunk in self.read_chunks(requests, sealed_verified_by_caller=sealed_verified_by_caller):
+            for i, record in chunk.records:
+                out[i] = record
+            failures.extend(chunk.failures)
+        return out, failures
+
+    def read_chunks(self, requests: Sequence[ReadRequest], *, sealed_verified_by_caller: bool = False,
+                    transient: bool = False) -> Iterator[Chunk]:
+        """The records of ``requests``, one :class:`Chunk` per ``pread`` (each record in exactly
+        one chunk), in file order. While the caller works on a chunk, a helper thread reads
+        the next. Records that are missing, torn or corrupt are failures; so are records
+        flagged sealed whose header is wrong, but their payloads are not hashed when
+        ``sealed_verified_by_caller`` (the caller authenticates them). Never raises for bad files.
+
+        ``transient``: the caller is done with a chunk's payloads when it asks for the next one
+        (it copies or opens them), so the tier reads into two buffers it keeps and reuses
+        rather than into fresh memory for every read."""
+        if not requests:
+            return
+        plan, failures, fds = self._plan(requests)
+        buffers = self._buffers if transient and self._buffers_lock.acquire(blocking=False) else None
+        pending: Future[memoryview | OSError] | None = None
+        try:
+            if failures:
+                yield Chunk([], failures)
+            if not plan:
+                return
+
+            def submit(k: int) -> Future[memoryview | OSError]:
+                segment, start, end, _ = plan[k]
+                into = None
+                if buffers is not None:
+                    if len(buffers[k % 2]) < end - start:
+                        buffers[k % 2] = bytearray(end - start)
+                    into = buffers[k % 2]
+                return self._io().submit(_pread, fds[segment], end - start, start, into)
+
+            pending = submit(0)
+            for k, (_, start, _, run) in enumerate(plan):
+                data = pending.result()
+                pending = submit(k + 1) if k + 1 < len(plan) else None
+                self.io.reads += 1
+                self.io.pages_read += len(run)
+                yield self._chunk(data, start, run, requests, sealed_verified_by_caller)
+        finally:
+            if pending is not None:
+                pending.exception()  # wait: the read in flight needs its file and buffer
+            for fd in fds.values():
+                os.close(fd)
+            if buffers is not None:
+                self._buffers_lock.release()
+
+    def _io(self) -> ThreadPoolExecutor:
+        """The helper thread's executor (a fresh one in a process forked from the one that made it)."""
+        if self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
+            self._pool_pid = os.getpid()
+            self._buffers_lock = threading.Lock()
+        return self._pool
+
+    def _plan(self, requests: Sequence[ReadRequest]) -> tuple[list[tuple[str, int, int, list[int]]],
+                                                              list[ReadFailure], dict[str, int]]:
+        """The preads to make ``(segment, start, end, request indices)``, the requests of
+        segments that cannot be opened, and the open segments' file descriptors."""
+        plan: list[tuple[str, int, int, list[int]]] = []
+        failures: list[ReadFailure] = []
+        fds: dict[str, int] = {}
         order = sorted(range(len(requests)), key=lambda i: (requests[i].segment, requests[i].offset))
         for segment, group in itertools.groupby(order, key=lambda i: requests[i].segment):
             indices = list(group)
             try:
-                fd = os.open(self.segments_dir / segment, os.O_RDONLY)
+                fds[segment] = os.open(self.segments_dir / segment, os.O_RDONLY)
             except OSError as exc:
                 failures.extend(ReadFailure(i, f"segment {segment}: {exc.strerror}") for i in indices)
                 continue
-            try:
-                for run in _runs(indices, requests):
-                    self._read_run(fd, run, requests, out, failures)
-            finally:
-                os.close(fd)
-        return out, failures
+            for run in _runs(indices, requests):
+                start = requests[run[0]].offset
+                plan.append((segment, start, max(requests[i].offset + requests[i].length for i in run), run))
+        return plan, failures, fds
 
-    def _read_run(self, fd: int, run: list[int], requests: Sequence[ReadRequest],
-                  out: list[StoredPage | None], failures: list[ReadFailure]) -> None:
-        start = requests[run[0]].offset
-        end = max(requests[i].offset + requests[i].length for i in run)
-        try:
-            data = memoryview(os.pread(fd, end - start, start))
-        except OSError as exc:
-            failures.extend(ReadFailure(i, f"read failed: {exc.strerror}") for i in run)
-            return
+    @staticmethod
+    def _chunk(data: memoryview | OSError, start: int, run: list[int], requests: Sequence[ReadRequest],
+               sealed_verified_by_caller: bool) -> Chunk:
+        if isinstance(data, OSError):
+            return Chunk([], [ReadFailure(i, f"read failed: {data.strerror}") for i in run])
+        view = data
+        records: list[tuple[int, StoredPage]] = []
+        failures: list[ReadFailure] = []
         for i in run:
             req = requests[i]
-            record = data[req.offset - start : req.offset - start + req.length]
-            problem = _verify(record, req)
+            record = view[req.offset - start : req.offset - start + req.length]
+            problem = _verify(record, req, sealed_verified_by_caller)
             if problem:
                 failures.append(ReadFailure(i, problem))
             else:
-                out[i] = StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])
+                records.append((i, StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])))
+        return Chunk(records, failures)
 
     # -- inventory and recovery ------------------------------------------------------------
 
@@ -233,29 +361,68 @@ class DiskTier(DurableTier):
             os.close(fd)
 
 
+class Chunk(NamedTuple):
+    """What one ``pread`` yielded: ``(request index, record)`` of the good records, and the failures."""
+
+    records: list[tuple[int, StoredPage]]
+    failures: list[ReadFailure]
+
+
+def write_all(fd: int, parts: list[Any]) -> None:
+    """Write every byte of ``parts`` in order (``writev``, again after a short write)."""
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= len(parts[0]):
+            written -= len(parts[0])
+            parts = parts[1:]
+        if parts and written:
+            parts = [memoryview(parts[0])[written:], *parts[1:]]
+
+
+def _pread(fd: int, size: int, offset: int, into: bytearray | None = None) -> memoryview | OSError:
+    """``size`` bytes at ``offset`` (fewer at the end of the file), into ``into`` if given."""
+    try:
+        if into is None:
+            return memoryview(os.pread(fd, size, offset))
+        view = memoryview(into)[:size]
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return view[:got]
+    except OSError as exc:
+        return exc
+
+
 def _runs(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:
-    """Split offset-sorted request indices into runs close enough to read at once."""
+    """Split offset-sorted request indices into runs to read with one ``pread`` each: records
+    close together, at most :data:`IO_PAGES` of them unless the run is under :data:`IO_BYTES`."""
     runs: list[list[int]] = []
-    end = -1
+    start = end = -1
     for i in indices:
         req = requests[i]
-        if runs and req.offset <= end + COALESCE_GAP:
+        grown = max(end, req.offset + req.length) - start
+        if runs and req.offset <= end + COALESCE_GAP and (len(runs[-1]) < IO_PAGES or grown <= IO_BYTES):
             runs[-1].append(i)
             end = max(end, req.offset + req.length)
         else:
             runs.append([i])
-            end = req.offset + req.length
+            start, end = req.offset, req.offset + req.length
     return runs
 
 
-def _verify(record: memoryview, req: ReadRequest) -> str | None:
+def _verify(record: memoryview, req: ReadRequest, sealed_verified_by_caller: bool = False) -> str | None:
     if len(record) < req.length:
         return f"record at {req.segment}:{req.offset} is truncated"
-    page_id, size, _flags, stored = RECORD.unpack_from(record)
+    page_id, size, flags, stored = RECORD.unpack_from(record)
     if page_id != req.page_id:
         return f"record at {req.segment}:{req.offset} holds another page"
     if size != req.length - RECORD.size or stored != req.checksum:
         return f"record at {req.segment}:{req.offset} has a corrupt header"
+    if sealed_verified_by_caller and flags & SEALED_FLAG:
+        return None
     if page_checksum(record[RECORD.size :]) != req.checksum:
         return f"record at {req.segment}:{req.offset} fails its checksum"
     return None
