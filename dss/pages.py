@@ -82,22 +82,28 @@ class PageStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, new: Sequence[NewPage]) -> list[WrittenSegment]:
+    def write(self, new: Sequence[NewPage], *, sync: bool = True) -> list[WrittenSegment]:
         """Write the pages that need it as segment files of at most ``segment_bytes`` each; no
-        catalog, no lock. Writes nothing when they could never fit the tier."""
+        catalog, no lock. Writes nothing when they could never fit the tier. ``sync=False``:
+        not yet durable, :meth:`sync` them before the transaction that records them."""
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
         out: list[WrittenSegment] = []
         try:
             for batch in self._batches(fresh):
-                name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch])
+                name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch],
+                                                      sync=sync)
                 out.append(WrittenSegment(name, size, tuple((p, where.offset, where.length)
                                                             for p, where in zip(batch, located))))
         except BaseException:
             self.abort(out)
             raise
         return out
+
+    def sync(self, written: Sequence[WrittenSegment]) -> None:
+        """Make segment files written with ``sync=False`` durable (one round of fsyncs)."""
+        self.disk.sync([w.name for w in written])
 
     def room(self, tx: Tx, written: Sequence[WrittenSegment]) -> Room:
         """What the policy decides for ``written`` in transaction ``tx``: segments to drop so

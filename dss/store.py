@@ -108,7 +108,8 @@ class Store:
         self.matcher = Matcher(self.mirror, self.index, self.rates)
         self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
         self.guard = Guard(self.mirror)
-        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master)
+        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master,
+                             group_commit=config.group_commit)
         with self.catalog.read() as conn:
             removed = self.disk.recover(set(pages.all_segments(conn, "disk")))
         if removed:

@@ -9,20 +9,34 @@ under the lock, makes room by the policy and applies it (:func:`dss.catalog.chan
 then this process's caches take its events (:meth:`dss.mirror.Mirror.apply`) and its pages
 (:meth:`dss.pages.PageStore.settle`). A change built on a session that another writer moved
 on meanwhile is built again from a fresh state.
+
+**Group commit** (``group_commit``, on by default): concurrent writers of this process share
+one catalog transaction and one round of fsyncs. Each writer publishes its segment files
+without fsync and joins a queue; the first writer to find no leader leads the queue as it
+stands: it fsyncs every member's files (then the folder once), opens one transaction,
+applies each member's change inside its own savepoint — a member that fails (``Stale``, a
+deleted session, any ``DssError``) is rolled back alone and gets its error, the others go
+on — commits, and updates this process's caches in member order. Writers that arrive
+meanwhile form the next group. No member returns before the transaction that holds its
+change committed; when the transaction fails, every member gets the error and its files are
+deleted, as a lone write's would be.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+from sqlalchemy.exc import IntegrityError
 
 from dss import versions
 from dss.catalog import change as changes
 from dss.catalog.change import Applied, Change, Stale
+from dss.catalog.change import WrittenSegment
 from dss.catalog.database import Catalog, catalog_errors
-from dss.core.errors import Conflict, SessionExists, StoreClosed, UnknownSession
+from dss.core.errors import Conflict, DssError, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
 from dss.keys import DataKeys, ensure_namespace
 from dss.mirror import Mirror
@@ -57,11 +71,66 @@ class Guard:
                 yield
 
 
+class Member:
+    """One write waiting in a commit group: its change and files; once done, what it did or why not."""
+
+    __slots__ = ("change", "written", "applied", "error", "is_done")
+
+    def __init__(self, change: Change, written: list[WrittenSegment]) -> None:
+        self.change = change
+        self.written = written
+        self.applied: Applied | None = None
+        self.error: BaseException | None = None
+        self.is_done = False
+
+
+class CommitQueue:
+    """Writers waiting for a leader (see the module docstring). Only the leader's thread runs
+    a group; the others sleep until their member is done."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._waiting: list[Member] = []
+        self._is_leading = False
+        self.num_groups = 0
+        """Groups led so far (for tests and metrics)."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Writers queued for the next group."""
+        with self._cv:
+            return len(self._waiting)
+
+    def join(self, member: Member) -> list[Member] | None:
+        """Queue ``member``. Returns the group to lead (every member queued so far, in arrival
+        order, ``member`` among them), or ``None`` once another leader finished ``member``."""
+        with self._cv:
+            self._waiting.append(member)
+            while not member.is_done:
+                if not self._is_leading:
+                    self._is_leading = True
+                    group, self._waiting = self._waiting, []
+                    self.num_groups += 1
+                    return group
+                self._cv.wait()
+            return None
+
+    def finish(self, group: Sequence[Member]) -> None:
+        """The leader is done with ``group``: wake its members and let the next leader in."""
+        with self._cv:
+            for member in group:
+                member.is_done = True
+            self._is_leading = False
+            self._cv.notify_all()
+
+
 class Writer:
     """Applies changes for one store (see the module docstring)."""
 
     def __init__(self, catalog: Catalog, mirror: Mirror, pages: PageStore, keys: DataKeys, index: PageIndex,
-                 guard: Guard, master: bytes) -> None:
+                 guard: Guard, master: bytes, *, group_commit: bool = True) -> None:
+        self.group_commit = group_commit
+        self.queue = CommitQueue()
         self.catalog = catalog
         self.mirror = mirror
         self.pages = pages
@@ -70,10 +139,16 @@ class Writer:
         self.guard = guard
         self._master = master
 
-    def apply(self, change: Change) -> Applied:
+    def apply(self, change: Change, *, alone: bool = False) -> Applied:
         """Write a change's segment files (outside the lock), apply it in one catalog
         transaction with the policy's room, then bring this process's caches up to date.
-        Raises ``Stale`` (nothing written) when its session moved on meanwhile."""
+        Raises ``Stale`` (nothing written) when its session moved on meanwhile.
+
+        With group commit the transaction is shared with concurrent writers (module
+        docstring); ``alone`` applies it in a transaction of its own (a caller that holds
+        the lock must: a leader needs it)."""
+        if self.group_commit and not alone:
+            return self._apply_grouped(change)
         written = self.pages.write(change.pages)
         committed = False
         try:
@@ -88,13 +163,70 @@ class Writer:
                 self.pages.abort(written)
             raise
 
+    def _apply_grouped(self, change: Change) -> Applied:
+        member = Member(change, self.pages.write(change.pages, sync=False))
+        group = self.queue.join(member)
+        if group is not None:
+            try:
+                self._commit_group(group)
+            finally:
+                self.queue.finish(group)
+        if member.error is not None:
+            raise member.error
+        assert member.applied is not None
+        return member.applied
+
+    def _commit_group(self, group: list[Member]) -> None:
+        """Apply a group's changes in one transaction (see the module docstring). Every member
+        ends with ``applied`` or ``error`` (or both: committed, but this process's caches
+        failed to take it); the files of members without ``applied`` are deleted."""
+        is_committed = False
+        try:
+            self.pages.sync([w for member in group for w in member.written])  # outside the lock: reads go on
+            with self.guard.lock:
+                self.guard.check_open()
+                with catalog_errors(), self.catalog.write() as tx:
+                    for member in group:
+                        try:
+                            with tx.conn.begin_nested():
+                                member.applied = changes.apply(tx, member.change, member.written,
+                                                               self.pages.room(tx, member.written))
+                        except (Stale, DssError, IntegrityError) as exc:  # this member alone rolled back
+                            member.error = exc
+                is_committed = True
+                self._settle_group(group, tx.seq)
+        except BaseException as exc:
+            for member in group:
+                if not is_committed:  # nothing committed: every member hears why
+                    member.applied = None
+                if member.applied is None or member.error is None:
+                    member.error = member.error or exc
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like stop the leader's own thread too
+        finally:
+            for member in group:
+                if member.applied is None:
+                    self.pages.abort(member.written)
+
+    def _settle_group(self, group: list[Member], seq: int) -> None:
+        """After a group's transaction committed: this process's caches take its changes, in order."""
+        committed = [member for member in group if member.applied is not None]
+        if committed:
+            self.mirror.wrote(seq)
+        for member in committed:
+            self._settle(member.change, member.applied)  # type: ignore[arg-type]
+
     def _taken(self, change: Change, applied: Applied) -> Applied:
         """After a change committed: tell other processes, update this one's caches."""
         self.mirror.wrote(applied.seq)
+        self._settle(change, applied)
+        return applied
+
+    def _settle(self, change: Change, applied: Applied) -> None:
+        """This process's caches take a committed change's events and pages."""
         self.mirror.apply(applied.events)
         namespace = self.index.namespaces.get(change.user_ref) if change.user_ref is not None else None
         self.pages.settle(applied, change.pages, namespace)
-        return applied
 
     def write(self, session_id: str, tenant_id: str | None, build: Callable[..., Change], *args: Any) -> Applied:
         """Build a session's change with ``build(state, context, *args)`` (a :mod:`dss.versions`
@@ -107,7 +239,7 @@ class Writer:
                     state = self.mirror.state(session_id, tenant_id)
                     change = build(state, self.context(state), *args)
                 try:
-                    return self.apply(change)
+                    return self.apply(change, alone=bool(attempt))  # a retry holds the lock: no group
                 except Stale:
                     continue
         raise Conflict(f"session {session_id!r} keeps being changed by other writers; try again")

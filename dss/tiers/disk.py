@@ -66,8 +66,13 @@ class DiskTier(DurableTier):
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]]) -> tuple[str, int, list[Located]]:
-        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier."""
+    def write(self, pages: Sequence[tuple[PageId, int, bytes, int]], *,
+              sync: bool = True) -> tuple[str, int, list[Located]]:
+        """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
+
+        ``sync=False`` publishes it without any fsync: the caller must :meth:`sync` it before
+        anything refers to it (group commit syncs a whole group's segments at once). Until
+        then a crash may leave it torn, and the next opener removes it as unrecorded."""
         name = f"{self.writer}-{next(self._counter):010d}.seg"
         parts: list[bytes] = [MAGIC]
         locations: list[Located] = []
@@ -83,7 +88,7 @@ class DiskTier(DurableTier):
         try:
             with os.fdopen(fd, "wb", closefd=False) as f:
                 f.writelines(parts)
-            if self.fsync:
+            if self.fsync and sync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -91,8 +96,21 @@ class DiskTier(DurableTier):
             raise
         os.close(fd)
         os.rename(tmp, self.segments_dir / name)
-        self._sync_dir(self.segments_dir)
+        if sync:
+            self._sync_dir(self.segments_dir)
         return name, offset, locations
+
+    def sync(self, segments: Sequence[str]) -> None:
+        """Make segments written with ``sync=False`` durable: fsync each file, then the folder once."""
+        if not self.fsync or not segments:
+            return
+        for name in segments:
+            fd = os.open(self.segments_dir / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._sync_dir(self.segments_dir)
 
     def remove(self, segments: Iterable[str]) -> None:
         """Delete segments (absent ones are ignored), then fsync the directory."""
