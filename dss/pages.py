@@ -82,10 +82,11 @@ class PageStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, new: Sequence[NewPage], *, sync: bool = True) -> list[WrittenSegment]:
+    def write(self, new: Sequence[NewPage], *, publish: bool = True) -> list[WrittenSegment]:
         """Write the pages that need it as segment files of at most ``segment_bytes`` each; no
-        catalog, no lock. Writes nothing when they could never fit the tier. ``sync=False``:
-        not yet durable, :meth:`sync` them before the transaction that records them."""
+        catalog, no lock. Writes nothing when they could never fit the tier. ``publish=False``:
+        the files' names are not yet durable; :meth:`publish` them before the transaction that
+        records them."""
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
@@ -93,7 +94,7 @@ class PageStore:
         try:
             for batch in self._batches(fresh):
                 name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch],
-                                                      sync=sync)
+                                                      publish=publish)
                 out.append(WrittenSegment(name, size, tuple((p, where.offset, where.length)
                                                             for p, where in zip(batch, located))))
         except BaseException:
@@ -101,9 +102,11 @@ class PageStore:
             raise
         return out
 
-    def sync(self, written: Sequence[WrittenSegment]) -> None:
-        """Make segment files written with ``sync=False`` durable (one round of fsyncs)."""
-        self.disk.sync([w.name for w in written])
+    def publish(self, written: Sequence[WrittenSegment]) -> None:
+        """Make the names of segment files written with ``publish=False`` durable (one fsync
+        of the folder for all of them)."""
+        if written:
+            self.disk.publish()
 
     def room(self, tx: Tx, written: Sequence[WrittenSegment]) -> Room:
         """What the policy decides for ``written`` in transaction ``tx``: segments to drop so

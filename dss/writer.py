@@ -11,12 +11,14 @@ then this process's caches take its events (:meth:`dss.mirror.Mirror.apply`) and
 on meanwhile is built again from a fresh state.
 
 **Group commit** (``group_commit``, on by default): concurrent writers of this process share
-one catalog transaction and one round of fsyncs. Each writer publishes its segment files
-without fsync and joins a queue; the first writer to find no leader leads the queue as it
-stands: it fsyncs every member's files (then the folder once), opens one transaction,
-applies each member's change inside its own savepoint — a member that fails (``Stale``, a
-deleted session, any ``DssError``) is rolled back alone and gets its error, the others go
-on — commits, and updates this process's caches in member order. Writers that arrive
+one catalog transaction and one round of fsyncs. Each writer writes and fsyncs its segment
+files (concurrently with the others: the file system joins concurrent fsyncs into one journal
+commit) and renames them into place without the folder's fsync, then joins a queue; the
+first writer to find no leader leads the queue as it stands: it fsyncs the folder once for
+all of them, opens one transaction,
+applies each member's change — a member whose check fails (``Stale``, a deleted session)
+writes nothing and gets its error; one that fails part-way gets its error and the group's
+transaction is rolled back and applied again without it; the others go on — commits, and updates this process's caches in member order. Writers that arrive
 meanwhile form the next group. No member returns before the transaction that holds its
 change committed; when the transaction fails, every member gets the error and its files are
 deleted, as a lone write's would be.
@@ -35,7 +37,7 @@ from dss import versions
 from dss.catalog import change as changes
 from dss.catalog.change import Applied, Change, Stale
 from dss.catalog.change import WrittenSegment
-from dss.catalog.database import Catalog, catalog_errors
+from dss.catalog.database import Catalog, Tx, catalog_errors
 from dss.core.errors import Conflict, DssError, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
 from dss.keys import DataKeys, ensure_namespace
@@ -71,10 +73,14 @@ class Guard:
                 yield
 
 
+class Restart(Exception):
+    """A member of a commit group failed part-way: roll the group's transaction back and go again without it."""
+
+
 class Member:
     """One write waiting in a commit group: its change and files; once done, what it did or why not."""
 
-    __slots__ = ("change", "written", "applied", "error", "is_done")
+    __slots__ = ("change", "written", "applied", "error", "is_done", "wake")
 
     def __init__(self, change: Change, written: list[WrittenSegment]) -> None:
         self.change = change
@@ -82,14 +88,17 @@ class Member:
         self.applied: Applied | None = None
         self.error: BaseException | None = None
         self.is_done = False
+        self.wake = threading.Event()
+        """Set when the member is done, or when it is to lead the next group."""
 
 
 class CommitQueue:
     """Writers waiting for a leader (see the module docstring). Only the leader's thread runs
-    a group; the others sleep until their member is done."""
+    a group; the others sleep on their own event until their member is done (or, for the
+    first of the next group, until it is its turn to lead): no thundering herd."""
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._waiting: list[Member] = []
         self._is_leading = False
         self.num_groups = 0
@@ -98,30 +107,37 @@ class CommitQueue:
     @property
     def num_waiting(self) -> int:
         """Writers queued for the next group."""
-        with self._cv:
+        with self._lock:
             return len(self._waiting)
 
     def join(self, member: Member) -> list[Member] | None:
         """Queue ``member``. Returns the group to lead (every member queued so far, in arrival
         order, ``member`` among them), or ``None`` once another leader finished ``member``."""
-        with self._cv:
+        with self._lock:
             self._waiting.append(member)
-            while not member.is_done:
-                if not self._is_leading:
-                    self._is_leading = True
-                    group, self._waiting = self._waiting, []
-                    self.num_groups += 1
-                    return group
-                self._cv.wait()
-            return None
+            if not self._is_leading:
+                self._is_leading = True
+                return self._take()
+        member.wake.wait()
+        with self._lock:
+            return None if member.is_done else self._take()
+
+    def _take(self) -> list[Member]:
+        group, self._waiting = self._waiting, []
+        self.num_groups += 1
+        return group
 
     def finish(self, group: Sequence[Member]) -> None:
-        """The leader is done with ``group``: wake its members and let the next leader in."""
-        with self._cv:
+        """The leader is done with ``group``: wake its members, and the first writer queued
+        meanwhile to lead the next group."""
+        with self._lock:
             for member in group:
                 member.is_done = True
-            self._is_leading = False
-            self._cv.notify_all()
+                member.wake.set()
+            if self._waiting:
+                self._waiting[0].wake.set()
+            else:
+                self._is_leading = False
 
 
 class Writer:
@@ -164,7 +180,7 @@ class Writer:
             raise
 
     def _apply_grouped(self, change: Change) -> Applied:
-        member = Member(change, self.pages.write(change.pages, sync=False))
+        member = Member(change, self.pages.write(change.pages, publish=False))
         group = self.queue.join(member)
         if group is not None:
             try:
@@ -182,18 +198,15 @@ class Writer:
         failed to take it); the files of members without ``applied`` are deleted."""
         is_committed = False
         try:
-            self.pages.sync([w for member in group for w in member.written])  # outside the lock: reads go on
+            self.pages.publish([w for member in group for w in member.written])  # outside the lock: reads go on
             with self.guard.lock:
                 self.guard.check_open()
-                with catalog_errors(), self.catalog.write() as tx:
-                    for member in group:
-                        try:
-                            with tx.conn.begin_nested():
-                                member.applied = changes.apply(tx, member.change, member.written,
-                                                               self.pages.room(tx, member.written))
-                        except (Stale, DssError, IntegrityError) as exc:  # this member alone rolled back
-                            member.error = exc
-                is_committed = True
+                while not is_committed:
+                    try:
+                        with catalog_errors(), self.catalog.write() as tx:
+                            is_committed = self._apply_group(tx, group)
+                    except Restart:
+                        continue
                 self._settle_group(group, tx.seq)
         except BaseException as exc:
             for member in group:
@@ -207,6 +220,28 @@ class Writer:
             for member in group:
                 if member.applied is None:
                     self.pages.abort(member.written)
+
+    def _apply_group(self, tx: Tx, group: list[Member]) -> bool:
+        """Apply in ``tx`` each member that :func:`~dss.catalog.change.check` accepts (the others
+        keep their error; a refused check writes nothing) and return ``True``. A member whose
+        change fails part-way gets the error, and ``Restart`` rolls ``tx`` back: the caller
+        applies the group again without it in a new transaction."""
+        for member in group:
+            member.applied = None
+        for member in group:
+            if member.error is not None:
+                continue
+            try:
+                changes.check(tx, member.change)
+            except (Stale, DssError) as exc:  # refused before writing: this member alone
+                member.error = exc
+                continue
+            try:
+                member.applied = changes.apply(tx, member.change, member.written, self.pages.room(tx, member.written))
+            except (DssError, IntegrityError) as exc:  # part written: roll back, go again without it
+                member.error = exc
+                raise Restart() from exc
+        return True
 
     def _settle_group(self, group: list[Member], seq: int) -> None:
         """After a group's transaction committed: this process's caches take its changes, in order."""

@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 import dss
+from sqlalchemy.exc import IntegrityError
+
 from dss.catalog import feed
+from dss.catalog.change import Change, NewPage
+from dss.core.hashing import checksum
+from dss.core.types import PageId
 from dss.core.errors import UnknownSession
 from tests.conftest import LAYOUT
 
@@ -32,23 +37,23 @@ def latest_seq(store: dss.Store) -> int:
 
 
 class Gate:
-    """Holds the first fsync round of ``store``'s writer until :meth:`open` (a timing gate only:
+    """Holds the first publish (the folder's fsync) of ``store``'s writer until :meth:`open` (a timing gate only:
     the real fsyncs run once it opens)."""
 
     def __init__(self, store: dss.Store) -> None:
         self.store = store
         self.reached = threading.Event()
         self.opened = threading.Event()
-        self._sync = store.pages.sync
+        self._publish = store.pages.publish
         self._first = True
-        store.pages.sync = self._gated  # type: ignore[method-assign]
+        store.pages.publish = self._gated  # type: ignore[method-assign]
 
     def _gated(self, written: Any) -> None:
         if self._first:
             self._first = False
             self.reached.set()
             assert self.opened.wait(30)
-        self._sync(written)
+        self._publish(written)
 
     def wait_queued(self, count: int) -> None:
         deadline = time.monotonic() + 30
@@ -58,7 +63,7 @@ class Gate:
 
     def open(self) -> None:
         self.opened.set()
-        self.store.pages.sync = self._sync  # type: ignore[method-assign]
+        self.store.pages.publish = self._publish  # type: ignore[method-assign]
 
 
 def run(calls: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], dict[str, BaseException], list[threading.Thread]]:
@@ -146,6 +151,42 @@ def test_a_failing_member_fails_alone(open_store: Callable[..., dss.Store]) -> N
         assert result.matched_tokens == 4
         assert store.read_pages(result.pages) == [payload(tag, 0)]
     assert "doomed" not in {s.session_id for s in store.sessions()}
+    assert store.check() == []
+    assert sorted(store.disk.files()) == sorted(r[0] for r in store.sql("SELECT name FROM segments").rows)
+
+
+def test_a_member_failing_part_way_is_rolled_back_alone(open_store: Callable[..., dss.Store]) -> None:
+    """A change whose segment names a namespace that does not exist fails on the foreign key
+    after the group's transaction wrote some of it: the transaction is rolled back and the
+    group applied again without it (same sequence number: the failed one never committed).
+    Its page file is deleted; the two good commits land; two transactions in all."""
+    store = open_store()
+    for name in ("lead", "a", "b"):
+        store.create_session(name, layout=LAYOUT)
+    layout_ref = store.mirror.state("a", None).record.layout_ref
+    stored = payload(1, 1)
+    bad = Change(user_ref=10**6, layout_ref=layout_ref,
+                 pages=(NewPage(PageId(b"\x01" * 16), 0, stored, stored, checksum(stored), 0),))
+    seq = latest_seq(store)
+    files = set(store.disk.files())
+    gate = Gate(store)
+    first = run({"lead": lambda: store.commit("lead", [1, 2, 3, 4])})
+    assert gate.reached.wait(30)
+    rest = run({"a": lambda: store.commit("a", [8, 8, 8, 8], {0: payload(8, 0)}),
+                "bad": lambda: store.writer.apply(bad),
+                "b": lambda: store.commit("b", [9, 9, 9, 9], {0: payload(9, 0)})})
+    gate.wait_queued(3)
+    gate.open()
+    for thread in first[2] + rest[2]:
+        thread.join()
+    results, errors, _ = rest
+    assert sorted(results) == ["a", "b"] and sorted(errors) == ["bad"]
+    assert isinstance(errors["bad"], IntegrityError)
+    assert latest_seq(store) - seq == 2
+    for name, tag in (("a", 8), ("b", 9)):
+        result = store.resume(name, [tag] * 4)
+        assert store.read_pages(result.pages) == [payload(tag, 0)]
+    assert len(set(store.disk.files()) - files) == 2
     assert store.check() == []
     assert sorted(store.disk.files()) == sorted(r[0] for r in store.sql("SELECT name FROM segments").rows)
 

@@ -67,12 +67,12 @@ class DiskTier(DurableTier):
     # -- writing ---------------------------------------------------------------------------
 
     def write(self, pages: Sequence[tuple[PageId, int, bytes, int]], *,
-              sync: bool = True) -> tuple[str, int, list[Located]]:
+              publish: bool = True) -> tuple[str, int, list[Located]]:
         """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
 
-        ``sync=False`` publishes it without any fsync: the caller must :meth:`sync` it before
-        anything refers to it (group commit syncs a whole group's segments at once). Until
-        then a crash may leave it torn, and the next opener removes it as unrecorded."""
+        ``publish=False`` skips the folder's fsync: the rename is durable only once
+        :meth:`publish` ran (group commit fsyncs the folder once for a whole group), and
+        until then a crash may lose the file, which nothing refers to yet."""
         name = f"{self.writer}-{next(self._counter):010d}.seg"
         parts: list[bytes] = [MAGIC]
         locations: list[Located] = []
@@ -88,7 +88,7 @@ class DiskTier(DurableTier):
         try:
             with os.fdopen(fd, "wb", closefd=False) as f:
                 f.writelines(parts)
-            if self.fsync and sync:
+            if self.fsync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -96,20 +96,12 @@ class DiskTier(DurableTier):
             raise
         os.close(fd)
         os.rename(tmp, self.segments_dir / name)
-        if sync:
+        if publish:
             self._sync_dir(self.segments_dir)
         return name, offset, locations
 
-    def sync(self, segments: Sequence[str]) -> None:
-        """Make segments written with ``sync=False`` durable: fsync each file, then the folder once."""
-        if not self.fsync or not segments:
-            return
-        for name in segments:
-            fd = os.open(self.segments_dir / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    def publish(self) -> None:
+        """Make the renames of segments written with ``publish=False`` durable (fsync the folder)."""
         self._sync_dir(self.segments_dir)
 
     def remove(self, segments: Iterable[str]) -> None:
