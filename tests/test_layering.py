@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = [
     {"core"},
-    {"catalog", "tiers", "trie"},
+    {"catalog", "tiers", "trie", "routing"},
     {"keys", "folder", "pageindex", "policy", "erasure"},
     {"state"},
     {"mirror", "pages", "resume"},
