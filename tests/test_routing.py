@@ -58,14 +58,15 @@ def test_hash_follows_the_ring_and_the_load_bound() -> None:
     = 3, d is at it too, and a takes it."""
     assert route(backends(), policy="hash", key="chat-2") == Decision("c", "hash", {})
     assert load_bound(backends({"c": 4, "d": 1}), 1.25) == 2
-    assert route(backends({"c": 4, "d": 1}), policy="hash", key="chat-2").node_id == "d"
-    assert route(backends({"c": 4, "d": 3}), policy="hash", key="chat-2").node_id == "a"
+    assert route(backends({"c": 4, "d": 1}), policy="hash", key="chat-2", load_factor=1.25).node_id == "d"
+    assert route(backends({"c": 4, "d": 3}), policy="hash", key="chat-2", load_factor=1.25).node_id == "a"
     assert route(backends(down=("c",)), policy="hash", key="chat-2").node_id == "d"
 
 
 def test_without_a_key_the_least_loaded_node_takes_it() -> None:
-    assert route(backends({"a": 2, "b": 1, "c": 1, "d": 3}), policy="hash") == Decision("b", "least_loaded", {})
-    assert route(backends({"a": 2, "b": 1, "c": 1, "d": 3}), policy="kv").node_id == "b"
+    loads = backends({"a": 2, "b": 1, "c": 1, "d": 3})
+    assert route(loads, policy="hash") == Decision("b", "least_loaded", {})
+    assert route(loads, policy="kv").node_id == "b"
 
 
 def test_kv_prefers_most_pages_then_faster_tiers() -> None:
@@ -82,8 +83,9 @@ def test_kv_passes_over_a_holder_at_its_bound_and_falls_back_to_hash() -> None:
     """Loads b=5: total 5, bound ceil(1.25 * 6 / 4) = 2; b is over it, so a (the next holder)
     takes it; with only b holding pages, the request falls back to the ring (chat-1: d)."""
     holdings = {"a": {"disk": 4}, "b": {"host": 4}}
-    assert route(backends({"b": 5}), key="chat-1", holdings=holdings).node_id == "a"
-    assert route(backends({"b": 5}), key="chat-1", holdings={"b": {"host": 4}}) == Decision("d", "hash", {})
+    assert route(backends({"b": 5}), key="chat-1", holdings=holdings, load_factor=1.25).node_id == "a"
+    assert route(backends({"b": 5}), key="chat-1", holdings={"b": {"host": 4}},
+                 load_factor=1.25) == Decision("d", "hash", {})
     assert route(backends(), key="chat-1", holdings={}) == Decision("d", "hash", {})
 
 
@@ -99,7 +101,8 @@ def test_bounded_load_holds_for_a_stream_of_requests() -> None:
     key's ring order is d c a b: d, c and a fill up to the bound (313 after 1000), b takes the rest."""
     loads = dict.fromkeys(NODES, 0)
     for n in range(1000):
-        node = route([Backend(x, True, loads[x]) for x in NODES], policy="hash", key="hot").node_id
+        node = route([Backend(x, True, loads[x]) for x in NODES], policy="hash", key="hot",
+                     load_factor=1.25).node_id
         loads[node] += 1
         assert max(loads.values()) <= math.ceil(1.25 * (n + 1) / 4)
     assert loads == {"a": 312, "b": 62, "c": 313, "d": 313}
