@@ -16,9 +16,10 @@ files (concurrently with the others: the file system joins concurrent fsyncs int
 commit) and renames them into place without the folder's fsync, then joins a queue; the
 first writer to find no leader leads the queue as it stands: it fsyncs the folder once for
 all of them, opens one transaction,
-applies each member's change — a member whose check fails (``Stale``, a deleted session)
-writes nothing and gets its error; one that fails part-way gets its error and the group's
-transaction is rolled back and applied again without it; the others go on — commits, and updates this process's caches in member order. Writers that arrive
+applies each member's change — a member whose check fails (``Stale``, a deleted
+session) writes nothing and gets its error; one that fails part-way gets its error and
+the group's transaction is rolled back and applied again without it; the others go on —
+commits, and updates this process's caches in member order. Writers that arrive
 meanwhile form the next group. No member returns before the transaction that holds its
 change committed; when the transaction fails, every member gets the error and its files are
 deleted, as a lone write's would be.
