@@ -148,3 +148,19 @@ def test_request_keys_and_holdings() -> None:
     assert parse_backends(["a=http://h:1/", "http://h:2"]) == (("a", "http://h:1"), ("node-1", "http://h:2"))
     with pytest.raises(dss.ConfigError, match="--backend 'a=ftp://x' is not NODE=http://host:port"):
         parse_backends(["a=ftp://x"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "ftp://x"], "error: ConfigError: --backend 'ftp://x' is not NODE=http://host:port\n"),
+    (["--backend", "a=http://h:1", "--backend", "a=http://h:2"],
+     "error: ConfigError: invalid router configuration: backends: Value error, node ids must differ\n"),
+    (["--backend", "a=http://h:1", "--load-factor", "0.5"],
+     "error: ConfigError: invalid router configuration: load_factor: Input should be greater than or equal to 1\n"),
+])
+def test_route_refuses_bad_settings(args: list[str], message: str) -> None:
+    from click.testing import CliRunner
+
+    from dss.cli.main import main
+
+    result = CliRunner().invoke(main, ["route", *args])
+    assert (result.exit_code, result.output) == (1, message)

@@ -114,15 +114,21 @@ def api_server(model: Path, store: Path | None) -> Iterator[str]:
         stop(process)
 
 
-def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None) -> Any:
-    """One greedy chat completion (special tokens barred, so replies are plain words)."""
+def chat_response(url: str, messages: list[dict[str, str]], max_tokens: int,
+                  dss_fields: dict[str, Any] | None) -> httpx.Response:
+    """One greedy chat completion (special tokens barred, so replies are plain words), answered 200."""
     body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                             "ignore_eos": True, "logit_bias": {str(i): -100 for i in SPECIAL.values()}}
     if dss_fields is not None:
         body["kv_transfer_params"] = {"dss": dss_fields}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
-    return response.json()
+    return response
+
+
+def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None) -> Any:
+    """:func:`chat_response`'s JSON."""
+    return chat_response(url, messages, max_tokens, dss_fields).json()
 
 
 USER1 = {"role": "user", "content": words(prompt(1, 100))}

@@ -34,10 +34,10 @@ from tests.engines import prompt
 from tests.servers import free_port
 from tests.test_vllm_openai_server import (
     SESSION,
-    SPECIAL,
     USER1,
     USER2,
     api_server,
+    chat_response,
     launch,
     make_chat_model,
     reply,
@@ -55,12 +55,7 @@ USER3 = {"role": "user", "content": words(prompt(3, 20))}
 def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None
          ) -> tuple[Any, httpx.Headers]:
     """One greedy chat completion; the answer and the response headers."""
-    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "logit_bias": {str(i): -100 for i in SPECIAL.values()}}
-    if dss_fields is not None:
-        body["kv_transfer_params"] = {"dss": dss_fields}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
-    assert response.status_code == 200, response.text
+    response = chat_response(url, messages, max_tokens, dss_fields)
     return response.json(), response.headers
 
 
