@@ -163,6 +163,7 @@ class NoBackend(Unavailable):
 
 
 class BackendFailed(Unavailable):
-    """The backend a request was sent to failed after the response began (it cannot be retried elsewhere)."""
+    """The backend a request was sent to failed after the response began (it cannot be retried
+    elsewhere): the router cuts the response off with it."""
 
     status = 502
