@@ -238,7 +238,8 @@ class Writer:
                 member.error = exc
                 continue
             try:
-                member.applied = changes.apply(tx, member.change, member.written, self.pages.room(tx, member.written))
+                member.applied = changes.apply(tx, member.change, member.written, self.pages.room(tx, member.written),
+                                               is_checked=True)
             except (DssError, IntegrityError) as exc:  # part written: roll back, go again without it
                 member.error = exc
                 raise Restart() from exc

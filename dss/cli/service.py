@@ -157,11 +157,12 @@ def keys_remove(ctx: click.Context, key_id: str, home: str | None, config_file: 
               help="Most requests in flight on one node, as a multiple of the mean.")
 @click.option("--health-interval", default=1.0, type=float, show_default=True, help="Seconds between health checks.")
 @click.option("--no-store", is_flag=True, help="Do not open the store (kv routes by the router's memory only).")
+@click.option("--dry-run", is_flag=True, help="Check the settings and the store, say what would run, and exit.")
 @click.option("--log-level", default="info", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               show_default=True, help="Log level.")
 @click.pass_context
 def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: str | None, host: str, port: int,
-          load_factor: float, health_interval: float, no_store: bool, log_level: str) -> None:
+          load_factor: float, health_interval: float, no_store: bool, dry_run: bool, log_level: str) -> None:
     """Proxy vLLM's OpenAI API (/v1/completions, /v1/chat/completions), sending each session
     to the node that holds its KV; fails over when a backend dies."""
     from pydantic import ValidationError
@@ -190,6 +191,11 @@ def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: s
             parent = ctx.find_root().obj
             store = Store(load_config(home or getattr(parent, "home", None),
                                       catalog_url=getattr(parent, "catalog_url", None)))
+        if dry_run:
+            where = f"store {store.config.home}: {store.count_sessions()} sessions" if store is not None else "no store"
+            click.echo(f"dss route ({policy}) on http://{host}:{port} in front of "
+                       f"{', '.join(f'{n}={u}' for n, u in config.backends)}; {where}")
+            return
         serve_router(config, StoreHoldings(store) if store is not None else None, log_level=log_level)
     except DssError as exc:
         _fail(f"{exc.kind}: {exc}")
