@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -51,9 +52,9 @@ def start(command: list[str], health: str, what: str) -> subprocess.Popen[bytes]
     return process
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
-    """Two stand-in backends ``a`` and ``b`` and ``dss route`` (kv) in front of them, on a store
+@contextmanager
+def running_fleet(tmp_path: Path, *router_args: str) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
+    """Two stand-in backends ``a`` and ``b`` and ``dss route`` in front of them, on a store
     holding session ``chat-1`` with two pages."""
     home = tmp_path / "store"
     with dss.open(home) as store:
@@ -64,7 +65,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[str, dict[str, subprocess.Popen[byte
                             f"http://127.0.0.1:{port}/health", f"backend {node}") for node, port in ports.items()}
     port = free_port()
     router = start([sys.executable, "-m", "dss", "route", "--home", str(home), "--port", str(port),
-                    "--health-interval", "0.2", "--log-level", "warning",
+                    "--health-interval", "0.2", "--log-level", "warning", *router_args,
                     *[f"--backend={node}=http://127.0.0.1:{p}" for node, p in ports.items()]],
                    f"http://127.0.0.1:{port}/healthz", "dss route")
     try:
@@ -74,6 +75,26 @@ def fleet(tmp_path: Path) -> Iterator[tuple[str, dict[str, subprocess.Popen[byte
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
             process.wait(30)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
+    """:func:`running_fleet` with the default policy, kv."""
+    with running_fleet(tmp_path) as running:
+        yield running
+
+
+def test_round_robin_alternates_and_hash_sticks(tmp_path: Path) -> None:
+    body = {"model": "tiny", "prompt": "w1", "kv_transfer_params": {"dss": {"session_id": "chat-1"}}}
+    with running_fleet(tmp_path, "--policy", "round_robin", "--no-store") as (url, _):
+        answers = [httpx.post(f"{url}/v1/completions", json=body) for _ in range(4)]
+        assert [a.headers["x-dss-route"] for a in answers] == ["round_robin"] * 4
+        nodes = [a.json()["node"] for a in answers]
+        assert nodes in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+    with running_fleet(tmp_path / "hash", "--policy", "hash") as (url, _):
+        answers = [httpx.post(f"{url}/v1/completions", json=body) for _ in range(3)]
+        expected = ring_order(("a", "b"), "\0chat-1")[0]
+        assert [(a.json()["node"], a.headers["x-dss-route"]) for a in answers] == [(expected, "hash")] * 3
 
 
 def test_sessions_stay_on_their_node_and_fail_over(fleet: tuple[str, dict[str, subprocess.Popen[bytes]]]) -> None:
