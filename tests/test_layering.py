@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = [
     {"core"},
-    {"catalog", "tiers", "trie", "routing"},
+    {"routing"},
+    {"catalog", "tiers", "trie"},
     {"keys", "folder", "pageindex", "policy", "erasure"},
     {"state"},
     {"mirror", "pages", "resume"},
