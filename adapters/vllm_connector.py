@@ -20,9 +20,11 @@ vLLM builds one scheduler-role instance (:mod:`dss_adapters.vllm_scheduler`) and
 worker-role instance per worker (:mod:`dss_adapters.vllm_worker`: each tensor-parallel rank
 and pipeline stage), in different processes unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
 Each opens the store folder itself; they share nothing else but the metadata vLLM carries
-between them. The connector supports vLLM's hybrid KV cache manager (full-attention and
-sliding-window groups); models it cannot serve are refused at start with a
-``dss.ConfigError`` naming the feature.
+between them. The connector supports vLLM's hybrid KV cache manager (full-attention,
+sliding-window and state-space (Mamba) groups; the latter with vLLM's prefix caching,
+``mamba_cache_mode="align"``, which keeps every block boundary's state once the
+connector has set ``prefix_cache_retention_interval`` to ``None``); models it cannot serve
+are refused at start with a ``dss.ConfigError`` naming the feature.
 
 A finished request's output ``kv_transfer_params`` holds ``{"dss": {"session_id",
 "version_id", "num_tokens", "loaded_tokens"}}`` (``version_id`` of the version committed).
@@ -39,6 +41,7 @@ from dss_adapters.vllm_layout import (
     page_layers,
     shard_layout,
     stage_layers,
+    state_groups,
 )
 from dss_adapters.vllm_meta import DssConnectorMetadata, ShardHandshake
 from dss_adapters.vllm_metrics import DssConnectorStats, DssPromMetrics
@@ -88,11 +91,12 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _keep_every_state(vllm_config, kv_cache_config)
             layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
             self.layout = layouts[0]
             self.store = dss.open(self.settings.store, **self.settings.store_options)
             self._scheduler = SchedulerSide(self.settings, layouts, shards, len(kv_cache_config.kv_cache_groups),
-                                            self.store)
+                                            self.store, state_groups(kv_cache_config))
         else:
             tp_rank, pp_rank = _worker_ranks()
             layers = page_layers(kv_cache_config)
@@ -101,7 +105,7 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
                                   "range names; the dss connector serves this model without pipeline parallelism")
             shard = shards.index(tp_rank, pp_rank)
             self.layout = shard_layout(vllm_config, kv_cache_config, self.settings, shards, shard, layers)
-            self.store = dss.open(self.settings.store, **self.settings.store_options)
+            self.store = dss.open(self.settings.store, **self.settings.reader_options)
             self._worker = WorkerSide(self.settings, self.layout, self.store, layers, kv_cache_config.num_blocks,
                                       shard=shard, is_saver=shards.is_saver(tp_rank))
         log.info("dss connector (%s) on %s, layout %s", role.name.lower(), self.settings.store, self.layout)
@@ -226,6 +230,38 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side hook was called on the worker-side connector"
         return self._scheduler
+
+
+def _keep_every_state(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Make vLLM keep a state-space group's state at every block boundary it computes.
+
+    A page holds the state after its last token, so dss can save a page only where vLLM
+    kept that state. vLLM 0.32 keeps, by default (``prefix_cache_retention_interval=0``),
+    only the states it expects to reuse itself (the last block boundary of a prompt): the
+    scheduler-side connector, built before vLLM's KV cache manager reads the setting, sets
+    it to ``None`` (every block boundary) for models with state-space layers, and says so.
+
+    vLLM computes a state only at the end of a scheduled chunk (and, on CUDA, at one
+    checkpoint inside a prompt's last chunk): when a step may compute more than one block of
+    a prompt, the connector warns that a prompt's pages are saved only up to the first block
+    boundary inside a chunk (``max_num_batched_tokens`` of one block saves every page).
+    """
+    groups = state_groups(kv_cache_config)
+    if not groups:
+        return
+    block = kv_cache_config.kv_cache_groups[groups[0]].kv_cache_spec.block_size
+    interval = kv_cache_config.prefix_cache_retention_interval
+    if interval is not None and not 0 < interval <= block:
+        log.warning("dss connector: prefix_cache_retention_interval=%s keeps state-space (Mamba) states at some block "
+                    "boundaries only; set to None (every boundary), so that every page can be saved", interval)
+        kv_cache_config.prefix_cache_retention_interval = None
+        vllm_config.cache_config.prefix_cache_retention_interval = None
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    if chunk > block:
+        log.warning("dss connector: a step computes up to %d tokens, more than a block (%d); vLLM keeps the "
+                    "state-space (Mamba) state only where a chunk ends, so dss saves a prompt's pages only up to "
+                    "the first block boundary inside a chunk (max_num_batched_tokens=%d saves every page)",
+                    chunk, block, block)
 
 
 def _worker_ranks() -> tuple[int, int]:

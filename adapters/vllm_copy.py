@@ -3,7 +3,10 @@
 A page is the concatenation of one block per layer, in page-layer order; layer ``i`` uses
 the block table of its KV cache group, so a copy takes block ids per group
 (``block_ids[group][k]`` for the page's ``k``-th row). ``NO_BLOCK`` leaves that layer's
-part of the page alone (a sliding-window block outside the window: not loaded).
+part of the page alone (a sliding-window block outside the window, or a state-space
+layer's block at a page boundary the request does not go on from: not loaded). Layers
+may differ in bytes per block: a state-space layer's part is its state, without the
+padding vLLM adds to make its blocks as large as an attention layer's.
 
 On the CPU every copy is one memcpy per page and layer through numpy views of the cache
 (measured 6x faster for 255 pages of 256 KiB than torch ``index_copy_`` through a staging
@@ -28,54 +31,60 @@ class BlockCopier:
     """Whole-page copies for one worker's layers (see the module docstring)."""
 
     def __init__(self, layers: Sequence[torch.Tensor], groups: Sequence[int], num_blocks: int, page_bytes: int) -> None:
-        """``layers[i]``: layer ``i``'s KV cache with the block dimension first; ``groups[i]``: its
-        KV cache group. ``ConfigError`` unless every layer's block has the same size and they
-        add up to ``page_bytes``."""
-        layer_bytes = layers[0][0].numel() * layers[0].element_size()
-        if any(t[0].numel() * t.element_size() != layer_bytes for t in layers):
-            raise ConfigError("the dss connector needs KV blocks of one size in every layer")
-        if layer_bytes * len(layers) != page_bytes:
-            raise ConfigError(f"a KV block of all {len(layers)} layers has {layer_bytes * len(layers)} bytes; "
+        """``layers[i]``: layer ``i``'s KV cache with the block dimension first (blocks may lie
+        further apart than their bytes, as vLLM pads a state-space layer's);
+        ``groups[i]``: its KV cache group. ``ConfigError`` unless the layers' blocks add up
+        to ``page_bytes``."""
+        sizes = [t[0].numel() * t.element_size() for t in layers]
+        if sum(sizes) != page_bytes:
+            raise ConfigError(f"a KV block of all {len(layers)} layers has {sum(sizes)} bytes; "
                               f"the layout says {page_bytes}")
         self.layers = list(layers)
         self.groups = list(groups)
-        self.layer_bytes = layer_bytes
+        self.layer_sizes = sizes
+        """Bytes of one block of each layer (a state-space layer's state, without vLLM's padding)."""
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.uniform = len(set(sizes)) == 1
+        self.layer_bytes = sizes[0]
+        """Bytes of one block of a layer, when :attr:`uniform` (the layer-by-layer CUDA path needs that)."""
+        self.page_bytes = page_bytes
         self.device = layers[0].device
         self.host_views: list[np.ndarray] | None = None
-        """Per layer, ``[num_blocks, layer_bytes]`` uint8 numpy views of the KV cache (CPU only)."""
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in layers):
-            self.host_views = [t.reshape(num_blocks, -1).view(torch.uint8).numpy() for t in layers]
+        """Per layer, ``[num_blocks, layer_sizes[i]]`` uint8 numpy views of the KV cache (CPU only)."""
+        if all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers):
+            self.host_views = [t.flatten(1).view(torch.uint8).numpy() for t in layers]
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
 
     def gather(self, block_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
-        count, num_layers = len(block_ids[0]), len(self.layers)
-        out = np.empty((count, num_layers, self.layer_bytes), dtype=np.uint8)
-        if self.host_views is not None:
-            for i, view in enumerate(self.host_views):
-                for k, block in enumerate(block_ids[self.groups[i]]):
-                    out[k, i] = view[block]
-            return out.reshape(count, -1)
+        count = len(block_ids[0])
+        out = np.empty((count, self.page_bytes), dtype=np.uint8)
         for i, layer in enumerate(self.layers):
-            index = torch.tensor(block_ids[self.groups[i]], dtype=torch.long, device=self.device)
-            out[:, i] = layer.index_select(0, index).reshape(count, -1).view(torch.uint8).cpu().numpy()
-        return out.reshape(count, -1)
+            start, end = self.offsets[i], self.offsets[i] + self.layer_sizes[i]
+            blocks = block_ids[self.groups[i]]
+            if self.host_views is not None:
+                view = self.host_views[i]
+                for k, block in enumerate(blocks):
+                    out[k, start:end] = view[block]
+                continue
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            out[:, start:end] = layer.index_select(0, index).reshape(count, -1).view(torch.uint8).cpu().numpy()
+        return out
 
     def scatter(self, payloads: Sequence[bytes], block_ids: Sequence[Sequence[int]]) -> None:
         """Write ``payloads[k]`` (every layer's bytes, in page-layer order) into the blocks
         ``block_ids[group][k]``; a layer whose block is ``NO_BLOCK`` is skipped. On CUDA
         the copies run on this copier's stream and are complete when it returns."""
-        num_layers, layer_bytes = len(self.layers), self.layer_bytes
         if self.host_views is not None:
             for k, payload in enumerate(payloads):
-                source = np.frombuffer(payload, dtype=np.uint8).reshape(num_layers, layer_bytes)
+                source = np.frombuffer(payload, dtype=np.uint8)
                 for i, view in enumerate(self.host_views):
                     block = block_ids[self.groups[i]][k]
                     if block != NO_BLOCK:
-                        view[block] = source[i]
+                        view[block] = source[self.offsets[i]:self.offsets[i] + self.layer_sizes[i]]
             return
-        staged = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        staged = staged.view(len(payloads), num_layers, layer_bytes)
+        staged = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads),
+                                                                                        self.page_bytes)
         if self.stream is not None:
             staged = staged.pin_memory()
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
@@ -84,9 +93,9 @@ class BlockCopier:
                 if not rows:
                     continue
                 index = torch.tensor([block_ids[self.groups[i]][k] for k in rows], dtype=torch.long)
-                part = staged[rows, i].contiguous().to(self.device, non_blocking=True)
+                start = self.offsets[i]
+                part = staged[rows, start:start + self.layer_sizes[i]].contiguous().to(self.device, non_blocking=True)
                 layer.index_copy_(0, index.to(self.device), part.view(layer.dtype).reshape(len(rows),
                                                                                            *layer.shape[1:]))
         if self.stream is not None:
             self.stream.synchronize()
-

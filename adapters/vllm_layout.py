@@ -1,10 +1,15 @@
 """The dss page layouts of a vLLM engine: what the bytes of one page (one KV block) mean.
 
-A page is one vLLM KV-cache block of every attention layer a worker holds, in layer order,
-each layer's block copied as opaque bytes exactly as the attention backend packed it. With
+A page is one vLLM KV-cache block of every layer with a KV cache a worker holds, in layer
+order, each layer's block copied as opaque bytes exactly as the backend packed it. With
 the hybrid KV cache manager a model's layers fall into several KV cache groups (full
-attention, sliding window), each with its own block table; a page still holds every layer,
-each from its own group's block of the page's tokens.
+attention, sliding window, state space), each with its own block table; a page still holds
+every layer, each from its own group's block of the page's tokens. For a state-space
+(Mamba) layer that block is the layer's state after the page's last token: the state vLLM
+keeps at that block boundary (``mamba_cache_mode="align"``), padded by vLLM to the size of
+an attention block. A page is thus everything a request needs to go on from its end, and
+since a page is named by its tokens (chain hash), each version of a session — a rollback,
+a branch — resumes from the state of exactly its own tokens.
 
 Parallel workers hold different bytes of the same tokens, so each gets a layout of its own,
 a **shard**: tensor-parallel ranks hold their KV heads (``tp_shard`` of ``tp_shards``; ranks
@@ -46,7 +51,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 @dataclass(frozen=True, slots=True)
 class PageLayer:
-    """One attention layer of a page: its name and the KV cache group whose block table it uses."""
+    """One layer of a page (attention or state space): its name and the KV cache group whose
+    block table it uses."""
 
     name: str
     group: int
@@ -74,15 +80,21 @@ class Shards:
 
 
 def group_kinds(kv_cache_config: KVCacheConfig) -> list[str]:
-    """Each KV cache group's kind: ``"full"`` or ``"sliding:<window>"``; ``ConfigError`` for others.
+    """Each KV cache group's kind: ``"full"``, ``"sliding:<window>"`` or ``"state:<type>"``
+    (``ConfigError`` for others).
 
     Full attention (MLA included, and sliding-window layers that vLLM keeps whole when the
-    hybrid manager is off) and sliding-window groups are served. State-space (Mamba, linear
-    attention), chunked local, cross and encoder-only attention are refused: their blocks
-    do not hold the KV of a prompt's tokens page by page.
+    hybrid manager is off), sliding-window and state-space groups are served. A state-space
+    group (Mamba, linear attention: :class:`MambaSpec`) is served only in vLLM's
+    ``mamba_cache_mode="align"`` (its prefix caching for such layers, on by default with
+    ``enable_prefix_caching``), where vLLM keeps the state at block boundaries and hands
+    them to connectors; its page part is the state after the page's last token.
+    Speculative decoding with state-space layers, chunked local, cross and encoder-only
+    attention are refused: their blocks do not hold a prompt's KV page by page.
     """
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -95,20 +107,39 @@ def group_kinds(kv_cache_config: KVCacheConfig) -> list[str]:
             kinds.append(f"sliding:{spec.sliding_window}")
         elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and spec.attention_chunk_size is None:
             kinds.append("full")
+        elif type(spec) is MambaSpec:
+            _check_state_spec(spec)
+            kinds.append(f"state:{getattr(spec.mamba_type, 'name', spec.mamba_type)}".lower())
         else:
             raise ConfigError(f"the dss connector does not support {_feature(spec)} (KV cache spec "
-                              f"{type(spec).__name__}); it serves full-attention and sliding-window attention layers")
+                              f"{type(spec).__name__}); it serves full-attention, sliding-window and "
+                              "state-space (Mamba) layers")
         if not group.enable_kv_transfer:
             raise ConfigError(f"the dss connector does not support KV cache groups that vLLM keeps out of KV "
                               f"transfer ({type(spec).__name__})")
     return kinds
 
 
+def _check_state_spec(spec: Any) -> None:
+    """``ConfigError`` unless vLLM keeps this state-space group's state at every block boundary."""
+    if spec.mamba_cache_mode != "align":
+        raise ConfigError(
+            "the dss connector serves hybrid models with state-space (Mamba / linear-attention) layers only with "
+            "vLLM's prefix caching for them (enable_prefix_caching=True, mamba_cache_mode='align': vLLM then keeps "
+            f"the state at each block boundary); this engine runs mamba_cache_mode={spec.mamba_cache_mode!r}")
+    if spec.num_speculative_blocks:
+        raise ConfigError("the dss connector does not support speculative decoding with state-space (Mamba) "
+                          "layers")
+    if getattr(spec, "tokens_per_state", -1) not in (-1, spec.block_size):
+        raise ConfigError("the dss connector does not support state-space layers that keep a state every "
+                          f"{spec.tokens_per_state} tokens (it keeps one per block of {spec.block_size})")
+
+
 def _feature(spec: Any) -> str:
     """The model feature a KV cache spec stands for, in words."""
     name = type(spec).__name__
     if "Mamba" in name:
-        return "hybrid models with state-space (Mamba / linear-attention) layers"
+        return "hybrid models with state-space (Mamba / linear-attention) layers of this kind"
     if "ChunkedLocal" in name or getattr(spec, "attention_chunk_size", None):
         return "chunked local attention"
     if "Cross" in name or "Encoder" in name:
@@ -116,28 +147,58 @@ def _feature(spec: Any) -> str:
     return f"{name} KV caches"
 
 
-def attention_spec(kv_cache_config: KVCacheConfig) -> AttentionSpec:
-    """The attention spec shared by every group (the block shape of a layer); ``ConfigError``
-    when the model is not served (see :func:`group_kinds`) or groups differ in block shape."""
-    group_kinds(kv_cache_config)
+def attention_spec(kv_cache_config: KVCacheConfig) -> AttentionSpec | None:
+    """The attention spec of the first attention group (the head shapes a layout records;
+    ``None`` for a model of state-space layers only); ``ConfigError`` when the model is not
+    served (see :func:`group_kinds`) or groups differ in block size or bytes per block
+    (vLLM pads a state-space group's blocks to the attention block's bytes)."""
+    kinds = group_kinds(kv_cache_config)
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     first = specs[0]
     for spec in specs[1:]:
         if (spec.block_size, spec.page_size_bytes) != (first.block_size, first.page_size_bytes):
             raise ConfigError("the dss connector needs KV blocks of one size and token count in every KV cache group")
-    return first  # type: ignore[return-value]
+    attention = [spec for spec, kind in zip(specs, kinds) if not kind.startswith("state:")]
+    return attention[0] if attention else None  # type: ignore[return-value]
+
+
+def layer_bytes(spec: Any) -> int:
+    """The bytes of one block of one layer in a page: an attention block, or a state-space
+    layer's state without the padding vLLM adds to its blocks."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return spec.state_content_size_bytes if isinstance(spec, MambaSpec) else spec.page_size_bytes
+
+
+def state_groups(kv_cache_config: KVCacheConfig) -> list[int]:
+    """The indexes of the state-space (Mamba) KV cache groups."""
+    return [g for g, kind in enumerate(group_kinds(kv_cache_config)) if kind.startswith("state:")]
+
+
+def _state_field(kv_cache_config: KVCacheConfig) -> str | None:
+    """What a state-space group's block holds (shapes and dtypes of its state tensors), for the layout."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    parts = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            tensors = "+".join(f"{tuple(shape)}:{str(dtype).removeprefix('torch.')}"
+                               for shape, dtype in zip(spec.shapes, spec.dtypes))
+            parts.append(f"{getattr(spec.mamba_type, 'name', spec.mamba_type)}[{tensors}]".lower())
+    return ";".join(parts) or None
 
 
 def page_layers(kv_cache_config: KVCacheConfig, names: set[str] | None = None) -> list[PageLayer]:
-    """Attention layers in model order (by layer index, then name), each with its group: the
-    order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
+    """Layers with a KV cache in model order (by layer index, then name), each with its group:
+    the order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
     layers = [PageLayer(name, g) for g, group in enumerate(kv_cache_config.kv_cache_groups)
               for name in group.layer_names if names is None or name in names]
     return sorted(layers, key=lambda layer: _natural_key(layer.name))
 
 
 def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
-    """Attention layer names in model order."""
+    """Names of the layers with a KV cache, in model order."""
     return [layer.name for layer in page_layers(kv_cache_config)]
 
 
@@ -150,6 +211,11 @@ def engine_shards(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Sh
                               f"{getattr(parallel, name)}); it serves tensor and pipeline parallelism")
     replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
     tp = parallel.tensor_parallel_size
+    if replicas > 1 and any(not getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "tp_replicated", False)
+                            for g in state_groups(kv_cache_config)):
+        raise ConfigError(f"the dss connector does not support state-space layers sharded over {tp} tensor-parallel "
+                          f"ranks whose attention KV is replicated {replicas}x (ranks of one KV shard would hold "
+                          "different states)")
     if tp % replicas:
         raise ConfigError(f"tensor_parallel_size={tp} is not a multiple of the KV replicas per shard ({replicas})")
     return Shards(tp, tp // replicas, parallel.pipeline_parallel_size)
@@ -189,32 +255,36 @@ def shard_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settin
 
     spec = attention_spec(kv_cache_config)
     kinds = group_kinds(kv_cache_config)
+    block = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    page_bytes = spec.page_size_bytes * len(layers)
+    page_bytes = sum(layer_bytes(kv_cache_config.kv_cache_groups[layer.group].kv_cache_spec) for layer in layers)
     if settings.page_bytes is not None and settings.page_bytes != page_bytes:
         raise ConfigError(f"pages of this model have {page_bytes} bytes, but the dss connector is configured "
                           f"with page_bytes={settings.page_bytes}")
     layer_kinds = [kinds[layer.group] for layer in layers]
+    state = _state_field(kv_cache_config)
+    extra: dict[str, Any] = {"state": state} if state is not None else {}
     return dss.Layout(
-        LAYOUT_NAME, spec.block_size, page_bytes,
+        LAYOUT_NAME, block.block_size, page_bytes,
         model=str(model.model),
         revision=settings.model_revision or model.revision or model_fingerprint(str(model.model)),
         dtype=str(model.dtype).removeprefix("torch."),
-        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        kv_dtype=str(spec.dtype if spec is not None else block.dtypes[0]).removeprefix("torch."),
         kv_cache_dtype=str(cache.cache_dtype),
         num_layers=len(layers),
         attention="full" if set(layer_kinds) == {"full"} else ",".join(layer_kinds),
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        head_size_v=getattr(spec, "head_size_v", spec.head_size),
+        num_kv_heads=spec.num_kv_heads if spec is not None else 0,
+        head_size=spec.head_size if spec is not None else 0,
+        head_size_v=getattr(spec, "head_size_v", spec.head_size) if spec is not None else 0,
         tp_size=shards.tp_size,
         tp_shard=shard % shards.tp_shards,
         pp_size=shards.pp_size,
         pp_rank=shard // shards.tp_shards,
-        backend=attention_backend(vllm_config, spec),
+        backend=attention_backend(vllm_config, spec) if spec is not None else "none",
         platform=str(current_platform.device_name),
         vllm=str(vllm.__version__),
+        **extra,
     )
 
 

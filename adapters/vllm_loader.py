@@ -115,6 +115,8 @@ class PageLoader(JobThread[LoadJob, LoadOutcome]):
             self._cond.wait_for(lambda: self._done or not self._jobs or self._error is not None, timeout)
 
     def _do(self, job: LoadJob) -> LoadOutcome:
+        if job.fail:
+            return LoadOutcome(job.req_id, failed_pages=list(range(len(job.page_ids[self.shard]))))
         return load_pages(self.reader, self.copier, job.page_ids[self.shard], job.block_ids, job.req_id)
 
     def _finish(self, job: LoadJob, result: LoadOutcome) -> None:

@@ -27,13 +27,16 @@ class LoadJob:
     ``block_ids[group][i]`` of each group's layers.
 
     A synchronous job (``is_async`` false) is done before the step's forward; an
-    asynchronous one in the background, reported through ``get_finished``.
+    asynchronous one in the background, reported through ``get_finished``. A job with
+    ``fail`` set copies nothing and reports every page failed (the scheduler found it
+    could not be loaded whole), so that vLLM recomputes.
     """
 
     req_id: str
     page_ids: list[list[bytes]]
     block_ids: list[list[int]]
     is_async: bool = False
+    fail: bool = False
 
 
 @dataclass(slots=True)

@@ -20,9 +20,13 @@ per finished request (:mod:`dss_adapters.vllm_requests`). For every request it
    step with synchronous loads until the scheduler has seen its outcome on every rank and
    tells them, with the next step's metadata, to write or drop them;
 3. turns vLLM's block allocation into a load job (each group's block ids for the offered
-   pages; blocks a sliding-window group does not keep are not loaded);
+   pages; blocks a sliding-window group does not keep are not loaded, and a state-space
+   group's only where vLLM allocated one: at the last page, whose state the request goes
+   on from);
 4. each step, plans a save job for every block that becomes full, prompt or generated,
-   chunked prefill included, except pages the store already held;
+   chunked prefill included, except pages the store already held; with state-space
+   groups, only pages whose boundary state vLLM hands over in that step
+   (:meth:`SchedulerSide._with_states`);
 5. when a load fails (a block reported by a worker, or a whole asynchronous load), plans
    the pages from there on again, to be saved once vLLM has recomputed them.
 """
@@ -30,7 +34,7 @@ per finished request (:mod:`dss_adapters.vllm_requests`). For every request it
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +58,7 @@ from dss import ConfigError, UnknownSession
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -75,11 +79,12 @@ class SchedulerSide:
     """Scheduler-side state of the connector (see the module docstring)."""
 
     def __init__(self, settings: Settings, layouts: list[dss.Layout], shards: Shards, num_groups: int,
-                 store: dss.Store) -> None:
+                 store: dss.Store, state_groups: Sequence[int] = ()) -> None:
         """``layouts``: the shards' layouts the scheduler can tell itself (pipeline stage 0's);
         with pipeline parallelism the others come from :meth:`take_handshakes`, and nothing is
-        loaded before."""
+        loaded before. ``state_groups``: the state-space (Mamba) KV cache groups."""
         self.settings = settings
+        self.state_groups = list(state_groups)
         self.layouts = layouts
         self.store = store
         self.page_tokens = layouts[0].page_tokens
@@ -150,8 +155,13 @@ class SchedulerSide:
         first = plan.first_page
         block_ids = [[NO_BLOCK if block.is_null else block.block_id for block in group[first:first + count]]
                      for group in blocks.blocks]
+        # the request goes on from the state after the last page: vLLM must have given it a block
+        stateless = any(block_ids[group][-1] == NO_BLOCK for group in self.state_groups)
+        if stateless:
+            log.error("request %s: vLLM allocated no state block at token %d; its dss load fails and vLLM "
+                      "recomputes", request.request_id, (first + count) * self.page_tokens)
         self._loads.append(LoadJob(request.request_id, [ids[:count] for ids in plan.page_ids], block_ids,
-                                   plan.is_async))
+                                   plan.is_async, fail=stateless))
         tracked.num_loaded_tokens += num_external_tokens
         tracked.loaded_blocks = list(block_ids[0])
         tracked.first_loaded_page = first
@@ -192,6 +202,11 @@ class SchedulerSide:
             if table is None:
                 continue
             groups = [list(group[first:full]) for group in table]
+            if self.state_groups:
+                groups = self._with_states(req_id, state, first, groups)
+                full = first + len(groups[0])
+                if full == first:
+                    continue
             tracked.num_stored_pages = full
             # a page is saved whole: start past the last page a sliding-window group no longer keeps
             skip = max((i + 1 for g in groups for i, block in enumerate(g) if block == NULL_BLOCK_ID), default=0)
@@ -204,6 +219,32 @@ class SchedulerSide:
             tracked.num_sent_tokens = max(sent, need)
             tracked.num_issued += self.num_shards
         return meta
+
+    def _with_states(self, req_id: str, state: KVConnectorBlockState, first: int,
+                     groups: list[list[int]]) -> list[list[int]]:
+        """The pages ``first ..`` of ``groups`` whose state vLLM keeps, each state-space group's
+        block replaced by the block vLLM hands over with that boundary's state this step.
+
+        vLLM keeps (``mamba_cache_mode="align"``) the state at the end of each scheduled chunk
+        that ends on a block boundary, and offers it to connectors in the step that computes
+        it, with its exact block (a request's block table does not tell it: vLLM moves and
+        frees state blocks). A page whose state was not kept is not saved, nor any after it
+        (they could never be resumed without it): a miss later, never a wrong state.
+        """
+        kept = {(group, tokens): block for group, block, tokens in state.boundary_state_offloads.get(req_id, ())}
+        count = 0
+        for k in range(len(groups[0])):
+            boundary = (first + k + 1) * self.page_tokens
+            blocks = [kept.get((group, boundary)) for group in self.state_groups]
+            if any(block is None for block in blocks):
+                break
+            for group, block in zip(self.state_groups, blocks):
+                groups[group][k] = block
+            count += 1
+        if count < len(groups[0]):
+            log.debug("request %s: vLLM kept no state at token %d; its pages from %d on are not saved",
+                      req_id, (first + count + 1) * self.page_tokens, first + count)
+        return [group[:count] for group in groups]
 
     def on_worker_output(self, output: KVConnectorOutput) -> None:
         """Count the save jobs the workers finished; plan again what failed to load or was dropped.
@@ -269,6 +310,12 @@ class SchedulerSide:
         if first is None:
             first = self.store.lookup(tokens, layout=self.layouts[0], user_id=scope.user_id,
                                       tenant_id=scope.tenant_id)
+        near = getattr(first, "near", None)
+        if near is not None:  # approximate matching found a near-duplicate (its ids name no user)
+            log.info("request %s: reuses %d of %d tokens (%s); nearest stored version %d diverges at token %s "
+                     "(Jaccard %.2f, %d candidates verified)", tracked.request.request_id, first.matched_tokens,
+                     len(tokens), first.source, near.version_id, near.divergence, near.jaccard,
+                     first.num_candidates)
         results = [first]
         prefix = tokens[:first.matched_tokens]
         for layout in self.layouts[1:]:

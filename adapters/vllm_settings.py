@@ -77,6 +77,12 @@ class Settings:
     session_wait_s: float = 5.0
     load_mode: Literal["auto", "sync", "async"] = "auto"
 
+    @property
+    def reader_options(self) -> dict[str, Any]:
+        """``store_options`` for the processes that only move pages (workers, the reader): they
+        never resume, so approximate matching stays off there (no index is built at open)."""
+        return {**self.store_options, "approximate": False}
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
         """Validate ``kv_connector_extra_config``; raises ``dss.ConfigError`` naming the bad key."""

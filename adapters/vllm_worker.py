@@ -98,9 +98,9 @@ class WorkerSide:
             tensors.append(tensor.movedim(dims[0], 0))
         self.copier = BlockCopier(tensors, [layer.group for layer in self.layers], self.num_blocks,
                                   self.layout.page_bytes)
-        if self.copier.device.type == "cuda":
+        if self.copier.device.type == "cuda" and self.copier.uniform:  # state-space layers: whole pages
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
-        self.loader = PageLoader(PageReader(self.settings.store, self.settings.store_options), self.copier, self.shard)
+        self.loader = PageLoader(PageReader(self.settings.store, self.settings.reader_options), self.copier, self.shard)
 
     # -- loads -----------------------------------------------------------------------------
 

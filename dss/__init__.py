@@ -43,7 +43,8 @@ from dss.core.errors import (
     UnknownSession,
     UnknownVersion,
 )
-from dss.resume import ResumeResult
+from dss.nearest import Explanation
+from dss.resume import Candidate, ResumeResult
 from dss.store import Store
 from dss.core.tokens import TokenInput
 from dss.core.version import VERSION
@@ -53,8 +54,8 @@ from dss.erasure import AuditEntry, Plan, Receipt
 __version__ = VERSION
 
 __all__ = [
-    "AmbiguousSession", "AuditEntry", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
-    "ErasureInProgress", "ErasureIncomplete", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
+    "AmbiguousSession", "AuditEntry", "Candidate", "CatalogCorrupt", "CatalogUnavailable", "ConfigError", "Conflict", "DssError",
+    "ErasureInProgress", "ErasureIncomplete", "Explanation", "Forbidden", "InternalError", "PayloadTooLarge", "Unauthorized",
     "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NotFound",
     "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
     "SessionExists", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "UnknownSession",

@@ -8,7 +8,10 @@ next opening of the store) finishes:
 ``key_destroyed``   the user's wrapped data key is overwritten and deleted: from here on,
                     every copy of their pages and token histories anywhere is unreadable,
                     and their page ids cannot be linked to any tokens;
-``catalog_purged``  every row of the namespace is deleted in one transaction (sessions,
+``catalog_purged``  with a remote tier, every key of the namespace is deleted from it first
+                    (the page ids listed from the catalog, deleted in batches, then a scan
+                    for the namespace's tag catches keys the catalog forgot); then
+                    every row of the namespace is deleted in one transaction (sessions,
                     versions, held pages, pages, locations, segments, quarantine, feed, the
                     user row); the names of the files to delete are recorded with it;
 ``files_deleted``   those page files are unlinked (and the folder fsynced); the job keeps only
@@ -20,6 +23,10 @@ The job never keeps a page id: a sample of them is kept as needles (a prefix and
 each, see :mod:`dss.core.rawscan`) for verification to look for. Verification fails loudly
 (:class:`dss.core.errors.ErasureIncomplete`) and leaves the job open. Pages of the tenant's
 registered shared prefixes belong to the tenant, not to the user, and stay.
+
+Other nodes of a fleet drop the namespace from their caches when they next catch up (the
+key's destruction and the purge are events of the change feed), and delete their own page
+files of it then (:meth:`dss.pages.PageStore.sweep`).
 """
 
 from __future__ import annotations
@@ -46,9 +53,11 @@ from dss.erasure import (
     Verification,
     stored,
 )
+from dss.core.errors import ErasureInProgress
+from dss.keys import remote_tag
 from dss.mirror import Mirror
-from dss.tiers.disk import DiskTier
-from dss.tiers.host import HostTier
+from dss.pages import PageStore
+from dss.tiers.remote import RemoteUnavailable, key_of, page_id_of
 
 log = logging.getLogger("dss.erase")
 
@@ -61,11 +70,13 @@ Progress = Callable[[str], None]
 class Eraser:
     """Runs erasure jobs for a store. Not thread-safe; the store locks."""
 
-    def __init__(self, catalog: Catalog, mirror: Mirror, disk: DiskTier, host: HostTier) -> None:
+    def __init__(self, catalog: Catalog, mirror: Mirror, pages: PageStore) -> None:
         self.catalog = catalog
         self.mirror = mirror
-        self.disk = disk
-        self.host = host
+        self.pages = pages
+        self.disk = pages.disk
+        self.host = pages.host
+        self.remote = pages.remote
         self._host_dropped: dict[int, TierCount] = {}
         self._steps = {JobState.PLANNED: self._destroy_key, JobState.KEY_DESTROYED: self._purge,
                        JobState.CATALOG_PURGED: self._delete_files, JobState.FILES_DELETED: self._compact,
@@ -88,7 +99,8 @@ class Eraser:
             user_ref = namespaces.find_user(tx.conn, tenant_id, user_id)
             open_job = erasures.open_job_of(tx.conn, user_ref) if user_ref is not None else None
             if open_job is None:
-                job = Job(**_plan(tx.conn, tenant_id, user_id, user_ref).model_dump(), started_at=now().isoformat())
+                job = Job(**_plan(tx.conn, tenant_id, user_id, user_ref).model_dump(), started_at=now().isoformat(),
+                          remote_tag=self._tag(user_ref, tx.conn))
                 job_id = erasures.insert_job(tx.conn, tenant_id, user_id, user_ref, job.model_dump_json(exclude_none=True))
             else:
                 job_id = open_job.id
@@ -133,8 +145,19 @@ class Eraser:
             self._advance(row, job, tx, key_destroyed=destroyed or job.key_destroyed)
         self._forgotten(tx.seq, events)
 
+    def _tag(self, user_ref: int | None, conn: object) -> str | None:
+        """The namespace's remote-tier tag (hex), while its key still exists."""
+        if user_ref is None:
+            return None
+        try:
+            return remote_tag(self.mirror.keys.of(user_ref, conn).hash_key).hex()
+        except ErasureInProgress:
+            return None
+
     def _purge(self, row: erasures.JobRecord, job: Job) -> None:
         user_ref = row.user_ref
+        if self.remote is not None and user_ref is not None:
+            job = job.model_copy(update={"remote_removed": self._delete_remote(user_ref, job.remote_tag)})
         host = self._host_dropped.pop(row.id, TierCount())
         with self.catalog.write() as tx:
             removed = _removed(erasures.purge(tx.conn, user_ref) if user_ref is not None else None, host)
@@ -142,6 +165,33 @@ class Eraser:
             feed.record(tx.conn, tx.seq, events)
             self._advance(row, job, tx, removed=removed)
         self._forgotten(tx.seq, events)
+
+    def _delete_remote(self, user_ref: int, tag: str | None) -> int:
+        """Delete every key of the namespace from the remote tier; return how many existed.
+
+        The keys of the pages the catalog lists go in batches; then a scan for the namespace's
+        tag finds keys of pages the catalog dropped meanwhile (evicted, or a write-through
+        that was queued when the page went). Raises ``ErasureIncomplete`` when the remote
+        tier cannot be reached (the job stays open; the key is destroyed already, so what it
+        holds is unreadable).
+        """
+        assert self.remote is not None
+        with self.catalog.read() as conn:
+            page_ids = pages.user_page_ids(conn, user_ref)
+        try:
+            if tag is not None:
+                tag_bytes = bytes.fromhex(tag)
+                deleted = self.remote.delete([key_of(self.remote.prefix, tag_bytes, p) for p in page_ids])
+                stragglers = self.remote.scan(self.remote.namespace_pattern(tag_bytes))
+                deleted += self.remote.delete([k.decode() for k in stragglers])
+            else:  # no tag was taken (the key was gone when the job began): find the keys by page id
+                wanted = set(page_ids)
+                deleted = self.remote.delete([k.decode() for k in self.remote.scan(f"{self.remote.prefix}*")
+                                              if page_id_of(k) in wanted])
+        except RemoteUnavailable as exc:
+            raise ErasureIncomplete(f"{exc}; the user's key is destroyed, so what the remote tier holds of them is "
+                                    "unreadable, but its keys must go too: run the erasure again") from None
+        return deleted
 
     def _delete_files(self, row: erasures.JobRecord, job: Job) -> None:
         assert job.removed is not None
@@ -162,12 +212,12 @@ class Eraser:
 
     def _verify(self, row: erasures.JobRecord, job: Job) -> None:
         assert job.removed is not None
-        checks = self.verify(row.user_ref, job.removed)
+        checks = self.verify(row.user_ref, job.removed, job.remote_tag)
         removed = job.removed
         receipt = Receipt(erasure_id=row.id, tenant_id=row.tenant_id, user_id=row.user_id, started_at=job.started_at,
                           finished_at=now().isoformat(), user_known=job.user_known, key_destroyed=job.key_destroyed,
                           removed=RemovedCounts(sessions=removed.sessions, versions=removed.versions,
-                                                pages=removed.pages, tiers=removed.tiers),
+                                                pages=removed.pages, tiers=_with_remote(removed.tiers, job)),
                           page_ids_sha256=removed.page_ids_sha256,
                           verification=Verification(ok=all(c.ok for c in checks), checks=checks))
         if not receipt.verification.ok:
@@ -186,7 +236,7 @@ class Eraser:
 
     # -- verification ----------------------------------------------------------------------
 
-    def verify(self, user_ref: int | None, removed: Removed) -> list[Check]:
+    def verify(self, user_ref: int | None, removed: Removed, tag: str | None = None) -> list[Check]:
         """Look for anything of the user in every place dss keeps data; one check each."""
         checks = [Check(name="catalog rows", **self._catalog_rows(user_ref))]
         on_disk = {_digest(name) for name in self.disk.files()}
@@ -194,13 +244,46 @@ class Eraser:
         checks.append(Check(name="page files", ok=not present,
                             detail=f"{len(present)} of {len(removed.file_digests)} files remain"))
         with self.catalog.read() as conn:
-            self.disk.recover(set(pages.all_segments(conn, "disk")))
+            self.disk.recover(set(pages.all_segments(conn, "disk", self.pages.node_ref)))
         sampled = {n.sha256 for n in removed.sample}
         cached = sum(hashlib.sha256(page_id).hexdigest() in sampled for page_id in self.host.ids())
         checks.append(Check(name="host tier", ok=not cached, detail=f"{cached} sampled pages in this process's "
                                                                     "host tier"))
         checks.append(Check(name="catalog files", **self._raw_scan(removed.sample)))
+        checks.append(Check(name="lsh index", **self._lsh_index(user_ref)))
+        if self.remote is not None:
+            checks.append(Check(name="remote tier", **self._remote_scan(removed.sample, tag)))
         return checks
+
+    def _lsh_index(self, user_ref: int | None) -> dict[str, object]:
+        """Look in the MinHash-LSH index itself (this process's memory, and Redis when shared)."""
+        lsh = self.mirror.lsh
+        if lsh is None:
+            return {"ok": True, "detail": "no LSH index in this process"}
+        if user_ref is None:
+            return {"ok": True, "detail": "the user had no entries"}
+        local, remote = lsh.count(user_ref)
+        where = "in memory and in Redis" if lsh.is_shared else "in memory"
+        return {"ok": not local and not remote,
+                "detail": f"{local} entries in memory, {remote} keys in Redis" if local or remote
+                else f"no entry of the user {where}"}
+
+    def _remote_scan(self, sample: list[Needle], tag: str | None) -> dict[str, object]:
+        """Scan the remote tier's keys for the sampled page ids and the namespace's tag."""
+        assert self.remote is not None
+        sampled = {n.sha256 for n in sample}
+        found = tagged = 0
+        try:
+            for key in self.remote.scan(f"{self.remote.prefix}*"):
+                page_id = page_id_of(key)
+                found += page_id is not None and hashlib.sha256(page_id).hexdigest() in sampled
+                tagged += tag is not None and f"{{{tag}}}" in key.decode()
+        except RemoteUnavailable as exc:
+            return {"ok": False, "detail": str(exc)}
+        return {"ok": not found and not tagged,
+                "detail": f"{found} of {len(sample)} sampled page ids and {tagged} keys of the user's namespace in "
+                          "Redis; copies in Redis replicas and in AOF/RDB files hold only pages sealed under the "
+                          "destroyed key (crypto-shredding): they are unreadable"}
 
     def _catalog_rows(self, user_ref: int | None) -> dict[str, object]:
         if user_ref is None:
@@ -254,6 +337,13 @@ def _removed(purged: erasures.Purged | None, host: TierCount) -> Removed:
                           "host": host},
                    page_ids_sha256=erasures.digest_of(purged.page_ids), files=purged.files,
                    sample=[Needle(**rawscan.needle(p)) for p in purged.page_ids[:SAMPLE_IDS]])
+
+
+def _with_remote(tiers: dict[str, TierCount], job: Job) -> dict[str, TierCount]:
+    """The receipt's tiers, with the keys deleted from the remote tier if there is one."""
+    if job.remote_removed is None:
+        return tiers
+    return {**tiers, "remote": TierCount(pages=job.remote_removed)}
 
 
 def _digest(name: str) -> str:

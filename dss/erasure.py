@@ -118,6 +118,11 @@ class Job(Plan):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     started_at: str
+    remote_tag: str | None = None
+    """The remote tier's tag of the namespace (hex; see :func:`dss.keys.remote_tag`), taken
+    before its key is destroyed so that its keys can still be found."""
+    remote_removed: int | None = None
+    """Keys of the namespace deleted from the remote tier (``None``: none configured yet)."""
     key_destroyed: bool = False
     removed: Removed | None = None
     receipt: Receipt | None = None

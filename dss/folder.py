@@ -1,11 +1,11 @@
-"""The store folder and its catalog: one folder per catalog, opened under a lock.
+"""The store folder and its catalog: each folder is one node of the catalog, opened under a lock.
 
-A store folder holds the page files; its catalog records where they are. Two folders on one
-catalog would each find the other's files missing and quarantine their pages, so the first
-folder a catalog is opened with becomes its folder: both keep a random store id (the file
-``store-id`` in the folder, ``store_id`` in the catalog's ``store_meta``), and a folder whose
-id differs, or a new folder, is refused at open. (Several nodes sharing one catalog is the
-fleet's business, not this module's.)
+A store folder holds the page files of one node; the catalog records where they are, on
+which node. Every folder keeps a random id (the file ``store-id``); the catalog registers
+each folder as a node (table ``nodes``: the folder's id and a name, ``node_id``). The first
+folder a catalog is opened with becomes its first node. Another folder joins only when its
+opener names it (the ``node_id`` setting): a folder opened on some other store's catalog by
+mistake is refused, not silently made a second node.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
-from dss.catalog import namespaces
+from sqlalchemy.exc import IntegrityError
+
+from dss.catalog import nodes
 from dss.catalog.database import Catalog
 from dss.core.errors import ConfigError
 
@@ -36,28 +39,47 @@ def folder_lock(home: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def adopt_folder(catalog: Catalog, home: Path) -> None:
-    """Bind the folder and the catalog to each other on first use; refuse another folder.
+class Node(NamedTuple):
+    """This folder as a node of its catalog: its row number and its name."""
 
-    Call under :func:`folder_lock`. Raises ``ConfigError`` when the catalog belongs to
-    another folder (or the folder to another catalog).
+    ref: int
+    node_id: str
+
+
+def adopt_folder(catalog: Catalog, home: Path, node_id: str | None = None) -> Node:
+    """This folder's node, registered on first use; refuse a folder that was not asked to join.
+
+    Call under :func:`folder_lock`. Raises ``ConfigError`` when the catalog belongs to other
+    folders and ``node_id`` is not given, when ``node_id`` names another folder's node, or
+    when this folder is a node of another name.
     """
     mine = _read_id(home)
     with catalog.read() as conn:
-        theirs = namespaces.meta(conn, "store_id")
-    if theirs is not None and mine == theirs:
-        return
-    if theirs is not None:
+        known = nodes.all_nodes(conn)
+    for node in known:
+        if node.folder_id == mine:
+            if node_id is not None and node_id != node.node_id:
+                raise ConfigError(f"the store folder {home} is node {node.node_id!r} of its catalog, not "
+                                  f"{node_id!r}: leave node_id unset or set it to {node.node_id!r}")
+            return Node(node.ref, node.node_id)
+    if node_id is None and known:
         raise ConfigError(
-            f"the catalog {catalog.url} belongs to another store folder (store id {theirs.hex()}), not to {home}"
-            + (f" (store id {mine.hex()})" if mine else "") + ": one folder per catalog — open the store with "
-            "its own folder (home=...), or give this folder a catalog of its own")
+            f"the catalog {catalog.url} belongs to another store folder (store id {known[0].folder_id.hex()}), "
+            f"not to {home}" + (f" (store id {mine.hex()})" if mine else "") + ": one folder per catalog — open "
+            "the store with its own folder (home=...), give this folder a catalog of its own, or set node_id to "
+            "join it as another node of a fleet")
+    if node_id is not None and any(node.node_id == node_id for node in known):
+        raise ConfigError(f"node id {node_id!r} is taken by another store folder of this catalog: "
+                          "give each node a name of its own")
     if mine is None:
         mine = _write_id(home)
-    with catalog.write() as tx:
-        if namespaces.meta(tx.conn, "store_id") is None:
-            namespaces.set_meta(tx.conn, "store_id", mine)
-    adopt_folder(catalog, home)  # another folder may have won the race: check again
+    try:
+        with catalog.write() as tx:
+            if node_id is not None or not nodes.all_nodes(tx.conn):  # writers are serialised: no race here
+                nodes.insert_node(tx.conn, node_id or mine.hex()[:16], mine)
+    except IntegrityError:
+        pass  # another folder took the name meanwhile, or the first node's place: check again
+    return adopt_folder(catalog, home, node_id)
 
 
 def _read_id(home: Path) -> bytes | None:

@@ -21,14 +21,15 @@ from dss.tiers.host import HostTier
 
 
 def check(catalog: Catalog, mirror: Mirror, disk: DiskTier, host: HostTier, disk_capacity: int) -> list[str]:
-    """Every broken invariant, as a sentence each (``[]`` when the store is sound)."""
+    """Every broken invariant, as a sentence each (``[]`` when the store is sound). Files are
+    this node's only (``mirror.node_ref``): other nodes' folders are theirs to check."""
     problems: list[str] = []
     try:
         with catalog_errors(), catalog.read() as conn:
             problems += _layouts(conn)
             problems += _sessions(mirror, conn)
             problems += _pages(conn)
-            problems += _segments(disk, disk_capacity, conn)
+            problems += _segments(disk, disk_capacity, mirror.node_ref, conn)
             problems += _index(mirror, host, conn)
             problems += _audit(conn)
     except (CatalogCorrupt, CatalogUnavailable) as exc:  # the database itself, as its driver says
@@ -124,11 +125,11 @@ def _pages(conn: object) -> list[str]:
     return problems
 
 
-def _segments(disk: DiskTier, capacity: int, conn: object) -> list[str]:
+def _segments(disk: DiskTier, capacity: int, node_ref: int, conn: object) -> list[str]:
     problems: list[str] = []
-    rows = pages.all_segments(conn, "disk")  # type: ignore[arg-type]
+    rows = pages.all_segments(conn, "disk", node_ref)  # type: ignore[arg-type]
     files = disk.files()
-    extents = pages.disk_extents(conn)  # type: ignore[arg-type]
+    extents = pages.disk_extents(conn, node_ref)  # type: ignore[arg-type]
     for name, (ref, size) in rows.items():
         if name not in files:
             problems.append(f"page file {name} is in the catalog but missing on disk")
@@ -142,7 +143,7 @@ def _segments(disk: DiskTier, capacity: int, conn: object) -> list[str]:
         if name not in rows and disk.is_orphan(name):
             problems.append(f"page file {name} has no catalog row")
     used = sum(size for _, size in rows.values())
-    total = pages.tier_bytes(conn, "disk")  # type: ignore[arg-type]
+    total = pages.tier_bytes(conn, "disk", node_ref)  # type: ignore[arg-type]
     if total != used:
         problems.append(f"the disk tier's running total says {total} bytes, its segments hold {used}")
     if used > capacity:
@@ -155,7 +156,7 @@ def _index(mirror: Mirror, host: HostTier, conn: object) -> list[str]:
     problems: list[str] = []
     entries = mirror.index.entries
     durable = {e.page_id: e for e in entries.values() if e.disk is not None}
-    found = {r.page_id: r for r in pages.pages_by_id(conn, list(durable))}  # type: ignore[arg-type]
+    found = {r.page_id: r for r in pages.pages_by_id(conn, list(durable), mirror.node_ref)}  # type: ignore[arg-type]
     for page_id, entry in durable.items():
         row = found.get(page_id)
         if row is None:

@@ -8,6 +8,7 @@ yields (:class:`Keys`) until the namespace is forgotten. Nothing here decides wh
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,6 +49,13 @@ def name_aad(session_key: bytes) -> bytes:
 def label_aad(session_key: bytes) -> bytes:
     """What a sealed version label is bound to (its session, as for :func:`tokens_aad`)."""
     return b"dss-label v2\0" + session_key
+
+
+def remote_tag(hash_key: bytes) -> bytes:
+    """The remote tier's name for a namespace: a keyed hash of its page-id hashing key (so
+    no key name says whose pages it holds, and the tag cannot be made again once the key
+    is destroyed)."""
+    return hashlib.blake2b(b"dss-remote-namespace v1", key=hash_key[:64], digest_size=12).digest()
 
 
 class Keys(NamedTuple):

@@ -44,6 +44,7 @@ class Matcher:
         total = len(buf) // TOKEN_BYTES // page_tokens
         code_of = self.index.code_of
         spans: list[Span] = []
+        source = "session"
         history = 0
         own_ids: Sequence[PageId] | None = None
         match = None
@@ -58,6 +59,7 @@ class Matcher:
             if extra is not None:
                 spans = [*spans, extra]
                 num_pages += extra.count
+                source = "shared"
         version_id = None
         depth = min(num_pages * page_tokens, history)
         if state is not None and match is not None and depth:
@@ -76,9 +78,11 @@ class Matcher:
             if extra is not None:
                 spans = [*spans, extra]
                 num_pages += extra.count
+                source = "namespace"
         return ResumeResult(state.session_id if state is not None else None,
                             VersionId(version_id) if version_id is not None else None, num_pages * page_tokens,
-                            len(buf) // TOKEN_BYTES, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates)
+                            len(buf) // TOKEN_BYTES, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates,
+                            source=source)
 
     def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, match: Match | None,
                           shared: SessionState, first: int) -> tuple[Span | None, Sequence[PageId]]:

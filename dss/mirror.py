@@ -6,6 +6,13 @@ events (:mod:`dss.catalog.feed`) with one function, :meth:`Mirror.apply`: its ow
 events right after they commit, carrying what was written in detail (applied in place),
 and other processes' events read back from the feed when the epoch file says the catalog
 moved on (:meth:`Mirror.sync`; without the detail, they drop or reload what changed).
+
+The same events keep the MinHash-LSH index (:mod:`dss.lsh`, when the store has one) current:
+a version this process commits (or a branch it makes) is indexed at once in the namespaces
+whose index is open; another process's change to a session drops that session's entries
+and marks it for re-indexing when its namespace is next queried (with a Redis index, the
+writing process maintains the shared index itself); a deleted session's entries go; an
+erased namespace's index goes, in Redis too.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dss.core.tokens import TOKEN_BYTES
 from dss.core.types import Layout, PageId
 from dss.core.validate import check_name
 from dss.keys import DataKeys, label_aad, name_aad, tokens_aad
+from dss.lsh import LshIndex
 from dss.pageindex import NamespacePages, PageIndex
 from dss.state import SessionState
 
@@ -32,8 +40,11 @@ from dss.state import SessionState
 class Mirror:
     """Session states and namespaces of one process. Not thread-safe; the store locks."""
 
-    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, keys: DataKeys) -> None:
+    def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, keys: DataKeys, node_ref: int) -> None:
         self.catalog = catalog
+        self.node_ref = node_ref
+        self.forgotten = 0
+        """How many namespaces this process saw forgotten (erased) since it opened."""
         self.epoch = epoch
         self.index = index
         self.keys = keys
@@ -43,6 +54,10 @@ class Mirror:
         self._tenants: dict[int, str] = {}
         self._users: dict[tuple[str, str], int] = {}
         self._own: set[int] = set()
+        self.lsh: LshIndex | None = None
+        """The MinHash-LSH index, set by the store when approximate matching is available."""
+        self.lsh_stale: dict[int, int] = {}
+        """``session_ref -> user_ref`` of sessions another process changed, to re-index."""
         with catalog.read() as conn:
             self._seq = feed.latest_seq(conn)
         self._epoch_seen = epoch.read()
@@ -57,11 +72,16 @@ class Mirror:
                     self._apply_own(event.session_ref, own)
                 case SessionChanged():
                     self.drop_session(event.session_ref)
+                    lsh = self.lsh
+                    if lsh is not None and not lsh.is_shared and lsh.holds(event.user_ref):
+                        lsh.drop_session(event.session_ref)  # shared in Redis: the writer keeps it current
+                        self.lsh_stale[event.session_ref] = event.user_ref
                 case PagesStored(records=None):
                     namespace = self.index.namespaces.get(event.user_ref)
                     if namespace is not None and namespace.loaded:
                         with self.catalog.read() as conn:
-                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, event.seq))
+                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, self.node_ref,
+                                                                              event.seq))
                 case PagesStored(records=stored):
                     self.index.apply(self.namespace(event.user_ref), stored)
                 case PagesDropped():
@@ -70,6 +90,10 @@ class Mirror:
                     self.index.lose_durable([PageId(p) for p in event.page_ids])
                 case NamespaceForgotten():
                     self.drop_namespace(event.user_ref)
+                    if self.lsh is not None:
+                        self.lsh.drop_namespace(event.user_ref)
+                        self.lsh_stale = {s: u for s, u in self.lsh_stale.items() if u != event.user_ref}
+                    self.forgotten += 1
 
     def _apply_own(self, ref: int, write: SessionWrite) -> None:
         """Apply this process's own write to the session's cached state, in place when the
@@ -77,6 +101,8 @@ class Mirror:
         change = write.change
         if change.delete:
             self.drop_session(ref)
+            if self.lsh is not None:
+                self.lsh.drop_session(ref, change.user_ref)
             return
         if change.create is not None:
             state = self._new_state(ref, write)
@@ -95,6 +121,8 @@ class Mirror:
                                    write.stamp)
             state.add(record, version.tokens, version.walk)
             head = write.version_id
+            if self.lsh is not None:
+                self._index_version(state, write.version_id, version.tokens)
         for page_id in write.unheld:
             state.held.pop(page_id, None)
         if write.version_id is not None:
@@ -109,6 +137,20 @@ class Mirror:
             state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
         state.record = state.record._replace(seq=write.seq, last_access=write.stamp,
                                              head_id=head if head is not None else state.head_id)
+
+    def _index_version(self, state: SessionState, version_id: int, buf: bytes) -> None:
+        """Index a version this process committed, if its namespace's index is open here (or,
+        shared in Redis, was built by anyone)."""
+        lsh = self.lsh
+        assert lsh is not None
+        bucket = lsh.bucket(state.user_ref, state.layout.digest)
+        if bucket is None and lsh.is_shared:
+            bucket, built = lsh.open_bucket(state.user_ref, state.layout.digest, state.key)
+            if not built:
+                lsh.close_bucket(state.user_ref, state.layout.digest)
+                return
+        if bucket is not None:
+            lsh.add(bucket, state.ref, version_id, buf, state.layout.page_tokens)
 
     def _new_state(self, ref: int, write: SessionWrite) -> SessionState:
         new = write.change.create
@@ -159,6 +201,9 @@ class Mirror:
         self._no_shared.clear()
         for user_ref in list(self.index.namespaces):
             self.index.drop_namespace(user_ref)
+        if self.lsh is not None:
+            self.lsh.clear()
+            self.lsh_stale.clear()
 
     # -- sessions --------------------------------------------------------------------------
 
@@ -263,9 +308,9 @@ class Mirror:
         if not namespace.loaded:
             if conn is None:
                 with self.catalog.read() as own:
-                    self.index.apply(namespace, pages.namespace_pages(own, user_ref))
+                    self.index.apply(namespace, pages.namespace_pages(own, user_ref, self.node_ref))
             else:
-                self.index.apply(namespace, pages.namespace_pages(conn, user_ref))
+                self.index.apply(namespace, pages.namespace_pages(conn, user_ref, self.node_ref))
             namespace.loaded = True
         return namespace
 

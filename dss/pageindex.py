@@ -18,6 +18,7 @@ from dss.core.types import TIER_CODE, PageId
 
 HOST = TIER_CODE["host"]
 DISK = TIER_CODE["disk"]
+REMOTE = TIER_CODE["remote"]
 
 
 _generations = itertools.count(1)
@@ -43,38 +44,56 @@ class NamespacePages:
 
 
 class PageEntry:
-    """One page: where its bytes are durable (``disk``) and what they must hash to."""
+    """One page: where its bytes are durable on this node (``disk``), whether the catalog
+    holds it (``is_durable``: some node's disk does, so the remote tier may too) and what its
+    stored bytes must hash to."""
 
-    __slots__ = ("checksum", "disk", "namespace", "page_id", "page_index", "size")
+    __slots__ = ("checksum", "disk", "is_durable", "namespace", "page_id", "page_index", "size")
 
     def __init__(self, page_id: PageId, namespace: NamespacePages, page_index: int, size: int, checksum: int,
-                 disk: Located | None) -> None:
+                 disk: Located | None, is_durable: bool = True) -> None:
         self.page_id = page_id
         self.namespace = namespace
         self.page_index = page_index
         self.size = size
         self.checksum = checksum
         self.disk = disk
+        self.is_durable = is_durable
 
 
 class PageIndex:
     """Every page entry of this process, keyed by page id (ids never collide across namespaces)."""
 
-    def __init__(self, host: HostTier) -> None:
+    def __init__(self, host: HostTier, *, has_remote: bool = False) -> None:
         self.host = host
+        self.has_remote = has_remote
         self.entries: dict[PageId, PageEntry] = {}
         self.namespaces: dict[int, NamespacePages] = {}
         self.code_of = self._make_code_of()
 
     def _make_code_of(self) -> Callable[[PageId], int]:
         host, entries = self.host, self.entries
+        if not self.has_remote:
+            def code_of(page_id: PageId) -> int:
+                """The fastest tier holding the page (0: none)."""
+                if page_id in host:
+                    return HOST
+                entry = entries.get(page_id)
+                return DISK if entry is not None and entry.disk is not None else 0
 
-        def code_of(page_id: PageId) -> int:
-            """The fastest tier holding the page (0: none)."""
+            return code_of
+
+        def code_of(page_id: PageId) -> int:  # noqa: F811 (chosen once, by whether there is a remote tier)
+            """The fastest tier holding the page (0: none); a page the catalog holds on another
+            node's disk only is on the remote tier (a miss there is found when it is read)."""
             if page_id in host:
                 return HOST
             entry = entries.get(page_id)
-            return DISK if entry is not None and entry.disk is not None else 0
+            if entry is None:
+                return 0
+            if entry.disk is not None:
+                return DISK
+            return REMOTE if entry.is_durable else 0
 
         return code_of
 
@@ -111,6 +130,7 @@ class PageIndex:
                 continue
             if page_id in self.host:
                 entry.disk = None
+                entry.is_durable = False
                 entry.namespace.bump()
             else:
                 del self.entries[page_id]
@@ -123,7 +143,7 @@ class PageIndex:
             if entry is None:
                 continue
             entry.namespace.bump()
-            if entry.disk is None:
+            if entry.disk is None and not (entry.is_durable and self.has_remote):
                 del self.entries[page_id]
 
     def drop_namespace(self, user_ref: int) -> None:

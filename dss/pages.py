@@ -10,6 +10,13 @@ A write's pages take three steps around its catalog transaction:
 3. :meth:`PageStore.settle` after the commit — delete the files the transaction left without a
    page, put the payloads in the host tier; or :meth:`PageStore.abort` if it rolled back.
 
+With a remote tier (:mod:`dss.tiers.remote`), step 3 also queues the pages the transaction
+recorded for the remote tier, sealed exactly as on disk: they reach it asynchronously, after
+they are durable here. Reads look in the host tier, then this node's disk, then — for the
+pages the catalog holds on another node's disk only — the remote tier, in one round trip;
+what comes back is verified (format, checksum, authentication under the owner's key) and
+promoted to host; anything else is a miss.
+
 Files are deleted only after the transaction that stopped referring to them committed. A
 file written by a process that died before its commit is an orphan; the next opener removes
 it. Reads return ``None`` for a page no tier holds, and list the pages whose bytes fail
@@ -28,12 +35,14 @@ from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegme
 from dss.catalog.database import Catalog, Tx
 from dss.core.crypto import Sealer, SealError
 from dss.core.hashing import checksum
+from dss.core.errors import ErasureInProgress
 from dss.core.types import PageId
-from dss.keys import DataKeys
+from dss.keys import DataKeys, remote_tag
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
 from dss.tiers.base import ReadFailure, ReadRequest
 from dss.tiers.disk import HEADER_BYTES, RECORD, DiskTier
 from dss.tiers.host import HostTier
+from dss.tiers.remote import RemoteTier, key_of, pack_value, unpack_value
 
 log = logging.getLogger("dss.pages")
 
@@ -45,13 +54,14 @@ def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageI
               sealer: Sealer | None) -> tuple[NewPage, ...]:
     """The given pages (``payloads[i]`` is page ``ids[i]``), each with the bytes that go to
     disk — sealed with ``sealer`` (bound to its id) unless it is ``None`` — or ``None`` when
-    this process knows a durable tier holds it already."""
+    this process knows a durable tier holds it already (this node's disk, or another's: the
+    catalog keeps one disk copy of a page in the fleet)."""
     entries = index.entries
     out = []
     for i, payload in payloads.items():
         page_id = ids[i]
         entry = entries.get(page_id)
-        if entry is not None and entry.disk is not None:
+        if entry is not None and (entry.disk is not None or entry.is_durable):
             out.append(NewPage(page_id, i, payload, None, 0, 0))
             continue
         stored = sealer.seal(payload, page_id) if sealer is not None else payload
@@ -71,8 +81,10 @@ class PageStore:
     """Pages across the host and disk tiers, as recorded in the catalog."""
 
     def __init__(self, catalog: Catalog, disk: DiskTier, host: HostTier, index: PageIndex, keys: DataKeys, *,
-                 disk_bytes: int, segment_bytes: int) -> None:
+                 node_ref: int, disk_bytes: int, segment_bytes: int, remote: RemoteTier | None = None) -> None:
         self.catalog = catalog
+        self.node_ref = node_ref
+        self.remote = remote
         self.disk = disk
         self.host = host
         self.index = index
@@ -95,7 +107,7 @@ class PageStore:
             for batch in self._batches(fresh):
                 name, size, located = self.disk.write([(p.page_id, p.checksum, p.stored, p.flags) for p in batch],
                                                       publish=publish)
-                out.append(WrittenSegment(name, size, tuple((p, where.offset, where.length)
+                out.append(WrittenSegment(name, size, self.node_ref, tuple((p, where.offset, where.length)
                                                             for p, where in zip(batch, located))))
         except BaseException:
             self.abort(out)
@@ -114,11 +126,11 @@ class PageStore:
         need = sum(w.size for w in written)
         if not need:
             return Room()
-        used = pages.tier_bytes(tx.conn, "disk")
+        used = pages.tier_bytes(tx.conn, "disk", self.node_ref)
         to_free = policy.room_needed(used, need, self.disk_bytes)
         if to_free <= 0:
             return Room()
-        chosen = policy.victims(pages.tier_segments(tx.conn, "disk"), to_free)
+        chosen = policy.victims(pages.tier_segments(tx.conn, "disk", self.node_ref), to_free)
         freed = sum(s.size for s in chosen)
         if chosen:
             log.info("disk tier full: dropping %d segments", len(chosen))
@@ -136,16 +148,47 @@ class PageStore:
         for page in new:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
                 self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),
-                                         checksum(page.payload), None))
+                                         checksum(page.payload), None, is_durable=False))
             evicted = self.host.put(page.page_id, page.payload)
             if evicted is None:
                 entry = entries.get(page.page_id)
-                if entry is not None and entry.disk is None:
+                if entry is not None and entry.disk is None and not entry.is_durable:
                     self.index.forget([page.page_id])
             elif evicted:
                 self.index.left_host(evicted)
         if namespace is not None:
             namespace.bump()
+        if self.remote is not None and applied.stored:
+            self._write_through(applied, new)
+
+    def _write_through(self, applied: Applied, new: Sequence[NewPage]) -> None:
+        """Queue the pages the transaction recorded for the remote tier (sealed as on disk)."""
+        assert self.remote is not None
+        owner = {r.page_id: r.user_ref for r in applied.stored}
+        tags = {user_ref: self._tag(user_ref) for user_ref in set(owner.values())}
+        items = []
+        for page in new:
+            tag = tags.get(owner.get(page.page_id, -1))
+            if tag is not None and page.stored is not None:
+                items.append((key_of(self.remote.prefix, tag, page.page_id),
+                              pack_value(page.checksum, page.flags, page.stored)))
+        self.remote.put(items)
+
+    def _tag(self, user_ref: int) -> bytes | None:
+        """The remote tier's tag of a namespace (``None`` once its key is destroyed)."""
+        try:
+            return remote_tag(self.keys.of(user_ref).hash_key)
+        except ErasureInProgress:
+            return None
+
+    def sweep(self) -> list[str]:
+        """Delete this node's page files the catalog no longer records (see :meth:`DiskTier.sweep`)."""
+        with self.catalog.read() as conn:
+            recorded = set(pages.all_segments(conn, "disk", self.node_ref))
+        removed = self.disk.sweep(recorded)
+        if removed:
+            log.info("deleted %d page files the catalog no longer records", len(removed))
+        return removed
 
     def abort(self, written: Sequence[WrittenSegment]) -> None:
         """Delete the files of a write whose transaction did not commit."""
@@ -201,6 +244,8 @@ class PageStore:
             if evicted:
                 self.index.left_host(evicted)
             entry.namespace.bump()
+        if self.remote is not None:
+            self._read_remote(ids, out)
         bad = []
         for failure in failures:
             entry = wanted[failure.index][1]
@@ -209,6 +254,54 @@ class PageStore:
             bad.append(Quarantined(entry.page_id, entry.namespace.user_ref, entry.disk.segment, entry.disk.offset,
                                    failure.reason))
         return Read(out, bad)
+
+    def _read_remote(self, ids: Sequence[PageId], out: list[bytes | None]) -> None:
+        """Fill ``out`` from the remote tier for the pages the catalog holds on another node's
+        disk only: one round trip, each value verified, the good ones promoted to host."""
+        assert self.remote is not None
+        entries = self.index.entries
+        wanted = []
+        for i, value in enumerate(out):
+            entry = entries.get(ids[i]) if value is None else None
+            if entry is not None and entry.disk is None and entry.is_durable:
+                tag = self._tag(entry.namespace.user_ref)
+                if tag is not None:
+                    wanted.append((i, entry, key_of(self.remote.prefix, tag, entry.page_id)))
+        if not wanted:
+            return
+        values = self.remote.get([key for _, _, key in wanted])
+        for (i, entry, _), raw in zip(wanted, values):
+            if raw is None:
+                continue
+            data = self._opened(entry, raw)
+            if data is None:
+                self.remote.count_error("verify")
+                log.warning("a remote-tier record failed verification: treated as a miss")
+                continue
+            out[i] = data
+            evicted = self.host.put(entry.page_id, data)
+            if evicted:
+                self.index.left_host(evicted)
+            entry.namespace.bump()
+
+    def _opened(self, entry: PageEntry, raw: bytes) -> bytes | None:
+        """The payload of a remote record if it is the page's (format, checksum, authentication)."""
+        parts = unpack_value(raw)
+        if parts is None:
+            return None
+        stored_sum, flags, stored = parts
+        if stored_sum != entry.checksum or checksum(stored) != stored_sum:
+            return None
+        if not flags & SEALED:
+            return stored if len(stored) == entry.size else None
+        sealer = self.keys.sealer_of(entry.namespace.user_ref)
+        if sealer is None:
+            return None
+        try:
+            data = sealer.open(stored, entry.page_id)
+        except SealError:
+            return None
+        return data if len(data) == entry.size else None
 
     def owners(self, ids: Sequence[PageId]) -> list[int | None]:
         """For each page id, the namespace holding it as far as this process knows (``None``: unknown)."""
@@ -221,7 +314,7 @@ class PageStore:
     def _learn(self, page_ids: list[PageId]) -> None:
         """Load catalog rows of pages this process has not seen (another process wrote them)."""
         with self.catalog.read() as conn:
-            found = pages.pages_by_id(conn, page_ids)
+            found = pages.pages_by_id(conn, page_ids, self.node_ref)
         for record in found:
             self.index.apply(self.index.namespace(record.user_ref), [record])
 

@@ -21,6 +21,26 @@ class Rates(NamedTuple):
     recompute_tokens_per_s: float
 
 
+class Candidate(NamedTuple):
+    """A stored version near a prompt, verified token by token (what ``nearest`` returns).
+
+    ``estimated_jaccard`` is the MinHash estimate, ``jaccard`` the exact Jaccard similarity of
+    the two token-shingle sets; ``common_prefix`` the exact number of leading tokens the
+    prompt and the version share; ``divergence`` the first position where they differ
+    (``None`` when one is a prefix of the other); ``matched_tokens`` the page-aligned tokens
+    of that common prefix whose pages some tier holds — what a resume could reuse from it.
+    """
+
+    session_id: str
+    version_id: VersionId
+    num_tokens: int
+    estimated_jaccard: float
+    jaccard: float
+    common_prefix: int
+    divergence: int | None
+    matched_tokens: int
+
+
 class ResumeResult:
     """How many leading tokens of a prompt have stored, readable KV, and where.
 
@@ -30,14 +50,22 @@ class ResumeResult:
     runs along (the head when it does), ``None`` when nothing matched or the match came
     from the namespace's other sessions only. ``num_history_tokens`` is how many leading
     tokens the session's history holds, KV or not.
+
+    ``source`` names the path the last matched page came from: ``"session"`` (the session's
+    trie), ``"shared"`` (the tenant's shared prefixes), ``"namespace"`` (exact chain-hash
+    lookup), ``"lsh"`` (a near-duplicate proposed by MinHash-LSH and verified exactly), or
+    ``None`` when nothing matched. With approximate matching, ``num_candidates`` is how many
+    candidate versions were verified and ``near`` the nearest of them (its divergence from
+    the prompt included); ``0`` and ``None`` otherwise.
     """
 
     __slots__ = ("session_id", "version_id", "matched_tokens", "num_prompt_tokens", "num_history_tokens",
-                 "page_tokens", "page_bytes", "_spans", "_pages", "_rates")
+                 "page_tokens", "page_bytes", "source", "num_candidates", "near", "_spans", "_pages", "_rates")
 
     def __init__(self, session_id: str | None, version_id: VersionId | None, matched_tokens: int, num_prompt_tokens: int,
                  num_history_tokens: int, page_tokens: int, page_bytes: int, *, spans: Sequence[Span] = (),
-                 pages: list[PageRef] | None = None, rates: Rates | None = None) -> None:
+                 pages: list[PageRef] | None = None, rates: Rates | None = None, source: str | None = None,
+                 num_candidates: int = 0, near: Candidate | None = None) -> None:
         self.session_id = session_id
         self.version_id = version_id
         self.matched_tokens = matched_tokens
@@ -45,9 +73,19 @@ class ResumeResult:
         self.num_history_tokens = num_history_tokens
         self.page_tokens = page_tokens
         self.page_bytes = page_bytes
+        self.source = source if matched_tokens else None
+        self.num_candidates = num_candidates
+        self.near = near
         self._spans = spans
         self._pages = pages
         self._rates = rates
+
+    def annotated(self, num_candidates: int, near: Candidate | None) -> ResumeResult:
+        """This result with what approximate matching verified (the match itself unchanged)."""
+        return ResumeResult(self.session_id, self.version_id, self.matched_tokens, self.num_prompt_tokens,
+                            self.num_history_tokens, self.page_tokens, self.page_bytes, spans=self._spans,
+                            pages=self._pages, rates=self._rates, source=self.source,
+                            num_candidates=num_candidates, near=near)
 
     @property
     def num_new_tokens(self) -> int:
@@ -101,4 +139,5 @@ class ResumeResult:
 
     def __repr__(self) -> str:
         return (f"ResumeResult(session_id={self.session_id!r}, matched_tokens={self.matched_tokens}, "
-                f"num_prompt_tokens={self.num_prompt_tokens}, version_id={self.version_id}, tiers={self.tiers})")
+                f"num_prompt_tokens={self.num_prompt_tokens}, version_id={self.version_id}, tiers={self.tiers}, "
+                f"source={self.source!r})")

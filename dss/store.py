@@ -16,7 +16,10 @@ Contracts that hold for every method:
   leaves no half-visible version.
 * ``resume`` never counts a page unless some tier holds its bytes under this session's
   namespace and layout; bytes that fail their checksum on read are a miss and are
-  quarantined, never returned.
+  quarantined, never returned. The remote tier (Redis, a cache shared by the nodes of a
+  fleet) is the one exception to "holds": a page the catalog has on another node's disk
+  is counted as ``remote`` without asking Redis, which may have evicted it; reading it then
+  returns ``None`` (a miss), never other bytes.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from typing import Any
 from dss import integrity, versions
 from dss.catalog import erasures, pages, sessions
 from dss.catalog.change import Applied, Change
-from dss.catalog.database import catalog_errors, open_catalog
+from dss.catalog.database import catalog_errors, now, open_catalog
 from dss.core.config import StoreConfig
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, ErasureInProgress, InvalidInput, InvalidTokens
+from dss.core.errors import ConfigError, ErasureInProgress, ErasureIncomplete, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
@@ -51,13 +54,16 @@ from dss.erasure import AuditEntry, Plan, Receipt, stored
 from dss.folder import adopt_folder, folder_lock
 from dss.keys import DataKeys, adopt_master_key
 from dss.matcher import SHARED_USER, Matcher, shared_session_id
+from dss.lsh import LshIndex, Settings
 from dss.mirror import Mirror
+from dss.nearest import Decode, Explanation, Nearest
 from dss.pageindex import PageIndex
 from dss.pages import PageStore
-from dss.resume import Rates, ResumeResult
+from dss.resume import Candidate, Rates, ResumeResult
 from dss.state import SessionState, session_of
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
+from dss.tiers.remote import RemoteTier
 from dss.writer import Guard, Writer
 
 log = logging.getLogger("dss.store")
@@ -86,6 +92,9 @@ class Store:
             home.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot make the store folder {home}: {exc.strerror or exc}") from None
+        self.remote = None if config.remote_url is None else RemoteTier(  # a bad URL is refused before anything is made
+            config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
+            max_pending_bytes=config.remote_pending_bytes)
         with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             master = read_master_key(config.master_key_file, home, hex_key)
@@ -94,29 +103,46 @@ class Store:
                                         sql_url=sql_url)
             self.catalog.ensure_schema()
             self._master = adopt_master_key(self.catalog, master, config.master_key_file)
-            adopt_folder(self.catalog, home)
+            self.node = adopt_folder(self.catalog, home, config.node_id)
             self._epoch = Epoch(home / "epoch")
+        self.listener = None
+        if not self.catalog.is_sqlite:  # (imported here: psycopg is there only with a PostgreSQL catalog)
+            from dss.catalog.listen import FeedListener
+
+            self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
         self.disk = DiskTier(home, fsync=config.fsync)
         self.host = HostTier(config.host_bytes)
-        self.index = PageIndex(self.host)
+        self.index = PageIndex(self.host, has_remote=self.remote is not None)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
-        self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys)
-        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys,
-                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes)
-        self.rates = Rates({"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9},
-                           config.recompute_tokens_per_s)
+        self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
+        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys, node_ref=self.node.ref,
+                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes, remote=self.remote)
+        speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
+        if self.remote is not None:
+            speeds["remote"] = config.remote_read_gbps * 1e9
+        self.rates = Rates(speeds, config.recompute_tokens_per_s)
         self.matcher = Matcher(self.mirror, self.index, self.rates)
-        self.eraser = Eraser(self.catalog, self.mirror, self.disk, self.host)
-        self.guard = Guard(self.mirror)
+        self._near: Nearest | None = None
+        if config.approximate or config.lsh_redis_url is not None:
+            self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
+        self.eraser = Eraser(self.catalog, self.mirror, self.pages)
+        self.guard = Guard(self.mirror, self.pages)
         self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master,
                              group_commit=config.group_commit)
         with self.catalog.read() as conn:
-            removed = self.disk.recover(set(pages.all_segments(conn, "disk")))
+            removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
         if removed:
             log.info("removed %d page files left behind by dead writers", len(removed))
-        finished = self.eraser.resume_all()
-        if finished:
-            log.info("finished %d erasures a crash had interrupted", len(finished))
+        try:
+            finished = self.eraser.resume_all()
+        except ErasureIncomplete as exc:  # e.g. the remote tier is down: the next open (or forget_user) finishes it
+            log.warning("an erasure a crash had interrupted is still unfinished: %s", exc)
+        else:
+            if finished:
+                log.info("finished %d erasures a crash had interrupted", len(finished))
+        if config.approximate:
+            built = self._nearest_index().build_all()
+            log.info("LSH index: %d namespaces and layouts indexed at open", built)
 
     def close(self) -> None:
         """Release files and connections. Idempotent; the store is unusable afterwards."""
@@ -127,7 +153,13 @@ class Store:
 
     def _release(self) -> None:
         """Close the files and connections opened so far (all of them once open)."""
-        for part in (getattr(self, "disk", None), getattr(self, "_epoch", None), getattr(self, "catalog", None)):
+        remote = getattr(self, "remote", None)
+        if remote is not None:
+            if not remote.flush(timeout_s=4 * self.config.remote_timeout_s):
+                log.warning("closing with %d bytes not yet written to the remote tier", remote.pending_bytes)
+            remote.close()
+        for part in (getattr(self, "listener", None), getattr(self, "disk", None), getattr(self, "_epoch", None),
+                     getattr(self, "catalog", None)):
             if part is not None:
                 part.close()
 
@@ -268,30 +300,111 @@ class Store:
 
     # -- resume and pages ------------------------------------------------------------------
 
-    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None) -> ResumeResult:
+    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None,
+               approximate: bool | None = None) -> ResumeResult:
         """How many leading tokens of ``tokens`` have stored, readable KV, and where.
 
         Walks the session's trie (every version, not only the head), fills pages it lacks
         from the tenant's registered shared prefixes, then — past the trie's match — looks
-        further pages up by their chain hash in the session's namespace. Side-effect free:
-        changes nothing, so engines may ask repeatedly.
+        further pages up by their chain hash in the session's namespace. With
+        ``approximate=True`` (default: the ``approximate`` setting), when that matched less
+        than ``lsh_min_share`` of the prompt, versions of the namespace and layout that
+        MinHash-LSH proposes are compared token by token and the longest exact common prefix
+        with stored pages wins (``source="lsh"``); the result names the nearest one and how
+        many were tried. Only exact prefixes are ever reported. Side-effect free: changes
+        nothing (but counts a divergence position), so engines may ask repeatedly. Pages
+        another node stored count as ``tiers["remote"]`` (see the module docstring).
         """
         buf = view(tokens)
+        approximate = self._approximate(approximate)
         with self._reading():
             state = self.mirror.state(session_id, tenant_id)
             record = state.record
-            return self.matcher.match(buf, record.layout, record.tenant_id, record.user_ref, state)
+            result = self.matcher.match(buf, record.layout, record.tenant_id, record.user_ref, state)
+            if approximate:
+                result = self._nearest_index().improve(result, buf, record.layout, record.user_ref, state,
+                                                       record.tenant_id)
+            return result
 
     def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
-               tenant_id: str = "default") -> ResumeResult:
+               tenant_id: str = "default", approximate: bool | None = None) -> ResumeResult:
         """Like :meth:`resume` for a request with no session: the tenant's shared prefixes, then
-        an exact chain-hash lookup in the namespace ``(tenant_id, user_id)``. Side-effect free."""
+        an exact chain-hash lookup in the namespace ``(tenant_id, user_id)``, then (``approximate``)
+        verified LSH candidates of the namespace. Side-effect free."""
         buf = view(tokens)
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
         check_layout(layout)
+        approximate = self._approximate(approximate)
         with self._reading():
-            return self.matcher.match(buf, layout, tenant_id, self.mirror.user_ref(tenant_id, user_id), None)
+            user_ref = self.mirror.user_ref(tenant_id, user_id)
+            result = self.matcher.match(buf, layout, tenant_id, user_ref, None)
+            if approximate:
+                result = self._nearest_index().improve(result, buf, layout, user_ref, None, tenant_id)
+            return result
+
+    def nearest(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
+                user_id: str | None = None, layout: Layout | None = None, k: int = 5) -> list[Candidate]:
+        """The ``k`` stored versions nearest ``tokens`` (exact Jaccard of token shingles, highest
+        first), each verified token by token: estimated and exact Jaccard, exact common prefix,
+        first divergence, reusable tokens.
+
+        The search covers the namespace and layout of ``session_id`` (its own versions always
+        compared), or, without a session, the namespace ``(tenant_id or "default", user_id or
+        "anonymous")`` and ``layout``; never any other. Needs datasketch (``ConfigError``).
+        Side-effect free.
+        """
+        buf = view(tokens)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 100:
+            raise InvalidInput(f"k must be an int from 1 to 100, got {k!r}")
+        with self._reading():
+            near = self._nearest_index()
+            layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
+            if user_ref is None:
+                return []
+            return near.candidates(buf, layout, user_ref, k=k, extra=state)[0]
+
+    def explain(self, session_id: str | None, tokens: TokenInput, *, tenant_id: str | None = None,
+                user_id: str | None = None, layout: Layout | None = None, decode: Decode | None = None,
+                context: int = 8) -> Explanation:
+        """Why exact reuse of ``tokens`` stops where it does: what resume reuses now, the nearest
+        stored version (the session's own or any of its namespace and layout), the first
+        position where the prompt diverges from it, ``context`` tokens on both sides (decoded
+        with ``decode(list[int]) -> str`` when given), where the two run together again, how
+        many tokens would have been reused without the divergence, and the tenant's recurring
+        divergence positions. Scope as :meth:`nearest`. Counts the divergence; changes no data.
+        """
+        buf = view(tokens)
+        if isinstance(context, bool) or not isinstance(context, int) or not 0 <= context <= 4096:
+            raise InvalidInput(f"context must be an int from 0 to 4096, got {context!r}")
+        check_callback("decode", decode)
+        with self._reading():
+            near = self._nearest_index()
+            layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
+            result = self.matcher.match(buf, layout, tenant, user_ref, state)
+            return near.explain(result, buf, layout, user_ref, state, tenant, decode=decode, context=context)
+
+    def prefetch_candidates(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
+                            user_id: str | None = None, layout: Layout | None = None, promote: bool = True) -> list[bytes]:
+        """Ids of the pages the nearest near-duplicates let ``tokens`` reuse (their exact common
+        prefix with stored pages), longest first; with ``promote`` they are read now, which
+        brings disk pages into the host tier ahead of the request. Scope as :meth:`nearest`."""
+        check_flag("promote", promote)
+        buf = view(tokens)
+        with self._reading():
+            near = self._nearest_index()
+            layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
+            if user_ref is None:
+                return []
+            found, _ = near.candidates(buf, layout, user_ref, k=5, extra=state)
+            if not found:
+                return []
+            best = max(found, key=lambda c: c.matched_tokens)
+            owner = self.mirror.state(best.session_id, tenant)
+            ids = [bytes(p) for p in owner.page_ids(best.version_id)[: best.matched_tokens // layout.page_tokens]]
+        if promote and ids:
+            self.read_pages(ids)
+        return ids
 
     def register_prefix(self, tokens: TokenInput, pages: Mapping[int, bytes], *, layout: Layout,
                         tenant_id: str = "default", label: str | None = None) -> Version:
@@ -392,16 +505,30 @@ class Store:
     def check(self) -> list[str]:
         """Every broken invariant, as a sentence each; ``[]`` when the store is sound. Read-only."""
         with self._reading():
-            return integrity.check(self.catalog, self.mirror, self.disk, self.host, self.config.disk_bytes)
+            problems = integrity.check(self.catalog, self.mirror, self.disk, self.host, self.config.disk_bytes)
+            if self._near is not None:
+                problems += self._near.problems()
+            return problems
 
     def stats(self) -> dict[str, Any]:
-        """Sizes of the tiers as this process sees them."""
+        """Sizes of the tiers as this process sees them; the erasures not finished yet
+        (``"erasures"``: ``open``, and ``oldest_open_s``, seconds since the oldest of them started,
+        0 when none); and this process's MinHash-LSH index (``"lsh"``: indexes, entries, capacity,
+        indexes dropped to stay within it, bands and rows, storage ``"memory"``, ``"redis"`` or
+        ``"none"`` before approximate matching was first used)."""
         with self._reading(), self.catalog.read() as conn:
-            disk_used = pages.tier_bytes(conn, "disk")
-            disk_pages = pages.count_located(conn, "disk")
+            disk_used = pages.tier_bytes(conn, "disk", self.node.ref)
+            disk_pages = pages.count_located(conn, "disk", self.node.ref)
+            open_jobs = erasures.open_jobs(conn)
+            lsh = self._near.lsh.stats() if self._near is not None else {
+                "indexes": 0, "entries": 0, "capacity": self.config.lsh_max_entries, "storage": "none"}
+        oldest = min((job.started_at for job in open_jobs), default=None)
         return {
             "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
             "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
+            "erasures": {"open": len(open_jobs),
+                         "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
+            "lsh": lsh,
         }
 
     # -- internals -------------------------------------------------------------------------
@@ -411,6 +538,43 @@ class Store:
 
     def _reading(self) -> contextlib.AbstractContextManager[None]:
         return self.guard.reading()
+
+    def _approximate(self, approximate: bool | None) -> bool:
+        if approximate is None:
+            return self.config.approximate
+        check_flag("approximate", approximate)
+        return approximate
+
+    def _nearest_index(self) -> Nearest:
+        """The near-duplicate search, its index made on first use (``ConfigError`` without datasketch)."""
+        if self._near is None:
+            config = self.config
+            settings = Settings(config.lsh_threshold, config.lsh_permutations, config.lsh_shingle_tokens,
+                                config.lsh_window_tokens, config.lsh_max_entries)
+            secret = config.lsh_redis_url or getattr(config, "remote_url", None)  # the remote tier's Redis, if any
+            url = secret.get_secret_value() if secret is not None else None
+            store_tag = hashlib.blake2b(self._master, digest_size=6, person=b"dss-lsh-store").hexdigest()
+            lsh = LshIndex(settings, redis_url=url, redis_prefix=f"{config.lsh_redis_prefix}:{store_tag}")
+            self.mirror.lsh = lsh
+            self._near = Nearest(self.mirror, self.index, lsh, self.rates, config.lsh_min_share)
+        return self._near
+
+    def _scope(self, session_id: str | None, tenant_id: str | None, user_id: str | None,
+               layout: Layout | None) -> tuple[Layout, str, int | None, SessionState | None]:
+        """Layout, tenant, namespace and session a near-duplicate search covers (checked)."""
+        if session_id is not None:
+            if user_id is not None or layout is not None:
+                raise InvalidInput("give a session_id, or user_id and layout, not both")
+            state = self.mirror.state(session_id, tenant_id)
+            return state.layout, state.record.tenant_id, state.user_ref, state
+        if layout is None:
+            raise InvalidInput("without a session_id, a layout is needed")
+        check_layout(layout)
+        tenant = tenant_id if tenant_id is not None else "default"
+        user = user_id if user_id is not None else "anonymous"
+        check_name("tenant_id", tenant)
+        check_name("user_id", user)
+        return layout, tenant, self.mirror.user_ref(tenant, user), None
 
     def _version(self, applied: Applied, version_id: int | None = None) -> Version:
         state = self.writer.state_of(applied)

@@ -54,10 +54,12 @@ ATTEMPTS = 16
 class Guard:
     """The store's lock and open state (see the module docstring)."""
 
-    def __init__(self, mirror: Mirror) -> None:
+    def __init__(self, mirror: Mirror, pages: PageStore) -> None:
         self.lock = threading.RLock()
         self.is_closed = False
         self._mirror = mirror
+        self._pages = pages
+        self._forgotten = mirror.forgotten
 
     def check_open(self) -> None:
         if self.is_closed:
@@ -65,12 +67,16 @@ class Guard:
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        """Hold the lock, caught up with other processes; catalog failures surface as
-        ``CatalogUnavailable`` or ``CatalogCorrupt``."""
+        """Hold the lock, caught up with other processes and nodes (after another node's
+        erasure, this node's files of the erased namespace are deleted first); catalog
+        failures surface as ``CatalogUnavailable`` or ``CatalogCorrupt``."""
         with self.lock:
             self.check_open()
             with catalog_errors():
                 self._mirror.sync()
+                if self._mirror.forgotten != self._forgotten:  # an erasure elsewhere: drop this node's files of it
+                    self._forgotten = self._mirror.forgotten
+                    self._pages.sweep()
                 yield
 
 
@@ -174,6 +180,7 @@ class Writer:
                 with catalog_errors(), self.catalog.write() as tx:
                     applied = changes.apply(tx, change, written, self.pages.room(tx, written))
                 committed = True
+                self.pages.disk.settled(w.name for w in written)
                 return self._taken(change, applied)
         except BaseException:
             if not committed:

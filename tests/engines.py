@@ -49,7 +49,12 @@ def make_tiny_llama(path: Path, *, seed: int = 0, sliding_window: int | None = N
 
 def make_tiny_hybrid(path: Path, *, seed: int = 0) -> Path:
     """Write a 4-layer Granite 4 style hybrid (Mamba-2 layers 0 and 2, attention layers 1 and 3;
-    hidden 128, fp32), which the vLLM CPU build runs. Returns ``path``."""
+    hidden 128, fp32), which the vLLM CPU build runs. Returns ``path``.
+
+    Its Mamba layers keep a long memory (``A_log`` = -8: a state decays by about 0.1% a
+    token), so that outputs hundreds of tokens later still depend on a stored state (with
+    random ``A_log`` a state fades within ten tokens, and a wrong one would go unnoticed).
+    """
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     cfg = GraniteMoeHybridConfig(
@@ -58,18 +63,21 @@ def make_tiny_hybrid(path: Path, *, seed: int = 0) -> Path:
         layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
         mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=32, position_embedding_type="rope",
         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    return _save_random(GraniteMoeHybridForCausalLM, cfg, path, seed)
+    return _save_random(GraniteMoeHybridForCausalLM, cfg, path, seed, long_memory=True)
 
 
-def _save_random(model_class: Any, cfg: Any, path: Path, seed: int) -> Path:
-    """A model of ``cfg`` with weights from N(0, 0.2) (seeded), saved to ``path``."""
+def _save_random(model_class: Any, cfg: Any, path: Path, seed: int, *, long_memory: bool = False) -> Path:
+    """A model of ``cfg`` with weights from N(0, 0.2) (seeded), saved to ``path``; with
+    ``long_memory``, every Mamba ``A_log`` is -8 (see :func:`make_tiny_hybrid`)."""
     import torch
 
     torch.manual_seed(seed)
     model = model_class(cfg)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             param.normal_(0.0, 0.2)
+            if long_memory and name.endswith("A_log"):
+                param.fill_(-8.0)
     model.save_pretrained(path)
     return path
 

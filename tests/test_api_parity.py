@@ -280,7 +280,8 @@ def test_check_and_stats(api: Any, tenant: str) -> None:
     api.commit("s", T, {0: page(1)})
     assert api.check() == []
     stats = api.stats()
-    assert set(stats) == {"host", "disk"}
+    assert set(stats) == {"host", "disk", "erasures", "lsh"}
+    assert stats["erasures"] == {"open": 0, "oldest_open_s": 0.0}
     assert stats["host"]["pages"] >= 1 and stats["disk"]["bytes"] >= 32
 
 
@@ -364,3 +365,24 @@ def test_wrong_types_are_refused_alike(api: Any, tenant: str, call: Any, error: 
     with pytest.raises(error, match=message):
         call(api)
     assert [(s.session_id, s.num_versions) for s in api.sessions(tenant_id=tenant)] == [("s", 0)]
+
+
+def test_nearest_explain_and_approximate_resume(api: Any, tenant: str) -> None:
+    """The same near-duplicate answers embedded and over HTTP: a prompt with one token changed at 40."""
+    tokens = list(range(6000, 6300))
+    make(api, tenant)
+    api.commit("s", tokens, {k: page(k + 1) for k in range(len(tokens) // 4)})
+    prompt = tokens[:40] + [7] + tokens[41:]
+    make(api, tenant, "fresh")
+    result = api.resume("fresh", prompt, approximate=True)
+    assert (result.matched_tokens, result.source, result.num_candidates) == (40, "namespace", 1)
+    assert result.near == dss.Candidate("s", result.near.version_id, 300, result.near.estimated_jaccard,
+                                        293 / 301, 40, 40, 40)
+    found = api.nearest(prompt, user_id="u", layout=LAYOUT, tenant_id=tenant, k=3)
+    assert found == [result.near]
+    why = api.explain("fresh", prompt, decode=lambda ids: ",".join(map(str, ids)), context=2)
+    assert (why.divergence, why.matched_tokens, why.would_reuse_tokens, why.lost_tokens) == (40, 40, 300, 260)
+    assert (why.prompt_window, why.stored_window, why.prompt_text) == ([6038, 6039, 7, 6041], [6038, 6039, 6040, 6041],
+                                                                       "6038,6039,7,6041")
+    assert (why.resync_prompt, why.resync_stored, why.num_shared_after) == (41, 41, 259)
+    assert why.recurring[0] == (40, 2)

@@ -38,10 +38,10 @@ def test_older_schema_is_refused_then_upgraded(tmp_path) -> None:
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
     old.close()
-    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0003: run `dss db upgrade`"):
+    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0004: run `dss db upgrade`"):
         dss.open(tmp_path)
     upgraded = Catalog(url)
-    assert upgraded.upgrade() == ("0001", "0003")
+    assert upgraded.upgrade() == ("0001", "0004")
     upgraded.close()
     with dss.open(tmp_path) as store:
         store.create_session("s", layout=LAYOUT)
@@ -60,8 +60,8 @@ def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
 def test_upgrade_of_an_empty_database(tmp_path) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     assert catalog.revision() is None
-    assert catalog.upgrade() == (None, "0003")
-    assert catalog.upgrade() == ("0003", "0003")
+    assert catalog.upgrade() == (None, "0004")
+    assert catalog.upgrade() == ("0004", "0004")
     catalog.close()
 
 
@@ -112,17 +112,49 @@ def test_pending_revisions_are_what_upgrade_would_apply(tmp_path) -> None:
     from alembic import command
 
     catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
-    assert catalog.pending_revisions() == ["0001", "0002", "0003"]
+    assert catalog.pending_revisions() == ["0001", "0002", "0003", "0004"]
     with catalog.engine.begin() as conn:
         config = catalog_module._alembic_config()
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
-    assert catalog.pending_revisions() == ["0002", "0003"]
+    assert catalog.pending_revisions() == ["0002", "0003", "0004"]
     applied: list[str] = []
-    assert catalog.upgrade(progress=applied.append) == ("0001", "0003")
-    assert applied == ["0002", "0003"]
+    assert catalog.upgrade(progress=applied.append) == ("0001", "0004")
+    assert applied == ["0002", "0003", "0004"]
     assert catalog.pending_revisions() == []
     with catalog.engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
     assert catalog.pending_revisions() == []
     catalog.close()
+
+
+def test_a_single_folder_store_becomes_node_1_of_its_catalog_on_upgrade(catalog_url: str | None, tmp_path) -> None:
+    """Revision 0004 on a store made at 0003: its folder is node 1, named after the folder's
+    id, and keeps its page files (made here by downgrading a current store, then upgrading)."""
+    from alembic import command
+
+    from dss.catalog import namespaces
+    from dss.folder import ID_FILE
+
+    home = tmp_path / "store"
+    url = catalog_url or f"sqlite:///{home / 'catalog.db'}"
+    tokens = list(range(1, 13))
+    with dss.open(home, catalog_url=url) as store:
+        store.create_session("s", layout=LAYOUT)
+        store.commit("s", tokens, pages_for(tokens))
+        with store.catalog.engine.connect() as conn:
+            if store.catalog.is_sqlite:  # as Catalog.upgrade does: tables are rebuilt
+                conn.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")
+            with conn.begin():
+                namespaces.set_meta(conn, "store_id", bytes.fromhex((home / ID_FILE).read_text().split()[-1]))
+                config = catalog_module._alembic_config()
+                config.attributes["connection"] = conn
+                command.downgrade(config, "0003")
+    assert Catalog(url).upgrade() == ("0003", "0004")
+    folder_id = (home / ID_FILE).read_text().split()[-1]
+    with dss.open(home, catalog_url=url) as store:
+        assert store.node == (1, folder_id[:16])
+        result = store.resume("s", tokens)
+        assert result.matched_tokens == 12
+        assert store.read_pages(result.pages) == list(pages_for(tokens).values())
+        assert store.check() == []

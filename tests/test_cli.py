@@ -80,9 +80,9 @@ def test_check(home: str) -> None:
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     home = str(tmp_path / "new")
     assert run("--home", home, "db", "current") == (0, "empty\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0003\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0003\n")
-    assert run("--home", home, "db", "current") == (0, "0003\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0004\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0004\n")
+    assert run("--home", home, "db", "current") == (0, "0004\n")
 
 
 def test_demo_reuses_and_verifies(tmp_path: Path) -> None:
@@ -137,6 +137,8 @@ def walk_cases(home: str, url: str) -> list[tuple[tuple[str, ...], list[str], Ca
          lambda code, out: (code, json.loads(out)) == (0, [{"n": 2}])),
         (("check",), ["check"], lambda code, out: (code, out) == (0, "ok: every invariant holds\n")),
         (("stats",), ["stats", "--json"], lambda code, out: code == 0 and json.loads(out)[1]["bytes"] > 0),
+        (("explain",), ["explain", "talk", "1", "2", "3", "--json"],
+         lambda code, out: code == 0 and json.loads(out)["nearest"]["session_id"] == "talk"),
         (("forget-user",), ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
          lambda code, out: code == 0 and out.startswith("user 'alice' of tenant 'acme': 1 sessions, 2 versions")),
         (("audit",), ["audit", "--json"], lambda code, out: (code, out) == (0, "[]\n")),
@@ -188,3 +190,59 @@ def test_every_command_takes_home_and_catalog_url_after_its_name(tmp_path: Path,
             failed.append(f"dss {' '.join(args)} -> {result.exit_code}: {result.output[:200]}")
     assert failed == []
     assert not (tmp_path / "dss-data").exists() and not (Path(home) / "catalog.db").exists()
+
+
+def test_explain_names_the_divergence(tmp_path: Path) -> None:
+    """A stored conversation and a prompt with one token changed at 6: text and JSON."""
+    layout = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
+    tokens = list(range(10, 30))
+    with dss.open(tmp_path / "x") as store:
+        store.create_session("old", user_id="alice", layout=layout)
+        store.commit("old", tokens, pages_for(tokens, layout))
+        store.create_session("new", user_id="alice", layout=layout)
+    prompt = tokens[:6] + [99] + tokens[7:]
+    home = str(tmp_path / "x")
+    code, out = run("--home", home, "explain", "new", ",".join(map(str, prompt)), "--context", "2")
+    assert code == 0
+    assert out.splitlines()[0] == "prompt: 20 tokens; reused now: 4 (from namespace)"
+    assert out.splitlines()[2:] == [
+        "first divergence: token 6",
+        "  prompt [4:]: 14 15 | 99 17",
+        "  stored [4:]: 14 15 | 16 17",
+        "runs together again: prompt token 7, stored token 7, for 13 tokens",
+        "without the divergence: 20 tokens reused (16 lost to it)",
+        "recurring divergence positions (this process): 6 (1x)",
+    ]
+    assert out.splitlines()[1].startswith("nearest stored version: session 'old' version 1 (20 tokens), Jaccard 0.619")  # 13 of 21 shingles
+    code, out = run("--home", home, "explain", "new", *map(str, prompt), "--json")
+    data = json.loads(out)
+    assert (code, data["divergence"], data["nearest"]["session_id"], data["lost_tokens"]) == (0, 6, "old", 16)
+    code, out = run("--home", home, "explain", "--user", "alice", "--layout", json.dumps(layout.to_dict()), "--json",
+                    *map(str, prompt))
+    assert (code, json.loads(out)["divergence"]) == (0, 6)
+    assert run("--home", home, "explain", "new") == (
+        1, "error: InvalidInput: give the prompt once: token ids as arguments, --tokens-file or --text-file\n")
+    assert run("--home", home, "explain", "new", "1", "x") == (1, "error: InvalidInput: token ids must be integers\n")
+
+
+def test_explain_decodes_with_a_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "you", "are", "a", "helpful", "bot", "time", "monday", "tuesday", "hello", "there", "friend"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    layout = dss.Layout(name="test", page_tokens=2, page_bytes=16, model="tiny", dtype="int8")
+    stored = tok.encode("you are a helpful bot time monday hello there friend").ids
+    with dss.open(tmp_path / "x") as store:
+        store.create_session("old", layout=layout)
+        store.commit("old", stored, pages_for(stored, layout))
+    (tmp_path / "p.txt").write_text("you are a helpful bot time tuesday hello there friend")
+    code, out = run("--home", str(tmp_path / "x"), "explain", "--user", "anonymous", "--layout",
+                    json.dumps(layout.to_dict()), "--tokenizer", str(path), "--text-file", str(tmp_path / "p.txt"),
+                    "--context", "2")
+    assert code == 0, out
+    assert "first divergence: token 6" in out
+    assert "  prompt text: 'bot time tuesday hello'" in out
+    assert "  stored text: 'bot time monday hello'" in out

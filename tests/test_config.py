@@ -31,6 +31,9 @@ def test_sizes(value: object, expected: int) -> None:
 
 @pytest.mark.parametrize("options, message", [
     ({"host_bytes": "lots"}, "host_bytes"), ({"disk_bytes": -1}, "disk_bytes"), ({"colour": "red"}, "colour"),
+    ({"remote_url": "http://cache:6379"}, "remote_url must start with redis://"),
+    ({"node_id": "node one"}, "node_id"), ({"remote_prefix": ""}, "remote_prefix"),
+    ({"remote_timeout_s": 0}, "remote_timeout_s"), ({"feed_poll_s": -1}, "feed_poll_s"),
 ])
 def test_bad_values_are_named(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(dss.ConfigError, match=message):
@@ -120,3 +123,8 @@ def test_a_refused_open_leaves_no_master_key_file(tmp_path: Path) -> None:
     with dss.open(tmp_path / "fresh", master_key_file=tmp_path / "fresh-key"):
         pass
     assert (tmp_path / "fresh-key").stat().st_size == 32
+
+
+def test_a_remote_url_redis_cannot_use_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(dss.ConfigError, match="remote_url is not a Redis URL: Port out of range"):
+        dss.open(tmp_path / "store", remote_url="redis://:secret@cache:99999999/0")

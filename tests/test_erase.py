@@ -77,7 +77,7 @@ def test_plan_receipt_and_audit(store: dss.Store) -> None:
         "disk": {"pages": 11, "bytes": plan.tiers["disk"].bytes, "files": 3},
         "host": {"pages": 11, "bytes": 11 * 256}}}
     assert receipt.verification.ok and [c.name for c in receipt.verification.checks] == [
-        "catalog rows", "page files", "host tier", "catalog files"]
+        "catalog rows", "page files", "host tier", "catalog files", "lsh index"]
     assert len(receipt.page_ids_sha256) == 64
     (entry,) = store.audit()
     assert entry.receipt == receipt and entry.user_id == "alice"

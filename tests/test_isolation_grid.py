@@ -6,7 +6,10 @@ layouts) then asks for the same tokens through one path:
 * ``trie``   — the reader's own session holds the same token history (committed without KV);
 * ``chain``  — a fresh session of the reader (exact chain-hash lookup in its namespace);
 * ``lookup`` — a request without a session;
-* ``shared`` — the writer's tenant registered the prefix as a shared prefix instead.
+* ``shared`` — the writer's tenant registered the prefix as a shared prefix instead;
+* ``lsh``    — a fresh session of the reader, resumed with ``approximate=True`` (MinHash-LSH
+  candidates verified exactly), and ``nearest``/``explain``/``prefetch_candidates`` for it:
+  a candidate is only ever a version of the reader's own namespace and layout.
 
 Expected: the writer's own namespace hits on the private paths; a shared prefix hits for
 every user of the writer's tenant and layout; everything else misses. ``host`` is the
@@ -37,7 +40,7 @@ def expected(path: str, reader: tuple) -> int:
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("path", ["trie", "chain", "lookup", "shared"])
+@pytest.mark.parametrize("path", ["trie", "chain", "lookup", "shared", "lsh"])
 def test_isolation_grid(open_store, path: str, tier: str) -> None:
     store = open_store()
     tenant, user, layout = WRITER
@@ -60,7 +63,15 @@ def test_isolation_grid(open_store, path: str, tier: str) -> None:
         else:
             session = f"r{n}" if path == "trie" else f"fresh{n}"
             store.create_session(session, user_id=r_user, tenant_id=r_tenant, layout=r_layout)
-            result = store.resume(session, TOKENS + [1], tenant_id=r_tenant)
+            result = store.resume(session, TOKENS + [1], tenant_id=r_tenant, approximate=path == "lsh")
+        if path == "lsh":
+            own = (r_tenant, r_user, r_layout) == WRITER
+            near = store.nearest(TOKENS + [1], session_id=session, tenant_id=r_tenant)
+            assert [(c.session_id, c.common_prefix) for c in near] == ([("writer", len(TOKENS))] if own else [])
+            why = store.explain(session, TOKENS + [1], tenant_id=r_tenant)
+            assert (why.nearest is not None, why.matched_tokens) == (own, len(TOKENS) if own else 0)
+            prefetched = store.prefetch_candidates(TOKENS + [1], session_id=session, tenant_id=r_tenant)
+            assert len(prefetched) == (8 if own else 0)
         got[(r_tenant, r_user, r_layout.model)] = result.matched_tokens
         if result.matched_tokens:
             assert set(result.tiers) == {tier}

@@ -38,12 +38,13 @@ def b64(data: bytes) -> str:
 class Service:
     """The app on a fresh store, with keys: ``admin`` (tenant t1, admin), ``t1`` and ``t2``."""
 
-    def __init__(self, home: Path, catalog_url: str | None = None, **config: Any) -> None:
+    def __init__(self, home: Path, catalog_url: str | None = None, store_options: dict[str, Any] | None = None,
+                 **config: Any) -> None:
         self.home = home
         self.keys = {"admin": add_key(home / "api-keys.json", "t1", is_admin=True)[0],
                      "t1": add_key(home / "api-keys.json", "t1")[0],
                      "t2": add_key(home / "api-keys.json", "t2")[0]}
-        self.store = dss.open(home, fsync=False, catalog_url=catalog_url)
+        self.store = dss.open(home, fsync=False, catalog_url=catalog_url, **(store_options or {}))
         self.config = load_server_config(home, **config)
         self.app = create_app(self.store, self.config, KeyRing(self.config.keys_file, reload_interval_s=0),
                               close_store=True)
@@ -105,7 +106,7 @@ def test_openapi_lists_every_endpoint_with_its_error_responses(service: Service)
         ("/healthz", "get"), ("/metrics", "get"), ("/v1/info", "get"), ("/v1/sessions", "post"),
         ("/v1/sessions", "get"), ("/v1/session", "get"), ("/v1/session", "delete"), ("/v1/versions", "get"),
         ("/v1/tokens", "get"), ("/v1/commit", "post"), ("/v1/pages", "post"), ("/v1/pages/read", "post"),
-        ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
+        ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/nearest", "post"), ("/v1/explain", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
         ("/v1/pin", "post"), ("/v1/sql", "post"), ("/v1/check", "get"), ("/v1/stats", "get"),
         ("/v1/forget_user", "post"), ("/v1/audit", "get"),
     }
@@ -407,11 +408,31 @@ def test_resume_reports_matched_tokens_tiers_version_and_pages(service: Service)
                  "tiers": {"host": 8}, "load_seconds": expected.load_seconds,
                  "recompute_seconds": expected.recompute_seconds, "should_load": True,
                  "pages": [{"index": 0, "page_id": expected.pages[0].page_id.hex(), "tier": "host"},
-                           {"index": 1, "page_id": expected.pages[1].page_id.hex(), "tier": "host"}]}
+                           {"index": 1, "page_id": expected.pages[1].page_id.hex(), "tier": "host"}],
+                 "source": "session", "num_candidates": 0, "near": None}
     miss = service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": [1, 2, 3, 4, 5]})
     assert (miss["matched_tokens"], miss["version_id"], miss["pages"], miss["tiers"]) == (0, None, [], {})
     expect_problem(service.call("POST", "/v1/resume", json={"session_id": "x", "tokens": T}), "UnknownSession", 404,
                    "no session 'x' in tenant 't1'")
+
+
+def test_explain_and_nearest_over_http(service: Service) -> None:
+    """A prompt with token 5 changed: explain names position 5 and the pages it costs; the
+    search stays in the key's tenant (t1's versions are never a candidate for t2)."""
+    tokens = list(range(100, 400))  # long enough that one changed token leaves the Jaccard near 0.97: always proposed
+    service.create()
+    service.commit(tokens, pages={k: page(k + 1) for k in range(10)})
+    prompt = tokens[:5] + [7] + tokens[6:]
+    why = service.ok("POST", "/v1/explain", json={"session_id": "s", "tokens": prompt, "context": 2})
+    assert (why["divergence"], why["matched_tokens"], why["would_reuse_tokens"], why["lost_tokens"]) == (5, 4, 40, 36)
+    assert (why["prompt_window"], why["stored_window"], why["recurring"]) == ([103, 104, 7, 106], [103, 104, 105, 106],
+                                                                              [[5, 1]])
+    found = service.ok("POST", "/v1/nearest", json={"tokens": prompt, "user_id": "u", "layout": LAYOUT_JSON})
+    assert [(c["session_id"], c["common_prefix"], c["divergence"]) for c in found["candidates"]] == [("s", 5, 5)]
+    other = service.ok("POST", "/v1/nearest", json={"tokens": prompt, "user_id": "u", "layout": LAYOUT_JSON}, who="t2")
+    assert other == {"candidates": []}
+    expect_problem(service.call("POST", "/v1/nearest", json={"tokens": prompt, "k": 0, "session_id": "s"}),
+                   "InvalidInput", 400, "k must be an int from 1 to 100, got 0")
 
 
 def test_save_pages_then_lookup_without_a_session(service: Service) -> None:

@@ -113,3 +113,46 @@ def test_no_label_names_a_tenant_user_or_session(service: Service) -> None:
     service.ok("POST", "/v1/resume", json={"session_id": "secret-session", "tokens": T})
     text = service.call("GET", "/metrics", "admin").text
     assert "secret" not in text and "t1" not in text
+
+
+def test_erasures_done_open_and_the_age_of_the_oldest(service: Service) -> None:
+    from tests.test_erase import first_step
+
+    service.create("a", user_id="alice")
+    service.create("b", user_id="bob")
+    service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "alice", "tenant_id": "t1", "dry_run": True})
+    m = scrape(service)
+    assert m[("dss_erasures_total", (("result", "done"),))] == 0  # a dry run is not an erasure
+    service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "alice", "tenant_id": "t1"})
+    m = scrape(service)
+    assert m[("dss_erasures_total", (("result", "done"),))] == 1
+    assert m[("dss_erasures_total", (("result", "failed"),))] == 0
+    assert m[("dss_erasures_open", ())] == 0
+    assert m[("dss_erasure_oldest_open_seconds", ())] == 0
+    job = first_step(service.store, "bob", "t1")  # a job a crash interrupted after its first step
+    m = scrape(service)
+    assert m[("dss_erasures_open", ())] == 1
+    assert 0 < m[("dss_erasure_oldest_open_seconds", ())] < 60
+    service.store.eraser.run(job)
+    assert scrape(service)[("dss_erasures_open", ())] == 0
+
+
+def test_remote_tier_gauges_and_errors(tmp_path: Path) -> None:
+    """A remote tier nobody answers at: one failed read, two pages waiting to be written."""
+    from tests.servers import free_port
+
+    svc = Service(tmp_path / "home",
+                  store_options={"remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.2})
+    with svc.http:
+        m = scrape(svc)
+        assert m[("dss_remote_up", ())] == 1
+        assert m[("dss_remote_pending_bytes", ())] == 0
+        ops = ("get", "put", "delete", "scan", "verify")
+        assert {op: m[("dss_remote_errors_total", (("op", op),))] for op in ops} == dict.fromkeys(ops, 0)
+        assert svc.store.remote is not None and svc.store.remote.get(["dss:{00}:00"]) == [None]
+        svc.create("a")
+        svc.commit(T, "a", pages={0: page(1), 1: page(2)})
+        m = scrape(svc)
+        assert m[("dss_remote_up", ())] == 0
+        assert m[("dss_remote_errors_total", (("op", "get"),))] == 1
+        assert m[("dss_remote_pending_bytes", ())] == svc.store.remote.pending_bytes > 2 * LAYOUT.page_bytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,11 @@ from dss_adapters.vllm_layout import (
     Shards,
     attention_spec,
     group_kinds,
+    layer_bytes,
     layer_names,
     model_fingerprint,
     page_layers,
+    state_groups,
 )
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -92,9 +95,32 @@ def test_full_attention_and_sliding_window_groups_are_served() -> None:
     assert page_layers(config, {names[1], names[2]}) == [PageLayer(names[1], 1), PageLayer(names[2], 0)]
 
 
+STATE = MambaSpec(block_size=32, shapes=((3, 16), (2, 4, 8)), dtypes=(torch.float32, torch.float32),
+                  page_size_padded=FULL.page_size_bytes, mamba_cache_mode="align")
+
+
+def test_state_space_groups_are_served_in_vllm_align_mode_with_their_state_unpadded() -> None:
+    config = kv_config((["m0", "m2"], STATE), (["a1", "a3"], FULL))
+    assert group_kinds(config) == ["state:mamba2", "full"]
+    assert state_groups(config) == [0]
+    assert attention_spec(config) is FULL  # the head shapes a layout records
+    assert layer_bytes(STATE) == (3 * 16 + 2 * 4 * 8) * 4 < STATE.page_size_bytes == layer_bytes(FULL)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (replace(STATE, mamba_cache_mode="none"),
+     "serves hybrid models with state-space (Mamba / linear-attention) layers only with vLLM's prefix caching for "
+     "them (enable_prefix_caching=True, mamba_cache_mode='align': vLLM then keeps the state at each block boundary); "
+     "this engine runs mamba_cache_mode='none'"),
+    (replace(STATE, num_speculative_blocks=1),
+     "does not support speculative decoding with state-space (Mamba) layers"),
+])
+def test_state_space_groups_without_boundary_states_are_refused(spec: KVCacheSpec, message: str) -> None:
+    with pytest.raises(dss.ConfigError, match=re.escape(f"the dss connector {message}")):
+        group_kinds(kv_config((["a"], FULL), (["b"], spec)))
+
+
 @pytest.mark.parametrize(("spec", "feature"), [
-    (MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,)),
-     "hybrid models with state-space (Mamba / linear-attention) layers (KV cache spec MambaSpec)"),
     (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
                                attention_chunk_size=128), "chunked local attention"),
     (CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32),

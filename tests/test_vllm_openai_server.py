@@ -135,6 +135,22 @@ USER1 = {"role": "user", "content": words(prompt(1, 100))}
 USER2 = {"role": "user", "content": words(prompt(2, 40))}
 
 
+def wait_for_pages(store: Path, count: int, timeout_s: float = 60) -> None:
+    """Wait until the session's head resumes ``count`` pages (the connector writes pages in the
+    background; the reply is sent before the last ones are on disk)."""
+    import dss
+
+    deadline = time.monotonic() + timeout_s
+    with dss.open(store) as handle:
+        while True:
+            tokens = handle.tokens(SESSION["session_id"], tenant_id=SESSION["tenant_id"])
+            found = handle.resume(SESSION["session_id"], tokens, tenant_id=SESSION["tenant_id"]).matched_tokens
+            if found >= count * BLOCK:
+                return
+            assert time.monotonic() < deadline, f"only {found} tokens of the first turn were saved"
+            time.sleep(0.2)
+
+
 def reply(response: Any) -> str:
     return response["choices"][0]["message"]["content"]
 
@@ -151,6 +167,7 @@ def test_a_chat_across_a_server_restart_loads_the_first_turns_pages(model: Path,
     store = tmp_path / "store"
     with api_server(model, store) as first:
         turn1 = chat(first, [USER1], 30, SESSION)
+        wait_for_pages(store, 4)  # vLLM's default shutdown kills the workers: let the writes land first
     with api_server(model, store) as second:
         turn2 = chat(second, [USER1, {"role": "assistant", "content": reply(turn1)}, USER2], 8, SESSION)
     assert len(reply(ref1).split()) == 30 and len(reply(ref2).split()) == 8

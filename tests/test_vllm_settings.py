@@ -70,3 +70,10 @@ def test_malformed_request_fields_are_invalid_input(params: dict, message: str) 
     with pytest.raises(dss.InvalidInput) as info:
         request_scope(Settings.from_extra_config({"store": "/s"}), params)
     assert message in str(info.value)
+
+
+def test_page_movers_open_the_store_without_approximate_matching() -> None:
+    """Workers and the reader process never resume: no LSH index is built in them at open."""
+    settings = Settings.from_extra_config({"store": "/s", "store_options": {"approximate": True, "host_bytes": 5}})
+    assert settings.store_options == {"approximate": True, "host_bytes": 5}
+    assert settings.reader_options == {"approximate": False, "host_bytes": 5}

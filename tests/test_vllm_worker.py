@@ -251,3 +251,30 @@ def test_kv_caches_that_do_not_make_the_layouts_page_are_refused(worker: WorkerS
         worker.register({name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, HEAD) for name in NAMES})
     with pytest.raises(dss.ConfigError, match=r"vLLM registered no KV cache for layers \['model.layers.0"):
         worker.register({NAMES[0]: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)})
+
+
+@pytest.mark.parametrize("device", ["cpu", "strided", CUDA])
+def test_a_state_space_layer_s_part_of_a_page_is_its_state_without_vllm_s_padding(device: str) -> None:
+    """A Mamba layer's KV cache as vLLM views it: ``[blocks, 1, 1, state bytes]`` int8 over
+    blocks padded to an attention block (stride ``LAYER_BYTES``). A page holds the attention
+    block and the state's 40 bytes; a ``NO_BLOCK`` state (a page the request does not go on
+    from) is not written. ``strided``: a CPU cache the numpy views cannot take (the torch path)."""
+    generator = torch.Generator().manual_seed(1)
+    on = "cuda" if device == "cuda" else "cpu"
+    attention = torch.randn((NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD), generator=generator).to(on)
+    padded = torch.randint(-128, 128, (NUM_BLOCKS, LAYER_BYTES), dtype=torch.int8, generator=generator).to(on)
+    state = padded[:, :40].view(NUM_BLOCKS, 1, 1, 40)
+    if device == "strided":
+        attention = attention.permute(0, 2, 1, 3)  # blocks not contiguous in memory: torch ops copy them
+    copier = BlockCopier([attention, state], [0, 1], NUM_BLOCKS, LAYER_BYTES + 40)
+    assert (copier.layer_sizes, copier.uniform) == ([LAYER_BYTES, 40], False)
+    assert (copier.host_views is not None) == (device == "cpu")
+    pages = copier.gather([[5, 2], [1, 4]])
+    assert pages.shape == (2, LAYER_BYTES + 40)
+    assert pages[0, LAYER_BYTES:].tobytes() == state[1].cpu().numpy().tobytes()
+    assert pages[1, :LAYER_BYTES].tobytes() == attention[2].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    before, padding = [attention.clone(), state.clone()], padded[:, 40:].clone()
+    copier.scatter([pages[0].tobytes(), pages[1].tobytes()], [[6, 7], [NO_BLOCK, 3]])
+    assert torch.equal(attention[6], before[0][5]) and torch.equal(attention[7], before[0][2])
+    assert torch.equal(state[3], before[1][4]) and torch.equal(state[6], before[1][6])
+    assert torch.equal(padded[:, 40:], padding)  # vLLM's padding is never written

@@ -91,6 +91,8 @@ class WrittenSegment(NamedTuple):
 
     name: str
     size: int
+    node_ref: int
+    """The node whose folder holds the file."""
     pages: tuple[tuple[NewPage, int, int], ...]
 
 
@@ -263,7 +265,7 @@ def _store(conn: Any, seq: int, stamp: dt.datetime, change: Change, layout_ref: 
             dead.append(segment.name)
             continue
         pages.insert_segment(
-            conn, segment.name, "disk", change.user_ref, segment.size,
+            conn, segment.name, "disk", segment.node_ref, change.user_ref, segment.size,
             [{"page_id": p.page_id, "user_ref": change.user_ref, "layout_ref": layout_ref, "page_index": p.index,
               "size": len(p.payload), "checksum": p.checksum, "created_at": stamp, "seq": seq} for p, _, _ in placed],
             [{"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length} for p, offset, length in placed])

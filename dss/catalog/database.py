@@ -3,7 +3,9 @@
 Every write goes through :meth:`Catalog.write`, which starts the transaction by bumping the
 one-row ``catalog_seq`` counter. That serialises writers (SQLite: ``BEGIN IMMEDIATE``;
 PostgreSQL: the row lock) so sequence numbers follow commit order; each transaction records
-what it changed in the feed under its number (:mod:`dss.catalog.feed`).
+what it changed in the feed under its number (:mod:`dss.catalog.feed`). On PostgreSQL the
+same statement sends ``NOTIFY`` with the number on the catalog's channel (:func:`channel_of`),
+which other nodes listen to (:mod:`dss.catalog.listen`).
 
 This package is the only place SQL is written: the queries live in its modules by subject
 (:mod:`~dss.catalog.namespaces`, :mod:`~dss.catalog.sessions`, :mod:`~dss.catalog.pages`,
@@ -15,6 +17,7 @@ This module owns the connection.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import sqlite3
@@ -55,6 +58,15 @@ def now() -> dt.datetime:
 def aware(value: dt.datetime) -> dt.datetime:
     """A catalog timestamp as timezone-aware UTC (SQLite hands back naive ones)."""
     return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def channel_of(database: str, schema: str) -> str:
+    """The PostgreSQL notification channel of the catalog in ``database``, ``schema`` (one per catalog)."""
+    return "dss_feed_" + hashlib.blake2b(f"{database}\0{schema}".encode(), digest_size=10).hexdigest()
+
+
+_NEXT_SEQ_AND_NOTIFY = ("WITH s AS (UPDATE catalog_seq SET seq = seq + 1 WHERE id = 1 RETURNING seq) "
+                        "SELECT seq, pg_notify(%(channel)s, seq::text) FROM s")
 
 
 class Tx(NamedTuple):
@@ -103,6 +115,7 @@ class Catalog:
                  sql_url: str | None = None) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
+        self.channel: str | None = None
         if self.is_sqlite:
             self.engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
             _configure_sqlite(self.engine, fsync)
@@ -112,6 +125,13 @@ class Catalog:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _channel(self, conn: Connection) -> str:
+        """The PostgreSQL notification channel of this catalog (see :mod:`dss.catalog.listen`)."""
+        if self.channel is None:
+            database, schema = conn.exec_driver_sql("SELECT current_database(), current_schema()").one()
+            self.channel = channel_of(database, schema)
+        return self.channel
 
     # -- schema ----------------------------------------------------------------------------
 
@@ -186,9 +206,12 @@ class Catalog:
         with self.engine.connect() as conn:
             conn = conn.execution_options(sqlite_begin="IMMEDIATE")
             with conn.begin():
-                seq = conn.execute(
-                    update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
-                ).scalar_one()
+                if self.is_sqlite:
+                    seq = conn.execute(
+                        update(_seq).where(_seq.c.id == 1).values(seq=_seq.c.seq + 1).returning(_seq.c.seq)
+                    ).scalar_one()
+                else:  # the same, and NOTIFY, delivered at commit to the nodes listening (dss.catalog.listen)
+                    seq = conn.exec_driver_sql(_NEXT_SEQ_AND_NOTIFY, {"channel": self._channel(conn)}).one()[0]
                 yield Tx(conn, seq)
 
     @contextmanager

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from sqlalchemy import ColumnElement, and_, case, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, Select, and_, case, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import chunks, now
@@ -31,31 +31,36 @@ class PageRecord(NamedTuple):
     length: int
 
 
-_page_select = (
-    select(pages.c.page_id, pages.c.user_ref, pages.c.page_index, pages.c.size, pages.c.checksum,
-           segments.c.name, locations.c.offset, locations.c.length)
-    .outerjoin(locations, and_(locations.c.page_id == pages.c.page_id, locations.c.tier == "disk"))
-    .outerjoin(segments, segments.c.id == locations.c.segment_ref)
-)
+def _page_select(node_ref: int) -> Select:
+    """Page rows with their disk location on node ``node_ref`` (none where another node's disk holds them)."""
+    return (
+        select(pages.c.page_id, pages.c.user_ref, pages.c.page_index, pages.c.size, pages.c.checksum,
+               segments.c.name, locations.c.offset, locations.c.length)
+        .outerjoin(locations, and_(locations.c.page_id == pages.c.page_id, locations.c.tier == "disk"))
+        .outerjoin(segments, and_(segments.c.id == locations.c.segment_ref, segments.c.node_ref == node_ref))
+    )
 
 
 def _page_record(r: tuple) -> PageRecord:
+    if r[5] is None:
+        return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], None, 0, 0)
     return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6] or 0, r[7] or 0)
 
 
-def namespace_pages(conn: Connection, user_ref: int, since_seq: int | None = None) -> list[PageRecord]:
-    """Pages of a namespace with their disk location (``since_seq``: stored at or after it)."""
-    query = _page_select.where(pages.c.user_ref == user_ref)
+def namespace_pages(conn: Connection, user_ref: int, node_ref: int, since_seq: int | None = None) -> list[PageRecord]:
+    """Pages of a namespace with their disk location on node ``node_ref`` (``since_seq``: stored at or after it)."""
+    query = _page_select(node_ref).where(pages.c.user_ref == user_ref)
     if since_seq is not None:
         query = query.where(pages.c.seq >= since_seq)
     return [_page_record(r) for r in conn.execute(query)]
 
 
-def pages_by_id(conn: Connection, page_ids: Sequence[bytes]) -> list[PageRecord]:
-    """The rows of these pages (absent ones are left out)."""
+def pages_by_id(conn: Connection, page_ids: Sequence[bytes], node_ref: int) -> list[PageRecord]:
+    """The rows of these pages, with their disk location on node ``node_ref`` (absent ones are left out)."""
     out: list[PageRecord] = []
+    query = _page_select(node_ref)
     for part in chunks(page_ids):
-        out.extend(_page_record(r) for r in conn.execute(_page_select.where(pages.c.page_id.in_(part))))
+        out.extend(_page_record(r) for r in conn.execute(query.where(pages.c.page_id.in_(part))))
     return out
 
 
@@ -77,31 +82,34 @@ def page_owners(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, tupl
     return out
 
 
-def insert_segment(conn: Connection, name: str, tier: str, user_ref: int, size: int,
+def insert_segment(conn: Connection, name: str, tier: str, node_ref: int, user_ref: int, size: int,
                    page_rows: list[dict], location_rows: list[dict]) -> None:
-    """Record a segment file and the pages it holds (``segment_ref`` is filled in)."""
+    """Record a segment file of node ``node_ref`` and the pages it holds (``segment_ref`` is filled in)."""
     ref = int(conn.execute(insert(segments).values(
-        name=name, tier=tier, user_ref=user_ref, size=size, created_at=now())).inserted_primary_key[0])
-    _count(conn, tier, size, 1)
+        name=name, tier=tier, node_ref=node_ref, user_ref=user_ref, size=size, created_at=now())
+    ).inserted_primary_key[0])
+    _count(conn, tier, node_ref, size, 1)
     conn.execute(insert(pages), page_rows)
     conn.execute(insert(locations), [{**row, "segment_ref": ref} for row in location_rows])
 
 
 def delete_segments(conn: Connection, where: ColumnElement[bool]) -> list[str]:
     """Delete the segment rows matching ``where`` (keeping the tier totals); return their names."""
-    gone = conn.execute(select(segments.c.name, segments.c.tier, segments.c.size).where(where)).all()
+    gone = conn.execute(select(segments.c.name, segments.c.tier, segments.c.node_ref, segments.c.size)
+                        .where(where)).all()
     conn.execute(delete(segments).where(where))
-    for tier in {row[1] for row in gone}:
-        rows = [row for row in gone if row[1] == tier]
-        _count(conn, tier, -sum(row[2] for row in rows), -len(rows))
+    for tier, node_ref in sorted({(row[1], row[2]) for row in gone}):
+        rows = [row for row in gone if (row[1], row[2]) == (tier, node_ref)]
+        _count(conn, tier, node_ref, -sum(row[3] for row in rows), -len(rows))
     return [row[0] for row in gone]
 
 
-def _count(conn: Connection, tier: str, size: int, num: int) -> None:
-    updated = conn.execute(update(tier_totals).where(tier_totals.c.tier == tier).values(
+def _count(conn: Connection, tier: str, node_ref: int, size: int, num: int) -> None:
+    where = and_(tier_totals.c.tier == tier, tier_totals.c.node_ref == node_ref)
+    updated = conn.execute(update(tier_totals).where(where).values(
         bytes=tier_totals.c.bytes + size, num_segments=tier_totals.c.num_segments + num)).rowcount
     if not updated:
-        conn.execute(insert(tier_totals).values(tier=tier, bytes=size, num_segments=num))
+        conn.execute(insert(tier_totals).values(tier=tier, node_ref=node_ref, bytes=size, num_segments=num))
 
 
 def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int) -> tuple[list[int], list[str]]:
@@ -215,20 +223,21 @@ class SegmentRow(NamedTuple):
     is_pinned: bool
 
 
-def tier_bytes(conn: Connection, tier: str) -> int:
-    """Bytes of every segment file of a tier, the space it occupies (from the running total)."""
-    return int(conn.execute(select(tier_totals.c.bytes).where(tier_totals.c.tier == tier)).scalar() or 0)
+def tier_bytes(conn: Connection, tier: str, node_ref: int) -> int:
+    """Bytes of every segment file of a node's tier, the space it occupies (from the running total)."""
+    return int(conn.execute(select(tier_totals.c.bytes).where(tier_totals.c.tier == tier,
+                                                              tier_totals.c.node_ref == node_ref)).scalar() or 0)
 
 
-def tier_segments(conn: Connection, tier: str) -> list[SegmentRow]:
-    """Every segment of a tier with what eviction weighs, oldest newest-version first."""
+def tier_segments(conn: Connection, tier: str, node_ref: int) -> list[SegmentRow]:
+    """Every segment of a node's tier with what eviction weighs, oldest newest-version first."""
     newest = func.coalesce(func.max(session_pages.c.version_ref), -1)
     pinned = func.coalesce(func.max(case((session_pages.c.pinned, 1), else_=0)), 0)
     query = (
         select(segments.c.id, segments.c.name, segments.c.size, newest, pinned)
         .outerjoin(locations, locations.c.segment_ref == segments.c.id)
         .outerjoin(session_pages, session_pages.c.page_id == locations.c.page_id)
-        .where(segments.c.tier == tier)
+        .where(segments.c.tier == tier, segments.c.node_ref == node_ref)
         .group_by(segments.c.id, segments.c.name, segments.c.size)
         .order_by(newest, segments.c.id)
     )
@@ -245,24 +254,34 @@ def segment_pages(conn: Connection, segment_refs: Sequence[int]) -> list[tuple[b
     return out
 
 
-def all_segments(conn: Connection, tier: str) -> dict[str, tuple[int, int]]:
-    """``name -> (ref, size)`` of every segment of a tier."""
+def all_segments(conn: Connection, tier: str, node_ref: int) -> dict[str, tuple[int, int]]:
+    """``name -> (ref, size)`` of every segment of a node's tier."""
     return {r[0]: (r[1], r[2]) for r in conn.execute(
-        select(segments.c.name, segments.c.id, segments.c.size).where(segments.c.tier == tier))}
+        select(segments.c.name, segments.c.id, segments.c.size).where(segments.c.tier == tier,
+                                                                       segments.c.node_ref == node_ref))}
 
 
-def disk_extents(conn: Connection) -> dict[int, list[tuple[int, int]]]:
-    """``segment_ref -> [(offset, length), ...]`` of every page located on disk."""
+def disk_extents(conn: Connection, node_ref: int) -> dict[int, list[tuple[int, int]]]:
+    """``segment_ref -> [(offset, length), ...]`` of every page located on a node's disk."""
     extents: dict[int, list[tuple[int, int]]] = {}
     for seg, offset, length in conn.execute(
-            select(locations.c.segment_ref, locations.c.offset, locations.c.length).where(locations.c.tier == "disk")):
+            select(locations.c.segment_ref, locations.c.offset, locations.c.length)
+            .join(segments, segments.c.id == locations.c.segment_ref)
+            .where(locations.c.tier == "disk", segments.c.node_ref == node_ref)):
         extents.setdefault(seg, []).append((offset, length))
     return extents
 
 
-def count_located(conn: Connection, tier: str) -> int:
-    """Pages located on a tier."""
-    return int(conn.execute(select(func.count()).select_from(locations).where(locations.c.tier == tier)).scalar_one())
+def count_located(conn: Connection, tier: str, node_ref: int) -> int:
+    """Pages located on a node's tier."""
+    return int(conn.execute(select(func.count()).select_from(locations)
+                            .join(segments, segments.c.id == locations.c.segment_ref)
+                            .where(locations.c.tier == tier, segments.c.node_ref == node_ref)).scalar_one())
+
+
+def user_page_ids(conn: Connection, user_ref: int) -> list[bytes]:
+    """Every page id of a namespace (on any node), sorted."""
+    return sorted(bytes(r[0]) for r in conn.execute(select(pages.c.page_id).where(pages.c.user_ref == user_ref)))
 
 
 def count_unheld_pages(conn: Connection) -> int:

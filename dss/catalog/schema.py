@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0003"
+SCHEMA_REVISION = "0004"
 """The Alembic revision this code expects the catalog to be at."""
 
 
@@ -109,14 +109,31 @@ class VersionRow(Base):
     """Whether ``suffix`` is sealed under the owner's data key (always, since revision 0002; labels always are)."""
 
 
+class Node(Base):
+    """A store folder sharing the catalog: one host's host and disk tiers (a node of a fleet).
+
+    ``folder_id`` is the random id kept in the folder (its ``store-id`` file); ``node_id`` the
+    name operators and the router use.
+    """
+
+    __tablename__ = "nodes"
+    __table_args__ = NEVER_REUSED
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(64), unique=True)
+    folder_id: Mapped[bytes] = mapped_column(LargeBinary(16), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
 class Segment(Base):
-    """A page file on a durable tier: one batch of pages of one namespace."""
+    """A page file on a node-local durable tier: one batch of pages of one namespace, in the
+    folder of node ``node_ref`` (no other node ever reads it)."""
 
     __tablename__ = "segments"
     __table_args__ = NEVER_REUSED
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     tier: Mapped[str] = mapped_column(String(16))
+    node_ref: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
     user_ref: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
@@ -247,11 +264,12 @@ class Audit(Base):
 
 
 class TierTotal(Base):
-    """Bytes and segments per durable tier, kept in step with ``segments`` (so placement
-    does not sum the whole table at every write; ``check()`` verifies it)."""
+    """Bytes and segments per durable tier of each node, kept in step with ``segments`` (so
+    placement does not sum the whole table at every write; ``check()`` verifies it)."""
 
     __tablename__ = "tier_totals"
     tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    node_ref: Mapped[int] = mapped_column(Integer, primary_key=True)
     bytes: Mapped[int] = mapped_column(BigInteger)
     num_segments: Mapped[int] = mapped_column(BigInteger)
 
@@ -259,6 +277,7 @@ class TierTotal(Base):
 tenants, users, layouts = Tenant.__table__, User.__table__, LayoutRow.__table__
 sessions, versions = SessionRow.__table__, VersionRow.__table__
 pages, locations, session_pages = PageRow.__table__, PageLocation.__table__, SessionPage.__table__
+nodes = Node.__table__
 segments, quarantine, tier_totals = Segment.__table__, Quarantine.__table__, TierTotal.__table__
 user_keys, store_meta = UserKey.__table__, StoreMeta.__table__
 erasures, audit, feed, catalog_seq = Erasure.__table__, Audit.__table__, FeedRow.__table__, CatalogSeq.__table__

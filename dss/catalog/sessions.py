@@ -122,6 +122,12 @@ def list_sessions(conn: Connection, tenant_id: str | None = None,
     return [(_session_record(r[:-1]), int(r[-1])) for r in conn.execute(query)]
 
 
+def namespace_sessions(conn: Connection, user_ref: int) -> list[int]:
+    """Row numbers of every session of a namespace, oldest first."""
+    return [int(r[0]) for r in conn.execute(select(sessions.c.id).where(sessions.c.user_ref == user_ref)
+                                            .order_by(sessions.c.id))]
+
+
 def count_sessions(conn: Connection) -> int:
     return int(conn.execute(select(func.count()).select_from(sessions)).scalar_one())
 

@@ -153,8 +153,61 @@ def stats(ctx: Context, as_json: bool) -> None:
     """Show how full each tier is."""
     with ctx.open() as store:
         data = store.stats()
+    lsh = data.pop("lsh")
     rows = [{"tier": tier, **values} for tier, values in data.items()]
+    if as_json:
+        _emit([*rows, {"tier": "lsh", **lsh}], as_json)
+        return
     _emit(rows, as_json)
+    click.echo(f"lsh index: {lsh['entries']} entries in {lsh['indexes']} indexes (capacity {lsh['capacity']}, "
+               f"{lsh['storage']})")
+
+
+@main.command()
+@click.argument("session_id", required=False)
+@click.argument("tokens", nargs=-1)
+@click.option("--tokens-file", type=click.File("r"), default=None,
+              help="Token ids: a JSON list or whitespace-separated ints ('-': stdin).")
+@click.option("--text-file", type=click.File("r"), default=None, help="The prompt as text (needs --tokenizer).")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A tokenizer.json (Hugging Face tokenizers): decodes the windows, encodes --text-file.")
+@click.option("--tenant", default=None, help="Tenant of the session, or of --user.")
+@click.option("--user", default=None, help="Without a session: the user whose namespace to search.")
+@click.option("--layout", "layout_json", default=None, help="Without a session: the layout, as JSON.")
+@click.option("--context", default=8, show_default=True, help="Tokens shown on each side of the divergence.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@_guard
+def explain(ctx: Context, session_id: str | None, tokens: tuple[str, ...], tokens_file: Any, text_file: Any,
+            tokenizer: str | None, tenant: str | None, user: str | None, layout_json: str | None, context: int,
+            as_json: bool) -> None:
+    """Why exact reuse of a prompt stops where it does: its first divergence from the nearest
+    stored version (the session's, or any of its namespace and layout), the tokens around it,
+    and the reuse it costs. Token ids as arguments (``1 2 3`` or ``1,2,3``), or from a file.
+    With ``--user`` (and ``--layout``) there is no SESSION_ID: every argument is a token id."""
+    from dss.cli.explain import describe, explanation_json, load_tokenizer, read_prompt
+
+    if user is not None and session_id is not None:
+        session_id, tokens = None, (session_id, *tokens)
+
+    coder = load_tokenizer(tokenizer) if tokenizer is not None else None
+    prompt = read_prompt(tokens, tokens_file, text_file, coder)
+    layout = None
+    if layout_json is not None:
+        from dss.core.types import Layout
+
+        try:
+            layout = Layout.from_dict(json.loads(layout_json))
+        except json.JSONDecodeError as exc:
+            raise DssCommandError(f"InvalidInput: --layout is not JSON: {exc.msg}") from None
+    decode = coder.decode if coder is not None else None
+    with ctx.open() as store:
+        why = store.explain(session_id, prompt, tenant_id=tenant, user_id=user, layout=layout, decode=decode,
+                            context=context)
+    if as_json:
+        click.echo(json.dumps(explanation_json(why)))
+    else:
+        click.echo(describe(why))
 
 
 @main.command("forget-user")

@@ -61,8 +61,43 @@ class StoreConfig(BaseModel):
                                  description="Time limit of one read-only SQL query, seconds.")
     sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
                                       "default: a role dss creates, which needs CREATEROLE for the catalog user.")
+    node_id: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                                description="Name of this folder as a node of a fleet sharing one catalog; needed "
+                                "to join a catalog another folder uses. Default: the folder's own id.")
+    remote_url: SecretStr | None = Field(None, description="URL of the remote tier shared by the fleet: "
+                                         "redis://host:port/db (rediss:// for TLS), redis+cluster://host:port for "
+                                         "a Redis Cluster.")
+    remote_prefix: str = Field("dss:", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+                               description="Prefix of every key dss writes in the remote tier.")
+    remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
+                                    description="Time limit of one remote-tier round trip, seconds.")
+    remote_pending_bytes: int = Field(256 << 20, description="Most page bytes waiting to be written to the "
+                                      "remote tier; beyond it the oldest are not written (a later miss).")
+    remote_read_gbps: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                    description="Estimated remote-tier load bandwidth, GB/s.")
+    feed_poll_s: float = Field(1.0, gt=0, le=3600, allow_inf_nan=False,
+                               description="PostgreSQL catalog: how often a node polls for other nodes' writes "
+                               "when no notification came (LISTEN/NOTIFY tells it sooner).")
 
-    @field_validator("host_bytes", "disk_bytes", "segment_bytes", mode="before")
+    approximate: bool = Field(False, description="Default of resume(approximate=...): when the exact paths match "
+                              "less than lsh_min_share of the prompt, verify MinHash-LSH candidates exactly "
+                              "(needs datasketch).")
+    lsh_threshold: float = Field(0.85, gt=0, lt=1, allow_inf_nan=False,
+                                 description="Jaccard similarity of token shingles from which LSH proposes a version.")
+    lsh_permutations: int = Field(128, ge=16, le=1024, description="MinHash permutations per signature.")
+    lsh_shingle_tokens: int = Field(4, ge=1, le=64, description="Tokens per shingle.")
+    lsh_window_tokens: int = Field(256, ge=16, le=1 << 20,
+                                   description="Tokens per page-aligned window indexed besides each whole version.")
+    lsh_min_share: float = Field(0.5, ge=0, le=1, allow_inf_nan=False,
+                                 description="Approximate resume runs only when the exact match is below this "
+                                 "share of the prompt.")
+    lsh_max_entries: int = Field(1_000_000, ge=1, description="Most LSH entries (versions and windows) held.")
+    lsh_redis_url: SecretStr | None = Field(None, description="Redis URL: keep the LSH index there (shared by every "
+                                            "node) instead of in memory.")
+    lsh_redis_prefix: str = Field("dss-lsh", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                                  description="Prefix of the LSH index's Redis keys.")
+
+    @field_validator("host_bytes", "disk_bytes", "segment_bytes", "remote_pending_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
@@ -71,6 +106,17 @@ class StoreConfig(BaseModel):
     def _sql_url_needs_postgresql(self) -> StoreConfig:
         if self.sql_url is not None and self.url.startswith("sqlite"):
             raise ValueError("sql_url applies to a PostgreSQL catalog only (catalog_url is SQLite)")
+        if self.remote_url is not None:
+            scheme = self.remote_url.get_secret_value().split("://", 1)[0]
+            if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+                raise ValueError("remote_url must start with redis://, rediss:// or redis+cluster://")
+        return self
+
+    @model_validator(mode="after")
+    def _lsh_window_holds_shingles(self) -> StoreConfig:
+        if self.lsh_window_tokens < self.lsh_shingle_tokens:
+            raise ValueError(f"lsh_window_tokens ({self.lsh_window_tokens}) must be at least lsh_shingle_tokens "
+                             f"({self.lsh_shingle_tokens})")
         return self
 
     @property
@@ -94,6 +140,20 @@ _ENV = {
     "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",
     "DSS_SQL_TIMEOUT_S": "sql_timeout_s",
     "DSS_SQL_URL": "sql_url",
+    "DSS_APPROXIMATE": "approximate",
+    "DSS_LSH_THRESHOLD": "lsh_threshold",
+    "DSS_LSH_PERMUTATIONS": "lsh_permutations",
+    "DSS_LSH_SHINGLE_TOKENS": "lsh_shingle_tokens",
+    "DSS_LSH_WINDOW_TOKENS": "lsh_window_tokens",
+    "DSS_LSH_MIN_SHARE": "lsh_min_share",
+    "DSS_LSH_MAX_ENTRIES": "lsh_max_entries",
+    "DSS_LSH_REDIS_URL": "lsh_redis_url",
+    "DSS_NODE_ID": "node_id",
+    "DSS_REMOTE_URL": "remote_url",
+    "DSS_REMOTE_PREFIX": "remote_prefix",
+    "DSS_REMOTE_TIMEOUT_S": "remote_timeout_s",
+    "DSS_REMOTE_PENDING_BYTES": "remote_pending_bytes",
+    "DSS_FEED_POLL_S": "feed_poll_s",
 }
 
 DEFAULT_HOME = "dss-data"

@@ -22,6 +22,7 @@ A client is thread-safe (one connection pool); close it, or use it as a context 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
@@ -32,11 +33,12 @@ from dss.service import models as m
 from dss.core.errors import InvalidPage
 from dss.erasure import AuditEntry, Plan, Receipt
 from dss.service.problems import Unavailable, error_from_problem
-from dss.resume import Rates, ResumeResult
+from dss.nearest import Decode, Explanation
+from dss.resume import Candidate, Rates, ResumeResult
 from dss.service.config import default_api_key
 from dss.core.tokens import TokenInput, pack, unpack
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
-from dss.core.validate import check_flag, check_layout, check_page_ids, check_version_id
+from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id
 
 
 class Client:
@@ -157,16 +159,38 @@ class Client:
 
     # -- resume and pages ------------------------------------------------------------------
 
-    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None) -> ResumeResult:
+    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None,
+               approximate: bool | None = None) -> ResumeResult:
         """:meth:`dss.Store.resume`."""
-        body = {"session_id": session_id, "tokens": _token_list(tokens), "tenant_id": tenant_id}
+        body = {"session_id": session_id, "tokens": _token_list(tokens), "tenant_id": tenant_id,
+                "approximate": approximate}
         return m.resume_from(self._call("POST", "/v1/resume", json=body), self._resume_rates())
 
     def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
-               tenant_id: str | None = None) -> ResumeResult:
+               tenant_id: str | None = None, approximate: bool | None = None) -> ResumeResult:
         """:meth:`dss.Store.lookup` in the key's tenant."""
-        body = {"tokens": _token_list(tokens), "layout": _layout(layout), "user_id": user_id, "tenant_id": tenant_id}
+        body = {"tokens": _token_list(tokens), "layout": _layout(layout), "user_id": user_id, "tenant_id": tenant_id,
+                "approximate": approximate}
         return m.resume_from(self._call("POST", "/v1/lookup", json=body), self._resume_rates())
+
+    def nearest(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
+                user_id: str | None = None, layout: Layout | None = None, k: int = 5) -> list[Candidate]:
+        """:meth:`dss.Store.nearest`."""
+        body = {"tokens": _token_list(tokens), "session_id": session_id, "tenant_id": tenant_id, "user_id": user_id,
+                "layout": _layout(layout) if layout is not None else None, "k": k}
+        return [m.candidate_from(c) for c in self._call("POST", "/v1/nearest", json=body)["candidates"]]
+
+    def explain(self, session_id: str | None, tokens: TokenInput, *, tenant_id: str | None = None,
+                user_id: str | None = None, layout: Layout | None = None, decode: Decode | None = None,
+                context: int = 8) -> Explanation:
+        """:meth:`dss.Store.explain` (``decode`` runs here, on the windows the service returns)."""
+        check_callback("decode", decode)
+        body = {"tokens": _token_list(tokens), "session_id": session_id, "tenant_id": tenant_id, "user_id": user_id,
+                "layout": _layout(layout) if layout is not None else None, "context": context}
+        why = m.explain_from(self._call("POST", "/v1/explain", json=body))
+        if decode is not None and why.divergence is not None:
+            why = replace(why, prompt_text=decode(why.prompt_window), stored_text=decode(why.stored_window))
+        return why
 
     def read_pages(self, pages: Sequence[PageRef | bytes]) -> list[bytes | None]:
         """:meth:`dss.Store.read_pages`; ``None`` also for a page of another tenant."""

@@ -13,9 +13,17 @@ Counters and histograms (updated as requests run):
   prompt, looking tiers up fastest first: a hit on the fastest tier holding the page, a miss
   on every faster tier; a page no tier holds is a miss on every tier.
 * ``dss_commits_total``, ``dss_committed_tokens_total`` — commits acknowledged.
+* ``dss_erasures_total{result="done"|"failed"}`` — ``forget_user`` calls through this service
+  (dry runs not counted).
 
 Gauges read from the store when scraped: ``dss_sessions``, ``dss_tier_pages{tier}``,
-``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``.
+``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``, ``dss_erasures_open`` (erasure jobs
+not finished, every process of the catalog), ``dss_erasure_oldest_open_seconds`` (age of the
+oldest of them; 0 when none — an alert fires when it keeps growing); with a remote tier also
+``dss_remote_up`` (1 while Redis answers, 0 once a call failed, until one succeeds),
+``dss_remote_errors_total{op}`` (failed ``get``, ``put``, ``delete``, ``scan`` calls, and
+values that failed ``verify``) and ``dss_remote_pending_bytes`` (page bytes waiting to be
+written through).
 
 No label ever carries a tenant, user or session id (erasure must leave none behind).
 """
@@ -26,7 +34,7 @@ import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dss.core.errors import DssError
@@ -66,6 +74,10 @@ class Metrics:
                                    ["tier"], registry=r)
         self.commits = Counter("dss_commits", "Commits acknowledged.", registry=r)
         self.committed_tokens = Counter("dss_committed_tokens", "Tokens of acknowledged commits.", registry=r)
+        self.erasures = Counter("dss_erasures", "Erasures (forget_user) run through this service, by result.",
+                                ["result"], registry=r)
+        for result in ("done", "failed"):
+            self.erasures.labels(result)
         for result in ("hit", "miss"):
             self.resumes.labels(result)
         for tier in self.tiers:
@@ -98,6 +110,9 @@ class Metrics:
         self.commits.inc()
         self.committed_tokens.inc(num_tokens)
 
+    def observe_erasure(self, done: bool) -> None:
+        self.erasures.labels("done" if done else "failed").inc()
+
 
 class StoreCollector(Collector):
     """Gauges read from the store at scrape time: sessions, and pages and bytes per tier."""
@@ -114,6 +129,9 @@ class StoreCollector(Collector):
         pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
         size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
         capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
+        open_erasures = GaugeMetricFamily("dss_erasures_open", "Erasure jobs not finished (every process).")
+        oldest = GaugeMetricFamily("dss_erasure_oldest_open_seconds",
+                                   "Seconds since the oldest unfinished erasure job started (0 when none).")
         try:
             stats = self.store.stats()
             num_sessions = self.store.count_sessions()
@@ -121,9 +139,24 @@ class StoreCollector(Collector):
             log.warning("metrics: cannot read the store: %s", exc)
             return
         sessions.add_metric([], num_sessions)
+        open_erasures.add_metric([], stats["erasures"]["open"])
+        oldest.add_metric([], stats["erasures"]["oldest_open_s"])
         for tier in self.tiers:
             if tier in stats:
                 pages.add_metric([tier], stats[tier]["pages"])
                 size.add_metric([tier], stats[tier]["bytes"])
                 capacity.add_metric([tier], stats[tier]["capacity"])
-        yield from (sessions, pages, size, capacity)
+        yield from (sessions, pages, size, capacity, open_erasures, oldest)
+        remote = self.store.remote
+        if remote is not None:
+            up = GaugeMetricFamily("dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call "
+                                   "failed.")
+            up.add_metric([], 1.0 if remote.is_up else 0.0)
+            errors = CounterMetricFamily("dss_remote_errors", "Remote-tier calls that failed, and values that failed "
+                                         "verification.", labels=["op"])
+            for op, count in remote.errors.items():
+                errors.add_metric([op], count)
+            pending = GaugeMetricFamily("dss_remote_pending_bytes", "Page bytes waiting to be written to the "
+                                        "remote tier.")
+            pending.add_metric([], remote.pending_bytes)
+            yield from (up, errors, pending)

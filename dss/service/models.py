@@ -26,7 +26,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from dss.core.errors import InvalidPage
-from dss.resume import Rates, ResumeResult
+from dss.nearest import Explanation
+from dss.resume import Candidate, Rates, ResumeResult
 from dss.core.tokens import MAX_TOKEN
 from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
 
@@ -109,10 +110,15 @@ class SavePagesIn(_Model):
     tenant_id: TenantField = None
 
 
+Approximate = Annotated[StrictBool | None, Field(description="Verify MinHash-LSH candidates when the exact match is "
+                                                            "short (default: the store's setting).")]
+
+
 class ResumeIn(_Model):
     session_id: str
     tokens: Tokens
     tenant_id: TenantField = None
+    approximate: Approximate = None
 
 
 class LookupIn(_Model):
@@ -120,6 +126,30 @@ class LookupIn(_Model):
     layout: LayoutModel
     user_id: str = "anonymous"
     tenant_id: TenantField = None
+    approximate: Approximate = None
+
+
+class _ScopeIn(_Model):
+    """A prompt and where to look for its near-duplicates: ``session_id``'s namespace and
+    layout, or else ``(user_id, layout)`` of the tenant."""
+
+    tokens: Tokens
+    session_id: str | None = None
+    user_id: str | None = None
+    layout: LayoutModel | None = None
+    tenant_id: TenantField = None
+
+
+class NearestIn(_ScopeIn):
+    """A near-duplicate search."""
+
+    k: StrictInt = 5
+
+
+class ExplainIn(_ScopeIn):
+    """Why exact reuse of a prompt stops where it does."""
+
+    context: StrictInt = 8
 
 
 class RollbackIn(_Model):
@@ -205,6 +235,40 @@ class PageRefOut(_Out):
     tier: str
 
 
+class CandidateOut(_Out):
+    session_id: str
+    version_id: int
+    num_tokens: int
+    estimated_jaccard: float
+    jaccard: float
+    common_prefix: int
+    divergence: int | None
+    matched_tokens: int
+
+
+class NearestOut(_Out):
+    candidates: list[CandidateOut]
+
+
+class ExplainOut(_Out):
+    num_prompt_tokens: int
+    matched_tokens: int
+    source: str | None
+    nearest: CandidateOut | None
+    divergence: int | None
+    prompt_window: list[int]
+    stored_window: list[int]
+    window_start: int
+    prompt_text: str | None
+    stored_text: str | None
+    resync_prompt: int | None
+    resync_stored: int | None
+    num_shared_after: int
+    would_reuse_tokens: int
+    lost_tokens: int
+    recurring: list[tuple[int, int]]
+
+
 class ResumeOut(_Out):
     session_id: str | None
     version_id: int | None
@@ -219,6 +283,9 @@ class ResumeOut(_Out):
     recompute_seconds: float
     should_load: bool
     pages: list[PageRefOut]
+    source: str | None = None
+    num_candidates: int = 0
+    near: CandidateOut | None = None
 
 
 class ReadPagesOut(_Out):
@@ -326,13 +393,36 @@ def resume_out(r: ResumeResult) -> dict[str, Any]:
             "num_new_tokens": r.num_new_tokens, "page_tokens": r.page_tokens, "page_bytes": r.page_bytes,
             "tiers": r.tiers, "load_seconds": r.load_seconds, "recompute_seconds": r.recompute_seconds,
             "should_load": r.should_load,
-            "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages]}
+            "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages],
+            "source": r.source, "num_candidates": r.num_candidates,
+            "near": r.near._asdict() if r.near is not None else None}
 
 
 def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
     pages = [PageRef(p["index"], PageId(bytes.fromhex(p["page_id"])), p["tier"]) for p in d["pages"]]
     return ResumeResult(d["session_id"], _vid(d["version_id"]), d["matched_tokens"], d["num_prompt_tokens"],
-                        d["num_history_tokens"], d["page_tokens"], d["page_bytes"], pages=pages, rates=rates)
+                        d["num_history_tokens"], d["page_tokens"], d["page_bytes"], pages=pages, rates=rates,
+                        source=d.get("source"), num_candidates=d.get("num_candidates", 0),
+                        near=candidate_from(d["near"]) if d.get("near") is not None else None)
+
+
+def candidate_from(d: dict[str, Any]) -> Candidate:
+    return Candidate(d["session_id"], VersionId(d["version_id"]), d["num_tokens"], d["estimated_jaccard"],
+                     d["jaccard"], d["common_prefix"], d["divergence"], d["matched_tokens"])
+
+
+def explain_out(e: Explanation) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    out = asdict(e)
+    out["nearest"] = e.nearest._asdict() if e.nearest is not None else None
+    out["recurring"] = [list(pair) for pair in e.recurring]
+    return out
+
+
+def explain_from(d: dict[str, Any]) -> Explanation:
+    return Explanation(**{**d, "nearest": candidate_from(d["nearest"]) if d["nearest"] is not None else None,
+                          "recurring": [(int(p), int(n)) for p, n in d["recurring"]]})
 
 
 def rates_out(rates: Rates) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from dss.service import models as m
 from dss.service.apikeys import KeyRing, Principal
 from dss.core.config import StoreConfig
 from dss.erasure import AuditEntry, Plan, Receipt
-from dss.core.errors import DssError, InvalidInput, InvalidTokens, NotFound, StoreClosed
+from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, InvalidTokens, NotFound, StoreClosed
 from dss.service.problems import PROBLEM_MEDIA_TYPE, InternalError, MethodNotAllowed, error_class
 from dss.service.config import ServerConfig
 from dss.service.middleware import (
@@ -274,7 +274,7 @@ def _add_routes(app: FastAPI) -> None:
         tenant = call.scope.reading(body.tenant_id)
         prompt = _tokens(call, body.tokens)
         start = time.perf_counter()
-        result = call.store.resume(body.session_id, prompt, tenant_id=tenant)
+        result = call.store.resume(body.session_id, prompt, tenant_id=tenant, approximate=body.approximate)
         call.metrics.observe_resume(result, time.perf_counter() - start)
         return m.resume_out(result)
 
@@ -284,9 +284,30 @@ def _add_routes(app: FastAPI) -> None:
         tenant = call.scope.reading(body.tenant_id)
         prompt = _tokens(call, body.tokens)
         start = time.perf_counter()
-        result = call.store.lookup(prompt, layout=m.layout_of(body.layout), user_id=body.user_id, tenant_id=tenant)
+        result = call.store.lookup(prompt, layout=m.layout_of(body.layout), user_id=body.user_id, tenant_id=tenant,
+                                   approximate=body.approximate)
         call.metrics.observe_resume(result, time.perf_counter() - start)
         return m.resume_out(result)
+
+    @app.post("/v1/nearest", response_model=m.NearestOut, tags=["resume"], **v1)
+    def nearest(body: m.NearestIn, call: Call = call_dep) -> dict[str, Any]:
+        """Stored versions nearest a prompt (MinHash-LSH candidates verified token by token), in one
+        namespace and layout: the session's, or (user_id, layout) of the tenant."""
+        tenant = call.scope.reading(body.tenant_id)
+        found = call.store.nearest(_tokens(call, body.tokens), session_id=body.session_id, tenant_id=tenant,
+                                   user_id=body.user_id,
+                                   layout=m.layout_of(body.layout) if body.layout is not None else None, k=body.k)
+        return {"candidates": [c._asdict() for c in found]}
+
+    @app.post("/v1/explain", response_model=m.ExplainOut, tags=["resume"], **v1)
+    def explain(body: m.ExplainIn, call: Call = call_dep) -> dict[str, Any]:
+        """Why exact reuse of a prompt stops where it does: the first divergence from its nearest
+        stored version, the tokens around it, the reuse it costs, the tenant's recurring positions."""
+        tenant = call.scope.reading(body.tenant_id)
+        why = call.store.explain(body.session_id, _tokens(call, body.tokens), tenant_id=tenant, user_id=body.user_id,
+                                 layout=m.layout_of(body.layout) if body.layout is not None else None,
+                                 context=body.context)
+        return m.explain_out(why)
 
     @app.post("/v1/rollback", response_model=m.VersionOut, tags=["versions"], **v1)
     def rollback(body: m.RollbackIn, call: Call = call_dep) -> dict[str, Any]:
@@ -315,7 +336,15 @@ def _add_routes(app: FastAPI) -> None:
         """Erase every session, version, token and page of one user of the tenant (GDPR Art. 17), keys first;
         returns the receipt. ``dry_run`` returns the plan and changes nothing. Admin key (also for a dry run)."""
         tenant = call.scope.reading(body.tenant_id) if body.dry_run else call.scope.writing(body.tenant_id)
-        return call.store.forget_user(body.user_id, tenant_id=tenant, dry_run=body.dry_run)
+        if body.dry_run:
+            return call.store.forget_user(body.user_id, tenant_id=tenant, dry_run=True)
+        try:
+            receipt = call.store.forget_user(body.user_id, tenant_id=tenant)
+        except ErasureIncomplete:
+            call.metrics.observe_erasure(done=False)
+            raise
+        call.metrics.observe_erasure(done=True)
+        return receipt
 
     @app.get("/v1/audit", response_model=list[AuditEntry], response_model_exclude_none=True, tags=["erasure"], **v1)
     def audit(call: Call = call_dep, tenant_id: str | None = None, all_tenants: bool = False) -> list[AuditEntry]:

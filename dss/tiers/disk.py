@@ -53,9 +53,14 @@ class DiskTier(DurableTier):
         for folder in (self.segments_dir, self.tmp_dir, self.locks_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.writer = secrets.token_hex(8)
-        self._lock_fd = os.open(self.locks_dir / f"{self.writer}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        # locked before it gets its name: another process's recover() never sees it unlocked
+        tmp = self.locks_dir / f".{self.writer}.tmp"
+        self._lock_fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, self.locks_dir / f"{self.writer}.lock")
         self._counter = itertools.count()
+        self._in_flight: set[str] = set()
+        """Segments this process wrote whose catalog transaction has not ended yet."""
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -74,6 +79,7 @@ class DiskTier(DurableTier):
         :meth:`publish` ran (group commit fsyncs the folder once for a whole group), and
         until then a crash may lose the file, which nothing refers to yet."""
         name = f"{self.writer}-{next(self._counter):010d}.seg"
+        self._in_flight.add(name)
         parts: list[bytes] = [MAGIC]
         locations: list[Located] = []
         offset = HEADER_BYTES
@@ -108,6 +114,7 @@ class DiskTier(DurableTier):
         """Delete segments (absent ones are ignored), then fsync the directory."""
         removed = False
         for name in segments:
+            self._in_flight.discard(name)
             try:
                 (self.segments_dir / name).unlink()
                 removed = True
@@ -183,6 +190,25 @@ class DiskTier(DurableTier):
             os.close(fd)
         return False
 
+    def settled(self, segments: Iterable[str]) -> None:
+        """The transaction recording these segments (written by this process) committed."""
+        for name in segments:
+            self._in_flight.discard(name)
+
+    def sweep(self, recorded: set[str]) -> list[str]:
+        """Delete the segments this process wrote that the catalog no longer records (another
+        node's erasure purged their rows), then what :meth:`recover` deletes. ``recorded`` is
+        every segment name the catalog holds for this node. Returns the names deleted."""
+        mine = f"{self.writer}-"
+        in_flight = set(self._in_flight)
+        gone = [name for name in self.files() if name.startswith(mine) and name not in recorded
+                and name not in in_flight]
+        for name in gone:
+            (self.segments_dir / name).unlink(missing_ok=True)
+        if gone:
+            self._sync_dir(self.segments_dir)
+        return gone + self.recover(recorded)
+
     def recover(self, recorded: set[str]) -> list[str]:
         """Delete unrecorded segments and temp files of dead writers, and their stale locks.
 
@@ -198,6 +224,8 @@ class DiskTier(DurableTier):
                 Path(entry.path).unlink(missing_ok=True)
                 deleted.append(entry.name)
         for entry in os.scandir(self.locks_dir):
+            if entry.name.startswith("."):  # a lock being made (see __init__)
+                continue
             writer = entry.name.removesuffix(".lock")
             if not self._alive(writer):
                 Path(entry.path).unlink(missing_ok=True)
