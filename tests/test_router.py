@@ -53,13 +53,15 @@ def start(command: list[str], health: str, what: str) -> subprocess.Popen[bytes]
 
 
 @contextmanager
-def running_fleet(tmp_path: Path, *router_args: str) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
-    """Two stand-in backends ``a`` and ``b`` and ``dss route`` in front of them, on a store
-    holding session ``chat-1`` with two pages."""
-    home = tmp_path / "store"
-    with dss.open(home) as store:
-        store.create_session("chat-1", layout=LAYOUT)
-        store.commit("chat-1", list(range(9)), {0: b"a" * 16, 1: b"b" * 16})
+def running_fleet(tmp_path: Path, *router_args: str,
+                  home: Path | None = None) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
+    """Two stand-in backends ``a`` and ``b`` and ``dss route`` in front of them, on the store at
+    ``home`` (default: a new one holding session ``chat-1`` with two pages)."""
+    if home is None:
+        home = tmp_path / "store"
+        with dss.open(home) as store:
+            store.create_session("chat-1", layout=LAYOUT)
+            store.commit("chat-1", list(range(9)), {0: b"a" * 16, 1: b"b" * 16})
     ports = {"a": free_port(), "b": free_port()}
     backends = {node: start([sys.executable, "-m", "tests.fake_openai", node, str(port)],
                             f"http://127.0.0.1:{port}/health", f"backend {node}") for node, port in ports.items()}
@@ -82,6 +84,23 @@ def fleet(tmp_path: Path) -> Iterator[tuple[str, dict[str, subprocess.Popen[byte
     """:func:`running_fleet` with the default policy, kv."""
     with running_fleet(tmp_path) as running:
         yield running
+
+
+def test_kv_goes_to_the_node_whose_disk_holds_the_pages(tmp_path: Path, pg_url: str) -> None:
+    """Two nodes on one PostgreSQL catalog; chat-1's pages are on the disk of the node the ring
+    would not pick, so the first request (nothing served yet) shows the catalog decides."""
+    by_ring = ring_order(("a", "b"), "\0chat-1")[0]
+    holder = "b" if by_ring == "a" else "a"
+    for node in ("a", "b"):
+        with dss.open(tmp_path / node, catalog_url=pg_url, node_id=node) as store:
+            if node == holder:
+                store.create_session("chat-1", layout=LAYOUT)
+                store.commit("chat-1", list(range(9)), {0: b"a" * 16, 1: b"b" * 16})
+    with running_fleet(tmp_path, "--catalog-url", pg_url, home=tmp_path / by_ring) as (url, _):
+        got = httpx.post(f"{url}/v1/completions", headers={"X-Session-Id": "chat-1"}, json={"prompt": "w1"})
+        assert (got.json()["node"], got.headers["x-dss-route"]) == (holder, "kv")
+        got = httpx.post(f"{url}/v1/completions", headers={"X-Session-Id": "chat-2"}, json={"prompt": "w1"})
+        assert (got.json()["node"], got.headers["x-dss-route"]) == (ring_order(("a", "b"), "\0chat-2")[0], "hash")
 
 
 def test_round_robin_alternates_and_hash_sticks(tmp_path: Path) -> None:
@@ -164,8 +183,11 @@ def test_request_keys_and_holdings() -> None:
     assert with_session({"prompt": "x"}, {"x-session-id": "h", "x-tenant-id": "acme", "x-user-id": "u"}) == \
         {"prompt": "x", "kv_transfer_params": {"dss": {"session_id": "h", "tenant_id": "acme", "user_id": "u"}}}
     assert with_session(body, {"x-session-id": "h"}) is None  # the body names its own session
-    assert head_holdings(3, "b", ["a", "b"]) == {"a": {"disk": 3}, "b": {"device": 3, "disk": 3}}
-    assert head_holdings(0, "b", ["a", "b"]) == {}
+    # pages 0-1 on a's disk, 2 on b's, 3 on the disk of a folder the backends share, 4 remote only
+    assert head_holdings(["a", "a", "b", "shared", None], "b", ["a", "b"]) == \
+        {"a": {"disk": 3}, "b": {"disk": 2, "device": 5}}
+    assert head_holdings(["shared"] * 3, None, ["a", "b"]) == {"a": {"disk": 3}, "b": {"disk": 3}}
+    assert head_holdings([], "b", ["a", "b"]) == {}
     assert parse_backends(["a=http://h:1/", "http://h:2"]) == (("a", "http://h:1"), ("node-1", "http://h:2"))
     with pytest.raises(dss.ConfigError, match="--backend 'a=ftp://x' is not NODE=http://host:port"):
         parse_backends(["a=ftp://x"])

@@ -24,11 +24,11 @@ backend the proxy answers 503 ``NoBackend`` as problem details, like ``dss serve
 ``dss_router_backend_healthy{node}``, ``dss_router_in_flight{node}``,
 ``dss_router_holdings_errors_total``; no label carries a tenant, user or session id.
 
-Holdings: the catalog says which pages of the head are stored; until page locations carry
-node ids, pages on the store folder's disk tier count for every node alike, and the node the
-router sent the session's last turn to counts them on its ``device`` tier too (the engine
-computed or loaded them there, and keeps them while its own cache does). A failure to ask the
-store is logged and counted, and the request is routed as if nothing were held.
+Holdings: the catalog says which pages of the head are stored and which node's disk holds
+each (a backend's node id must be its store's ``node_id``); see :func:`head_holdings`. The
+node the router sent the session's last turn to counts them on its ``device`` tier too (the
+engine computed or loaded them there, and keeps them while its own cache does). A failure to
+ask the store is logged and counted, and the request is routed as if nothing were held.
 """
 
 from __future__ import annotations
@@ -129,26 +129,37 @@ class StoreHoldings:
 
     def of(self, session_id: str, tenant_id: str | None, served_by: str | None,
            node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        from dss.catalog import pages
+        from dss.catalog.database import catalog_errors
         from dss.core.errors import NotFound
 
         try:
-            tokens = self.store.tokens(session_id, tenant_id=tenant_id)
-            result = self.store.resume(session_id, tokens, tenant_id=tenant_id)
+            with self.store.guard.reading():  # the head's page ids, whether this node can read them or not
+                state = self.store.mirror.state(session_id, tenant_id)
+                ids = state.page_ids(state.head_id) if state.head_id is not None else []
         except NotFound:
             return {}
-        stored = len(result.pages)
-        return head_holdings(stored, served_by, node_ids)
+        with catalog_errors(), self.store.catalog.read() as conn:
+            where = pages.disk_nodes(conn, ids)
+        return head_holdings([where.get(page_id) for page_id in ids], served_by, node_ids)
 
 
-def head_holdings(num_pages: int, served_by: str | None, node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Holdings of a head of ``num_pages`` stored pages: on every node's disk tier (one store
-    folder, or a remote tier every node reads), and on the device tier of the node that
-    served the session last."""
-    if not num_pages:
-        return {}
-    out = {node: {"disk": num_pages} for node in node_ids}
-    if served_by in out:
-        out[served_by] = {"device": num_pages, "disk": num_pages}
+def head_holdings(disk_nodes: Sequence[str | None], served_by: str | None,
+                  node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Holdings of a head whose stored pages lie on ``disk_nodes`` (one entry per page: the node
+    whose disk holds it, ``None`` for the remote tier only). A page on a router node's disk
+    counts there; one on the disk of a node the router does not front (a store folder the
+    backends share, or another node: every backend reads it alike, from the folder or the
+    remote tier) counts for every node; the node that served the session last holds every
+    page on its ``device`` tier too."""
+    out: dict[str, dict[str, int]] = {}
+    fronted = set(node_ids)
+    for node in disk_nodes:
+        for holder in ((node,) if node in fronted else node_ids if node is not None else ()):
+            held = out.setdefault(holder, {})
+            held["disk"] = held.get("disk", 0) + 1
+    if served_by in fronted and disk_nodes:
+        out.setdefault(served_by, {})["device"] = len(disk_nodes)
     return out
 
 
