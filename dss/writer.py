@@ -255,6 +255,7 @@ class Writer:
     def _settle_group(self, group: list[Member], seq: int) -> None:
         """After a group's transaction committed: this process's caches take its changes, in order."""
         committed = [member for member in group if member.applied is not None]
+        self.pages.disk.settled(w.name for member in committed for w in member.written)
         if committed:
             self.mirror.wrote(seq)
         for member in committed:
