@@ -13,7 +13,8 @@ The model of a busy chat product:
   ``max_turns``); the slot's next arrival starts a new conversation (a new session id, same
   user).
 * **One-off requests** (share ``one_off_share`` of arrivals): a single-turn session of a
-  user seen once, never resumed.
+  user seen once, never resumed, with a long message of its own (mean ``one_off_tokens``: a
+  pasted document, an API call with context) — the traffic that flushes a recency-only cache.
 * **Shared system prompts**: ``system_prompts`` prompts of ``system_tokens`` tokens, each
   conversation uses one (Zipf-popular too, exponent 1); a prompt's tokens are the same in
   every conversation that uses it, so a store can share its pages.
@@ -64,6 +65,9 @@ class WorkloadSpec:
     """A conversation ends after this many turns at the latest."""
     one_off_share: float = 0.15
     """Share of arrivals that are one-off requests (a single-turn session, never resumed)."""
+    one_off_tokens: int = 1500
+    """Mean tokens of a one-off request's own message (a pasted document, an API call with
+    context: at least 4), after the system prompt."""
     system_prompts: int = 4
     """Distinct shared system prompts."""
     system_tokens: int = 512
@@ -154,7 +158,7 @@ def generate(spec: WorkloadSpec | None = None, seed: int = 0) -> list[Request]:
         if rng.random() < spec.one_off_share:
             one_offs += 1
             system = _pick(rng, system_cdf)
-            u, r = _length(rng, spec.user_tokens * 3, 4), _length(rng, spec.reply_tokens, 8)
+            u, r = _length(rng, spec.one_off_tokens, 4), _length(rng, spec.reply_tokens, 8)
             out.append(Request(index, t, f"oneoff-{one_offs}", f"visitor-{one_offs}", spec.tenant_id, 0, system,
                                spec.system_tokens, (), u, r, True, True, seed))
             continue

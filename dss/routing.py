@@ -50,7 +50,7 @@ LOAD_FACTOR = 2.0
 """Default bound on a node's load, as a multiple of the mean (``c`` of bounded-load hashing).
 Loads are requests in flight, small integers: with 1.25, a fleet averaging 1.4 requests per
 node bounds each at 2 and breaks sessions' affinity all the time (``benchmarks/fleet.py``:
-kv reuses 0.86x of one big node at 1.25, 0.95x at 2.0, with imbalance 1.04 and 1.08)."""
+kv reuses 0.88x of one big node at 1.25, 0.96x at 2.0, with imbalance 1.05 and 1.07)."""
 
 
 @dataclass(frozen=True, slots=True)
