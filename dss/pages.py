@@ -26,10 +26,11 @@ verification, for the store to quarantine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from dss import policy
+from dss.policy import Placement
 from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
@@ -81,7 +82,12 @@ class PageStore:
     """Pages across the host and disk tiers, as recorded in the catalog."""
 
     def __init__(self, catalog: Catalog, disk: DiskTier, host: HostTier, index: PageIndex, keys: DataKeys, *,
-                 node_ref: int, disk_bytes: int, segment_bytes: int, remote: RemoteTier | None = None) -> None:
+                 node_ref: int, disk_bytes: int, segment_bytes: int, placement: Placement,
+                 tenant_of: Callable[[int], str | None], remote: RemoteTier | None = None) -> None:
+        self.placement = placement
+        self.tenant_of = tenant_of
+        self.filled: Callable[[], None] = lambda: None
+        """Called when a put took host past its high mark (the store wakes the mover)."""
         self.catalog = catalog
         self.node_ref = node_ref
         self.remote = remote
@@ -120,46 +126,99 @@ class PageStore:
         if written:
             self.disk.publish()
 
-    def room(self, tx: Tx, written: Sequence[WrittenSegment]) -> Room:
-        """What the policy decides for ``written`` in transaction ``tx``: segments to drop so
-        they fit, and whether they then fit (pinned pages may leave too little room)."""
+    def room(self, tx: Tx, written: Sequence[WrittenSegment], user_ref: int | None = None) -> Room:
+        """What the policy decides for ``written`` (pages of namespace ``user_ref``) in
+        transaction ``tx``: segments to drop so they fit the tier and the owner's quotas, and
+        whether they then fit (pinned pages may leave too little room)."""
         need = sum(w.size for w in written)
         if not need:
             return Room()
-        used = pages.tier_bytes(tx.conn, "disk", self.node_ref)
+        s = self.placement.settings
+        conn = tx.conn
+        used = pages.tier_bytes(conn, "disk", self.node_ref)
+        quotas = user_ref is not None and (s.disk_user_quota or s.disk_tenant_quota)
         to_free = policy.room_needed(used, need, self.disk_bytes)
-        if to_free <= 0:
+        if to_free <= 0 and not quotas:
             return Room()
-        chosen = policy.victims(pages.tier_segments(tx.conn, "disk", self.node_ref), to_free)
-        freed = sum(s.size for s in chosen)
+        ordered, page_ids = self.segment_order(conn)
+        chosen: list[int] = []
+        freed = 0
+        if quotas:
+            assert user_ref is not None
+            owners = pages.segment_owners(conn, "disk")
+            mine, tenant_used, tenant_ref = pages.owner_bytes(conn, "disk", user_ref)
+            for quota, held, same in ((s.disk_user_quota, mine, 0), (s.disk_tenant_quota, tenant_used, 1)):
+                if not quota:
+                    continue
+                wanted = user_ref if same == 0 else tenant_ref
+                over = held - freed + need - quota
+                if need > quota:
+                    return Room((), False)
+                for segment in ordered:
+                    if over <= 0:
+                        break
+                    if segment.ref not in chosen and owners.get(segment.ref, (0, 0))[same] == wanted:
+                        chosen.append(segment.ref)
+                        freed += segment.size
+                        over -= segment.size
+                if over > 0:
+                    log.info("disk quota of the owner full: %d new bytes stay in host only", need)
+                    return Room((), False)
+        to_free = policy.room_needed(used - freed, need, self.disk_bytes)
+        for segment in ordered:
+            if to_free <= 0:
+                break
+            if segment.ref not in chosen:
+                chosen.append(segment.ref)
+                freed += segment.size
+                to_free -= segment.size
         if chosen:
             log.info("disk tier full: dropping %d segments", len(chosen))
+            num = sum(len(page_ids.get(ref, ())) for ref in chosen)
+            self.placement.count("disk", "evictions", num)
+            self.placement.count("disk", "inline_evictions", num)
         fits = used - freed + need <= self.disk_bytes
         if not fits:
             log.warning("disk tier full (%d of %d bytes held by pinned versions): %d new bytes stay in host only",
                         used - freed, self.disk_bytes, need)
-        return Room(tuple(s.ref for s in chosen), fits)
+        return Room(tuple(chosen), fits)
+
+    def segment_order(self, conn: Any) -> tuple[list[pages.SegmentRow], dict[int, list[bytes]]]:
+        """The disk's unpinned segments that hold no held page, in the order they leave, and
+        the pages of every segment."""
+        segments = pages.tier_segments(conn, "disk", self.node_ref)
+        placement = self.placement
+        page_ids = pages.segment_page_ids(conn, "disk")
+        held = placement.held
+        if held:
+            segments = [seg for seg in segments if not any(PageId(p) in held for p in page_ids.get(seg.ref, ()))]
+        return placement.segment_order(segments, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
 
     def settle(self, applied: Applied, new: Sequence[NewPage], namespace: NamespacePages | None) -> None:
         """After the transaction committed: delete dead files, put the payloads in the host
         tier (a page no durable tier took stays known there while it lasts)."""
         self.disk.remove(applied.dead_files)
+        self.placement.forget(applied.dropped)
         entries = self.index.entries
+        owner = self.owner(namespace.user_ref) if namespace is not None else None
+        now = self.placement.now()
+        self.placement.touch([p.page_id for p in new], now)
         for page in new:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
                 self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),
                                          checksum(page.payload), None, is_durable=False))
-            evicted = self.host.put(page.page_id, page.payload)
+            evicted = self.host.put(page.page_id, page.payload, owner)
             if evicted is None:
                 entry = entries.get(page.page_id)
                 if entry is not None and entry.disk is None and not entry.is_durable:
                     self.index.forget([page.page_id])
             elif evicted:
-                self.index.left_host(evicted)
+                self.left_host(evicted, inline=True)
         if namespace is not None:
             namespace.bump()
         if self.remote is not None and applied.stored:
             self._write_through(applied, new)
+        self._check_fill()
 
     def _write_through(self, applied: Applied, new: Sequence[NewPage]) -> None:
         """Queue the pages the transaction recorded for the remote tier (sealed as on disk)."""
@@ -180,6 +239,37 @@ class PageStore:
             return remote_tag(self.keys.of(user_ref).hash_key)
         except ErasureInProgress:
             return None
+
+    def _check_fill(self) -> None:
+        high, _ = policy.watermarks(self.placement.settings, "host", self.host.capacity_bytes)
+        if self.host.used_bytes > high:
+            self.filled()
+
+    def owner(self, user_ref: int) -> tuple[str, int]:
+        """``(tenant_id, user_ref)`` of a namespace, for the host tier's quotas."""
+        return (self.tenant_of(user_ref) or "", user_ref)
+
+    def left_host(self, evicted: Sequence[PageId], *, inline: bool = False, sizes: Sequence[int] = ()) -> None:
+        """Count pages that just left host (demoted: disk still holds them; evicted: no tier
+        does) and update the index."""
+        entries = self.index.entries
+        placement = self.placement
+        demoted = moved = evictions = 0
+        for i, page_id in enumerate(evicted):
+            entry = entries.get(page_id)
+            if entry is not None and entry.disk is not None:
+                demoted += 1
+                moved += sizes[i] if sizes else entry.size
+            else:
+                evictions += 1
+            placement.prefetch_left(page_id)
+        placement.demoted(evicted)
+        placement.count("host", "demotions", demoted)
+        placement.count("host", "moved_bytes", moved)
+        placement.count("host", "evictions", evictions)
+        if inline:
+            placement.count("host", "inline_evictions", len(evicted))
+        self.index.left_host(evicted)
 
     def sweep(self) -> list[str]:
         """Delete this node's page files the catalog no longer records (see :meth:`DiskTier.sweep`)."""
@@ -210,10 +300,24 @@ class PageStore:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, ids: Sequence[PageId]) -> Read:
+    def read(self, ids: Sequence[PageId], *, load: bool = True, prefetch: bool = False) -> Read:
         """Payloads in order, verified; see ``Store.read_pages``. A sealed page whose key is
-        gone is a miss; a page whose bytes fail verification is a miss and listed in ``bad``."""
+        gone is a miss; a page whose bytes fail verification is a miss and listed in ``bad``.
+        Pages read from disk go to host when ``load`` (an engine waits for them), when
+        ``prefetch`` (moved up ahead of a load), or when the policy says so."""
+        placement = self.placement
+        with placement.hold(ids):
+            return self._read(ids, load, prefetch)
+
+    def _read(self, ids: Sequence[PageId], load: bool, prefetch: bool) -> Read:
+        placement = self.placement
+        now = placement.now()
         out = self.host.get_many(ids)
+        if not prefetch:
+            placement.touch(ids, now)
+            hits = [ids[i] for i, v in enumerate(out) if v is not None]
+            placement.count("host", "hits", len(hits))
+            placement.prefetch_used(hits)
         entries = self.index.entries
         unknown = [ids[i] for i, v in enumerate(out) if v is None and ids[i] not in entries]
         if unknown:
@@ -240,12 +344,25 @@ class PageStore:
             else:
                 data = bytes(record.payload)
             out[i] = data
-            evicted = self.host.put(entry.page_id, data)
-            if evicted:
-                self.index.left_host(evicted)
+            if prefetch or placement.should_promote(entry.page_id, load=load, now=now):
+                evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref))
+                if evicted is not None:
+                    placement.count("host", "promotions")
+                    placement.count("host", "moved_bytes", len(data))
+                    placement.count("disk", "moved_bytes", len(data))
+                    if prefetch:
+                        placement.prefetch_issued(entry.page_id)
+                if evicted:
+                    self.left_host(evicted, inline=True)
             entry.namespace.bump()
+        if not prefetch:
+            served = sum(1 for i, _ in wanted if out[i] is not None)
+            placement.count("host", "misses", len(ids) - len(hits))
+            placement.count("disk", "hits", served)
+            placement.count("disk", "misses", sum(v is None for v in out))
         if self.remote is not None:
             self._read_remote(ids, out)
+        self._check_fill()
         bad = []
         for failure in failures:
             entry = wanted[failure.index][1]
@@ -279,9 +396,12 @@ class PageStore:
                 log.warning("a remote-tier record failed verification: treated as a miss")
                 continue
             out[i] = data
-            evicted = self.host.put(entry.page_id, data)
+            evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref))
+            if evicted is not None:
+                self.placement.count("host", "promotions")
+                self.placement.count("host", "moved_bytes", len(data))
             if evicted:
-                self.index.left_host(evicted)
+                self.left_host(evicted, inline=True)
             entry.namespace.bump()
 
     def _opened(self, entry: PageEntry, raw: bytes) -> bytes | None:

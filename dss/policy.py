@@ -1,27 +1,429 @@
-"""Placement policy: which pages go where, and what leaves a full tier.
+"""Placement policy: which pages stay on which tier, what leaves a full tier, and when a page
+moves up. Every tier consults this one module; the store and the mover carry out its decisions.
 
-This is the small first policy; the store asks it and carries out its decisions.
+The rules (``policy="dss"``, the default):
 
-* New pages go to host and disk.
-* Host: least recently used pages leave first (they stay on disk) — the host tier does this
-  itself.
-* Disk: when a write would overflow the tier, whole segments are dropped, oldest first by
-  the newest version that holds any of their pages (so pages only old versions hold go
-  before pages of recent ones), never a segment holding a page of a pinned version. The
-  tier is emptied to ``1 - SLACK`` of its capacity so eviction does not run at every write.
-  Dropping pages never drops dialogue state: versions keep their tokens.
+* **Score.** A page's worth on a tier is
+  ``score = w_f·frequency + w_r·recency + w_c·(1/cost)`` (weights ``policy_weights``, default
+  0.6 / 0.3 / 0.1), each term scaled to [0, 1] among the pages compared:
 
-Pure functions of plain values; nothing here reads or writes.
+  - *frequency* — accesses with exponential decay: each access adds 1, the sum halves every
+    ``frequency_half_life_s``; on a log scale, ``min(1, log(1 + f) / log(1 + f_90))`` where
+    ``f_90`` is the 90th percentile among the candidates (so a shared prompt everyone reads
+    does not flatten every other page's frequency to 0);
+  - *recency* — ``2 ** (-age / recency_half_life_s)``, age since the last access;
+  - *cost* — the seconds to bring the page back (its bytes over the disk's read bandwidth)
+    versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
+    divided by the highest among the candidates (pages of one layout all score 1).
+
+  The lowest score leaves first; ties go to the least recently used.
+* **New pages** (commits, saves) go to host and disk. A page read from disk for a load the
+  engine waits for (``read_pages``, ``load=True``) is promoted to host at once. Any other read
+  promotes a page from disk to host only after ``promote_after`` accesses within
+  ``promote_interval_s`` (never on a single touch), and not during the ``cooldown_s`` after it
+  was demoted from host (so a page just demoted does not bounce straight back).
+* **Watermarks.** Each tier has a high and a low mark (``*_high_watermark`` /
+  ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
+  the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of
+  ``move_batch_pages`` (8–16) until it is at its low mark, so foreground writes rarely evict
+  inline. Demoting from host drops the host copy (disk holds the page); demoting from disk, the
+  last tier, drops whole segments: first those whose pages are not hot (decayed frequency
+  below ``HOT_FREQUENCY``), oldest first by the newest version holding them (so pages only old
+  versions hold go first), then the hot ones, least frequently used first.
+* **Refcount safety.** A page being read, loaded into an engine or moved is *held*
+  (:meth:`Placement.hold`); no held page is ever chosen. Pinned versions' pages and registered
+  shared prefixes (which are pinned) never leave the last tier.
+* **Quotas.** ``host_user_quota``, ``host_tenant_quota``, ``disk_user_quota``,
+  ``disk_tenant_quota`` (bytes, 0 = none): a write or promotion that would put a user (a
+  tenant) over its quota on a tier first evicts that user's (tenant's) own lowest-scored pages,
+  so one heavy user cannot flush everyone's cache. A page that cannot fit its owner's quota
+  stays out of that tier.
+* **LRU** (``policy="lru"``): the same machinery with score = recency of last access only,
+  and every disk read promotes — plain LRU, for benchmarks to compare against in the same run.
+
+All policy time comes from the injectable clock (``clock=`` in :func:`dss.open`), so traces
+replay fast. Pure decisions over plain values and this object's own bookkeeping; nothing here
+reads or writes files or the catalog.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
 
 from dss.catalog.pages import SegmentRow
+from dss.core.types import PageId
+from dss.tiers.host import HostTier
 
 SLACK = 0.05
-"""Fraction of a durable tier's capacity freed beyond what a write needs."""
+"""Fraction of a durable tier's capacity freed beyond what a write needs (inline eviction)."""
+
+FREQUENCY_QUANTILE = 0.9
+"""The frequency term is ``log(1 + f)`` over that of this quantile of the candidates' frequencies,
+capped at 1: the few pages everyone reads (shared prompts) do not flatten everyone else's."""
+
+HOT_FREQUENCY = 2.0
+"""Decayed accesses from which a disk segment's pages count as hot: such segments leave the
+disk after every other, the least frequently used first (the others in the catalog's order)."""
+
+TIERS = ("host", "disk")
+"""The tiers this process places pages on, fastest first."""
+
+
+class Settings(NamedTuple):
+    """The policy's settings, plain values taken from ``StoreConfig``."""
+
+    policy: str = "dss"
+    weights: tuple[float, float, float] = (0.6, 0.3, 0.1)
+    frequency_half_life_s: float = 120.0
+    recency_half_life_s: float = 60.0
+    promote_after: int = 2
+    promote_interval_s: float = 300.0
+    cooldown_s: float = 30.0
+    host_high: float = 0.85
+    host_low: float = 0.70
+    disk_high: float = 0.85
+    disk_low: float = 0.70
+    host_user_quota: int = 0
+    host_tenant_quota: int = 0
+    disk_user_quota: int = 0
+    disk_tenant_quota: int = 0
+    move_batch_pages: int = 16
+    disk_bytes_per_s: float = 1e9
+    recompute_tokens_per_s: float = 4000.0
+
+
+Owner = tuple[str, int]
+"""``(tenant_id, user_ref)`` of a page."""
+
+
+class PageStats:
+    """What the policy remembers of one page."""
+
+    __slots__ = ("freq", "last", "window_start", "window_count", "demoted_at", "tokens", "tick")
+
+    def __init__(self, now: float) -> None:
+        self.freq = 0.0
+        self.last = now
+        self.window_start = now
+        self.window_count = 0
+        self.demoted_at = -math.inf
+        self.tokens = 0
+        self.tick = 0
+
+
+COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "inline_evictions")
+"""Per-tier counters (see :meth:`Placement.counts`)."""
+
+
+class Placement:
+    """The policy of one store: page statistics, holds, counters and the decisions.
+
+    Thread-safe for :meth:`hold` and the counters; decisions are made under the store's lock.
+    """
+
+    def __init__(self, settings: Settings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.is_lru = settings.policy == "lru"
+        self.stats: dict[PageId, PageStats] = {}
+        self.held: Counter[PageId] = Counter()
+        self.counts: dict[str, Counter[str]] = {tier: Counter() for tier in TIERS}
+        self.prefetch = Counter({"issued": 0, "hits": 0, "wasted": 0})
+        self.prefetched: set[PageId] = set()
+        self._order: list[PageId] = []
+        self._order_at = -math.inf
+        self._order_tick = 0
+        self._tick = 0
+        self._pos = 0
+        self._lock = threading.Lock()
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def now(self) -> float:
+        return float(self.clock())
+
+    def touch(self, page_ids: Iterable[PageId], now: float | None = None) -> None:
+        """Record an access to each page."""
+        t = self.now() if now is None else now
+        h = self.settings.frequency_half_life_s
+        window = self.settings.promote_interval_s
+        stats = self.stats
+        self._tick += 1
+        tick = self._tick
+        for page_id in page_ids:
+            s = stats.get(page_id)
+            if s is None:
+                s = stats[page_id] = PageStats(t)
+            s.tick = tick
+            s.freq = s.freq * 2.0 ** (-(t - s.last) / h) + 1.0 if t >= s.last else s.freq + 1.0
+            s.last = max(t, s.last)
+            if t - s.window_start > window:
+                s.window_start, s.window_count = t, 0
+            s.window_count += 1
+
+    def note_tokens(self, page_ids: Iterable[PageId], tokens: int) -> None:
+        """The pages hold ``tokens`` tokens each (their layout's page size), for the cost term."""
+        t = self.now()
+        for page_id in page_ids:
+            s = self.stats.get(page_id)
+            if s is None:
+                s = self.stats[page_id] = PageStats(t)
+                s.last = -math.inf  # known, never accessed
+            s.tokens = tokens
+
+    def forget(self, page_ids: Iterable[PageId]) -> None:
+        """The pages are gone from every tier."""
+        for page_id in page_ids:
+            self.stats.pop(page_id, None)
+            self.prefetched.discard(page_id)
+
+    def prune(self, known: Callable[[PageId], bool]) -> int:
+        """Forget the statistics of pages ``known`` says no tier holds any more (deleted,
+        evicted from disk, erased); returns how many went."""
+        gone = [p for p in self.stats if not known(p)]
+        self.forget(gone)
+        return len(gone)
+
+    @contextmanager
+    def hold(self, page_ids: Sequence[PageId]) -> Iterator[None]:
+        """Hold the pages while they are read, loaded or moved: no decision picks them."""
+        with self._lock:
+            self.held.update(page_ids)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held.subtract(page_ids)
+                for page_id in page_ids:
+                    if self.held[page_id] <= 0:
+                        del self.held[page_id]
+
+    def count(self, tier: str, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[tier][name] += n
+
+    def prefetch_issued(self, page_id: PageId) -> None:
+        """A prefetch moved the page up to host."""
+        with self._lock:
+            self.prefetched.add(page_id)
+            self.prefetch["issued"] += 1
+
+    def prefetch_used(self, page_ids: Iterable[PageId]) -> None:
+        """These pages were read from host: a prefetched one counts as a prefetch hit."""
+        if not self.prefetched:
+            return
+        with self._lock:
+            for page_id in page_ids:
+                if page_id in self.prefetched:
+                    self.prefetched.discard(page_id)
+                    self.prefetch["hits"] += 1
+
+    def prefetch_left(self, page_id: PageId) -> None:
+        """The page left host: a prefetched one nobody read counts as a wasted prefetch."""
+        if page_id in self.prefetched:
+            with self._lock:
+                self.prefetched.discard(page_id)
+                self.prefetch["wasted"] += 1
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def should_promote(self, page_id: PageId, *, load: bool, now: float | None = None) -> bool:
+        """Whether a page just read from disk goes to host (call after :meth:`touch`)."""
+        if load or self.is_lru:
+            return True
+        t = self.now() if now is None else now
+        s = self.stats.get(page_id)
+        if s is None:
+            return False
+        if t - s.demoted_at < self.settings.cooldown_s:
+            return False
+        return s.window_count >= self.settings.promote_after and t - s.window_start <= self.settings.promote_interval_s
+
+    def demoted(self, page_ids: Iterable[PageId], now: float | None = None) -> None:
+        """The pages left host (their cool-down starts)."""
+        t = self.now() if now is None else now
+        for page_id in page_ids:
+            s = self.stats.get(page_id)
+            if s is not None:
+                s.demoted_at = t
+
+    def scores(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[float]:
+        """The score of each page among these candidates (see the module docstring)."""
+        t = self.now() if now is None else now
+        stats = self.stats
+        if self.is_lru:
+            return [(s.last if (s := stats.get(p)) is not None else -math.inf) for p in page_ids]
+        w_f, w_r, w_c = self.settings.weights
+        h_f, h_r = self.settings.frequency_half_life_s, self.settings.recency_half_life_s
+        freqs, recs, values = [], [], []
+        per_byte = self.settings.recompute_tokens_per_s / self.settings.disk_bytes_per_s
+        for p, size in zip(page_ids, sizes):
+            s = stats.get(p)
+            if s is None or s.last == -math.inf:
+                freqs.append(0.0)
+                recs.append(0.0)
+            else:
+                age = max(0.0, t - s.last)
+                freqs.append(s.freq * 2.0 ** (-age / h_f))
+                recs.append(2.0 ** (-age / h_r))
+            tokens = s.tokens if s is not None and s.tokens else 0
+            # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
+            values.append(tokens / (size * per_byte) if tokens and size else 0.0)
+        ranked = sorted(freqs)
+        top_f = math.log1p(ranked[int(len(ranked) * FREQUENCY_QUANTILE)] if ranked else 0.0) or 1.0
+        top_v = max(values, default=0.0)
+        out = []
+        for f, r, v in zip(freqs, recs, values):
+            c = v / top_v if top_v else 1.0
+            out.append(w_f * min(1.0, math.log1p(f) / top_f) + w_r * r + w_c * c)
+        return out
+
+    def order(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[int]:
+        """Indexes of the candidates, the first to leave first (lowest score, then the
+        earliest given — callers list candidates least recently used first)."""
+        scores = self.scores(page_ids, sizes, now)
+        return sorted(range(len(page_ids)), key=lambda i: (scores[i], i))
+
+    def host_victims(self, candidates: Sequence[tuple[PageId, int, Owner | None]], to_free: int,
+                     owner_over: Callable[[Owner | None], bool] | None = None,
+                     now: float | None = None) -> list[PageId]:
+        """Pages to drop from host to free ``to_free`` bytes, first to leave first; held pages
+        never. ``candidates``: ``(page_id, size, owner)``, least recently used first. With
+        ``owner_over``, only pages whose owner it accepts are taken (a quota's own pages)."""
+        pool = [c for c in candidates if c[0] not in self.held and (owner_over is None or owner_over(c[2]))]
+        if not pool or to_free <= 0:
+            return []
+        ids = [c[0] for c in pool]
+        sizes = [c[1] for c in pool]
+        chosen: list[PageId] = []
+        freed = 0
+        for i in self.order(ids, sizes, now):
+            if freed >= to_free:
+                break
+            chosen.append(ids[i])
+            freed += sizes[i]
+        return chosen
+
+    def host_room(self, host: HostTier, page_id: PageId, size: int, owner: Owner | None) -> list[PageId] | None:
+        """The pages to drop so page ``page_id`` of ``size`` bytes of ``owner`` fits the host
+        tier: first the owner's own pages while the user (then the tenant) would exceed its
+        quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
+        ``None``: it stays out (over a quota by itself, or held pages fill the room)."""
+        s = self.settings
+        candidates = host.candidates()
+        chosen: list[PageId] = []
+        taken: set[PageId] = set()
+        freed_user = 0
+        sizes = {c[0]: c[1] for c in candidates}
+
+        def take(to_free: int, accept: Callable[[Owner | None], bool] | None) -> int:
+            pool = [c for c in candidates if c[0] not in taken]
+            got = 0
+            for page_id in self.host_victims(pool, to_free, accept):
+                chosen.append(page_id)
+                taken.add(page_id)
+                got += sizes[page_id]
+            return got
+
+        if owner is not None and s.host_user_quota:
+            if size > s.host_user_quota:
+                return None
+            over = host.owner_bytes.get(owner, 0) + size - s.host_user_quota
+            if over > 0:
+                freed_user = take(over, lambda o: o == owner)
+                if freed_user < over:
+                    return None
+        if owner is not None and s.host_tenant_quota:
+            if size > s.host_tenant_quota:
+                return None
+            over = host.tenant_bytes.get(owner[0], 0) + size - s.host_tenant_quota - freed_user
+            if over > 0:
+                freed_tenant = take(over, lambda o: o is not None and o[0] == owner[0])
+                if freed_tenant < over:
+                    return None
+        freed = sum(sizes[p] for p in chosen)
+        need = host.used_bytes - freed + size - host.capacity_bytes
+        if need > 0:
+            got = self.next_victims(host, need, taken)
+            if got is None:
+                return None
+            chosen.extend(got)
+        return chosen
+
+    def next_victims(self, host: HostTier, need: int, exclude: set[PageId] = frozenset()) -> list[PageId] | None:
+        """The pages that leave host next, to free ``need`` bytes (``None``: held pages fill it).
+
+        Scoring every page at every put would cost O(pages) a put: the order is computed once
+        and consumed, skipping pages gone, held, or accessed since it was computed (their score
+        only rose); it is recomputed when used up or older than a quarter of
+        ``recency_half_life_s``. LRU walks the tier's own order."""
+        chosen: list[PageId] = []
+        held = self.held
+        if self.is_lru:
+            for page_id, page_size, _ in host.candidates():
+                if need <= 0:
+                    break
+                if page_id not in held and page_id not in exclude:
+                    chosen.append(page_id)
+                    need -= page_size
+            return chosen if need <= 0 else None
+        now = self.now()
+        if now - self._order_at > self.settings.recency_half_life_s / 4:
+            self._order = []
+        refreshed = False
+        stats = self.stats
+        while need > 0:
+            if self._pos >= len(self._order):
+                if refreshed:
+                    return None
+                candidates = host.candidates()
+                ids = [c[0] for c in candidates]
+                self._order = [ids[i] for i in self.order(ids, [c[1] for c in candidates], now)]
+                self._order_at, self._order_tick, self._pos, refreshed = now, self._tick, 0, True
+                continue
+            page_id = self._order[self._pos]
+            self._pos += 1
+            st = stats.get(page_id)
+            if (page_id not in host or page_id in held or page_id in exclude
+                    or (st is not None and st.tick > self._order_tick)):
+                continue
+            chosen.append(page_id)
+            need -= host.size_of(page_id)
+        return chosen
+
+    def segment_order(self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]],
+                      now: float | None = None) -> list[SegmentRow]:
+        """Disk segments in the order they leave (pinned ones left out): LRU keeps the catalog's
+        order (oldest newest-version first); ``dss`` keeps it for segments without a hot page and
+        puts the hot ones last, least frequently used first."""
+        free = [s for s in segments if not s.is_pinned]
+        if self.is_lru or not free:
+            return free
+        t = self.now() if now is None else now
+        best: list[float] = []
+        stats = self.stats
+        h_f = self.settings.frequency_half_life_s
+        for segment in free:
+            worth = 0.0
+            for p in pages_of(segment.ref):
+                s = stats.get(p)
+                if s is not None and s.last != -math.inf:
+                    worth = max(worth, s.freq * 2.0 ** (-max(0.0, t - s.last) / h_f))
+            best.append(worth)
+        hot = HOT_FREQUENCY
+        return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, i))]
+
+
+def watermarks(settings: Settings, tier: str, capacity: int) -> tuple[int, int]:
+    """``(high, low)`` marks of a tier in bytes."""
+    if tier == "host":
+        return round(capacity * settings.host_high), round(capacity * settings.host_low)
+    return round(capacity * settings.disk_high), round(capacity * settings.disk_low)
 
 
 def room_needed(used: int, need: int, capacity: int) -> int:
@@ -32,8 +434,8 @@ def room_needed(used: int, need: int, capacity: int) -> int:
 
 
 def victims(segments: Iterable[SegmentRow], to_free: int) -> list[SegmentRow]:
-    """Segments to drop, in the order given (oldest first), skipping pinned ones, until
-    ``to_free`` bytes are freed. Returns fewer than needed when the others do not suffice."""
+    """Segments to drop, in the order given, skipping pinned ones, until ``to_free`` bytes are
+    freed. Returns fewer than needed when the others do not suffice."""
     chosen: list[SegmentRow] = []
     freed = 0
     for segment in segments:

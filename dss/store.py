@@ -27,10 +27,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dss import integrity, versions
+from dss import integrity, policy, versions
 from dss.catalog import erasures, pages, sessions
 from dss.catalog.change import Applied, Change
 from dss.catalog.database import catalog_errors, now, open_catalog
@@ -39,7 +40,7 @@ from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
 from dss.core.errors import ConfigError, ErasureInProgress, ErasureIncomplete, InvalidInput, InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack, view
-from dss.core.types import Layout, PageRef, Session, SqlResult, Version
+from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version
 from dss.core.validate import (
     check_callback,
     check_flag,
@@ -56,9 +57,11 @@ from dss.keys import DataKeys, adopt_master_key
 from dss.matcher import SHARED_USER, Matcher, shared_session_id
 from dss.lsh import LshIndex, Settings
 from dss.mirror import Mirror
+from dss.mover import Mover
 from dss.nearest import Decode, Explanation, Nearest
 from dss.pageindex import PageIndex
 from dss.pages import PageStore
+from dss.policy import Placement
 from dss.resume import Candidate, Rates, ResumeResult
 from dss.state import SessionState, session_of
 from dss.tiers.disk import DiskTier
@@ -111,12 +114,14 @@ class Store:
 
             self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
         self.disk = DiskTier(home, fsync=config.fsync)
-        self.host = HostTier(config.host_bytes)
+        self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
+        self.host = HostTier(config.host_bytes, choose=self.placement.host_room)
         self.index = PageIndex(self.host, has_remote=self.remote is not None)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
         self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys, node_ref=self.node.ref,
-                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes, remote=self.remote)
+                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes,
+                               placement=self.placement, tenant_of=self.mirror.tenant_of, remote=self.remote)
         speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
         if self.remote is not None:
             speeds["remote"] = config.remote_read_gbps * 1e9
@@ -129,6 +134,10 @@ class Store:
         self.guard = Guard(self.mirror, self.pages)
         self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master,
                              group_commit=config.group_commit)
+        self.mover = Mover(self.guard, self.pages, self.writer, self.catalog, self.placement,
+                           disk_bytes=config.disk_bytes, interval_s=config.mover_interval_s,
+                           batch=config.move_batch_pages)
+        self.pages.filled = self.mover.wake
         with self.catalog.read() as conn:
             removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
         if removed:
@@ -143,9 +152,20 @@ class Store:
         if config.approximate:
             built = self._nearest_index().build_all()
             log.info("LSH index: %d namespaces and layouts indexed at open", built)
+        self.mover.record()
+        if config.mover:
+            self.mover.start()
 
     def close(self) -> None:
         """Release files and connections. Idempotent; the store is unusable afterwards."""
+        mover = getattr(self, "mover", None)
+        if mover is not None:
+            mover.close()  # outside the lock: its batch in progress takes it
+            if not self.guard.is_closed:
+                try:
+                    mover.record()  # best effort: closing never fails for the statistics table
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("could not record the tier statistics at close: %s", exc)
         with self.guard.lock:
             if not self.guard.is_closed:
                 self.guard.is_closed = True
@@ -232,7 +252,11 @@ class Store:
         buf = pack(tokens)
         check_label(label)
         applied = self.writer.write(session_id, tenant_id, versions.commit, buf, pages, label)
-        return self._version(applied)
+        version = self._version(applied)
+        if applied.stored:
+            state = self.writer.state_of(applied)
+            self.placement.note_tokens([PageId(r.page_id) for r in applied.stored], state.record.layout.page_tokens)
+        return version
 
     def save_pages(self, session_id: str | None, tokens: TokenInput, pages: Mapping[int, bytes], *,
                    tenant_id: str | None = None, user_id: str | None = None, layout: Layout | None = None) -> int:
@@ -433,22 +457,26 @@ class Store:
             out.extend(self.versions(info.session_id, tenant_id=tenant_id))
         return out
 
-    def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None) -> list[bytes | None]:
+    def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None,
+                   load: bool = True) -> list[bytes | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
 
         ``None`` for a page no tier holds any more or whose bytes fail verification (that
         page is quarantined: removed from the catalog, recorded in ``quarantine``), and,
-        with ``tenant_id``, for a page of another tenant. Reads from disk are batched and
-        promote the pages to host.
+        with ``tenant_id``, for a page of another tenant. Reads from disk are batched. With
+        ``load=True`` (an engine waits for these pages) they are promoted to host; with
+        ``load=False`` (inspection, export) only as the policy allows: after repeated access
+        within ``promote_interval_s``, never during a demoted page's cool-down.
         """
         ids = check_page_ids(pages)
         check_name("tenant_id", tenant_id, optional=True)
+        check_flag("load", load)
         with self._reading():
             if tenant_id is not None:
                 owners = self.pages.owners(ids)
                 allowed = [o is not None and self.mirror.tenant_of(o) == tenant_id for o in owners]
                 ids = [i for i, ok in zip(ids, allowed) if ok]
-            read = self.pages.read(ids)
+            read = self.pages.read(ids, load=load)
         if read.bad:
             self.writer.apply(Change(quarantine=tuple(read.bad)))
         if tenant_id is None:
@@ -511,10 +539,15 @@ class Store:
             return problems
 
     def stats(self) -> dict[str, Any]:
-        """Sizes of the tiers as this process sees them; the erasures not finished yet
-        (``"erasures"``: ``open``, and ``oldest_open_s``, seconds since the oldest of them started,
-        0 when none); and this process's MinHash-LSH index (``"lsh"``: indexes, entries, capacity,
-        indexes dropped to stay within it, bands and rows, storage ``"memory"``, ``"redis"`` or
+        """Tiers as this process sees them: per tier its pages, bytes, capacity, watermarks
+        (bytes) and what the policy did (``hits``, ``misses``, ``promotions`` into it,
+        ``demotions`` out of it, ``evictions`` from it with no copy left below, ``moved_bytes``,
+        ``inline_evictions`` made by a foreground write rather than the mover); ``prefetch``:
+        pages ``issued`` (moved up), ``hits`` (then read from host), ``wasted`` (left host
+        unread); ``policy``: its name and mover passes; ``erasures``: the erasures not finished
+        yet (``open``, and ``oldest_open_s``, seconds since the oldest of them started, 0 when
+        none); ``lsh``: this process's MinHash-LSH index (indexes, entries, capacity, indexes
+        dropped to stay within it, bands and rows, storage ``"memory"``, ``"redis"`` or
         ``"none"`` before approximate matching was first used)."""
         with self._reading(), self.catalog.read() as conn:
             disk_used = pages.tier_bytes(conn, "disk", self.node.ref)
@@ -523,13 +556,60 @@ class Store:
             lsh = self._near.lsh.stats() if self._near is not None else {
                 "indexes": 0, "entries": 0, "capacity": self.config.lsh_max_entries, "storage": "none"}
         oldest = min((job.started_at for job in open_jobs), default=None)
-        return {
+        settings = self.placement.settings
+        out: dict[str, Any] = {
             "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
             "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
             "erasures": {"open": len(open_jobs),
                          "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
             "lsh": lsh,
         }
+        for tier in policy.TIERS:
+            high, low = policy.watermarks(settings, tier, out[tier]["capacity"])
+            out[tier].update({"high_watermark": high, "low_watermark": low})
+            counts = self.placement.counts[tier]
+            out[tier].update({name: int(counts[name]) for name in policy.COUNTERS})
+        out["prefetch"] = {name: int(n) for name, n in self.placement.prefetch.items()}
+        out["policy"] = {"name": settings.policy, "mover_passes": self.mover.passes}
+        return out
+
+    def run_mover(self) -> dict[str, int]:
+        """Run one pass of the mover now, in this thread: demote host and evict disk down to
+        their low marks where they passed their high marks, then record this process's tiers in
+        the ``tier_policy`` table. Returns the pages moved per tier."""
+        self._check_open()
+        moved = self.mover.run()
+        self.mover.record()
+        return moved
+
+    def prefetch(self, session_id: str, *, tenant_id: str | None = None, wait: bool = False) -> int:
+        """Move the pages of the session's head that only disk holds up to host, in the
+        background (a chat backend calls this when the user starts typing), and return at once
+        with how many pages will move (``wait=True``: after they moved). A prefetched page read
+        from host later counts as a prefetch hit; one that leaves host unread, as wasted."""
+        check_flag("wait", wait)
+        with self._reading():
+            state = self.mirror.state(session_id, tenant_id)
+            if state.head_id is None:
+                return 0
+            record = state.record
+            buf = state.tokens(state.head_id)
+            result = self.matcher.match(buf, record.layout, record.tenant_id, record.user_ref, state)
+            ids = [ref.page_id for ref in result.pages if ref.tier == "disk"]
+        if not ids:
+            return 0
+        batch = self.config.move_batch_pages
+
+        def move() -> None:
+            for start in range(0, len(ids), batch):
+                with self._reading():
+                    read = self.pages.read(ids[start:start + batch], prefetch=True)
+                if read.bad:
+                    self.writer.apply(Change(quarantine=tuple(read.bad)))
+
+        if wait or not self.mover.submit(move):
+            move()
+        return len(ids)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -596,6 +676,20 @@ class Store:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def policy_settings(config: StoreConfig) -> policy.Settings:
+    """The placement policy's settings from a store's configuration."""
+    return policy.Settings(
+        policy=config.policy, weights=config.policy_weights, frequency_half_life_s=config.frequency_half_life_s,
+        recency_half_life_s=config.recency_half_life_s, promote_after=config.promote_after,
+        promote_interval_s=config.promote_interval_s, cooldown_s=config.cooldown_s,
+        host_high=config.host_high_watermark, host_low=config.host_low_watermark,
+        disk_high=config.disk_high_watermark, disk_low=config.disk_low_watermark,
+        host_user_quota=config.host_user_quota, host_tenant_quota=config.host_tenant_quota,
+        disk_user_quota=config.disk_user_quota, disk_tenant_quota=config.disk_tenant_quota,
+        move_batch_pages=config.move_batch_pages, disk_bytes_per_s=config.disk_read_gbps * 1e9,
+        recompute_tokens_per_s=config.recompute_tokens_per_s)
 
 
 def _sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, Layout]:

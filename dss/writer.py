@@ -36,7 +36,7 @@ from sqlalchemy.exc import IntegrityError
 
 from dss import versions
 from dss.catalog import change as changes
-from dss.catalog.change import Applied, Change, Stale
+from dss.catalog.change import Applied, Change, Room, Stale
 from dss.catalog.change import WrittenSegment
 from dss.catalog.database import Catalog, Tx, catalog_errors
 from dss.core.errors import Conflict, DssError, SessionExists, StoreClosed, UnknownSession
@@ -178,7 +178,7 @@ class Writer:
             with self.guard.lock:
                 self.guard.check_open()
                 with catalog_errors(), self.catalog.write() as tx:
-                    applied = changes.apply(tx, change, written, self.pages.room(tx, written))
+                    applied = changes.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
                 self.pages.disk.settled(w.name for w in written)
                 return self._taken(change, applied)
@@ -245,8 +245,8 @@ class Writer:
                 member.error = exc
                 continue
             try:
-                member.applied = changes.apply(tx, member.change, member.written, self.pages.room(tx, member.written),
-                                               is_checked=True)
+                room = self.pages.room(tx, member.written, member.change.user_ref)
+                member.applied = changes.apply(tx, member.change, member.written, room, is_checked=True)
             except (DssError, IntegrityError) as exc:  # part written: roll back, go again without it
                 member.error = exc
                 raise Restart() from exc
@@ -260,6 +260,16 @@ class Writer:
             self.mirror.wrote(seq)
         for member in committed:
             self._settle(member.change, member.applied)  # type: ignore[arg-type]
+
+    def evict(self, victims: Sequence[int]) -> Applied:
+        """Drop these disk segments and their pages in one catalog transaction (the mover
+        making room), then bring this process's caches up to date."""
+        change = Change()
+        with self.guard.lock:
+            self.guard.check_open()
+            with catalog_errors(), self.catalog.write() as tx:
+                applied = changes.apply(tx, change, (), Room(tuple(victims), True))
+            return self._taken(change, applied)
 
     def _taken(self, change: Change, applied: Applied) -> Applied:
         """After a change committed: tell other processes, update this one's caches."""

@@ -96,6 +96,7 @@ def open_store(tmp_path: Path, catalog_url: str | None) -> Iterator[Callable[...
     opened: list[dss.Store] = []
 
     def make(**options: object) -> dss.Store:
+        options.setdefault("mover", False)  # tests run the mover with store.run_mover() unless they test its thread
         store = dss.open(tmp_path / "store", catalog_url=catalog_url, **options)
         opened.append(store)
         return store
@@ -119,7 +120,7 @@ def store_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def sqlite_store(store_path: Path) -> Iterator[dss.Store]:
     """A store on the embedded default only (for tests about files, SQLite and engines)."""
-    store = dss.open(store_path)
+    store = dss.open(store_path, mover=False)
     yield store
     store.close()
 

@@ -209,6 +209,15 @@ def test_pin_and_unpin(api: Any, tenant: str) -> None:
 # -- resume and pages --------------------------------------------------------------------------
 
 
+def test_prefetch_answers_at_once(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    assert api.prefetch("s") == 0                       # no version yet
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    assert api.prefetch("s") == 0                       # host holds both pages already
+    with pytest.raises(dss.UnknownSession):
+        api.prefetch("nope")
+
+
 def test_resume_reports_page_aligned_matches_on_their_tiers(api: Any, tenant: str) -> None:
     make(api, tenant)
     v1 = api.commit("s", T, {0: page(1), 1: page(2)})
@@ -280,9 +289,11 @@ def test_check_and_stats(api: Any, tenant: str) -> None:
     api.commit("s", T, {0: page(1)})
     assert api.check() == []
     stats = api.stats()
-    assert set(stats) == {"host", "disk", "erasures", "lsh"}
+    assert set(stats) == {"host", "disk", "prefetch", "policy", "erasures", "lsh"}
     assert stats["erasures"] == {"open": 0, "oldest_open_s": 0.0}
     assert stats["host"]["pages"] >= 1 and stats["disk"]["bytes"] >= 32
+    assert stats["host"]["high_watermark"] == round(0.85 * stats["host"]["capacity"])
+    assert set(stats["prefetch"]) == {"issued", "hits", "wasted"} and stats["policy"]["name"] == "dss"
 
 
 def test_a_multi_turn_conversation_with_undo_and_regenerate(api: Any, tenant: str) -> None:

@@ -12,7 +12,7 @@ import dss
 import dss.catalog.database as catalog_module
 from dss.catalog.database import Catalog
 from dss.core.crypto import OVERHEAD
-from dss.catalog.schema import Base
+from dss.catalog.schema import SCHEMA_REVISION, Base
 from tests.conftest import LAYOUT, pages_for
 
 T = list(range(1, 13))
@@ -38,10 +38,10 @@ def test_older_schema_is_refused_then_upgraded(tmp_path) -> None:
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
     old.close()
-    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0004: run `dss db upgrade`"):
+    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0005: run `dss db upgrade`"):
         dss.open(tmp_path)
     upgraded = Catalog(url)
-    assert upgraded.upgrade() == ("0001", "0004")
+    assert upgraded.upgrade() == ("0001", "0005")
     upgraded.close()
     with dss.open(tmp_path) as store:
         store.create_session("s", layout=LAYOUT)
@@ -60,8 +60,8 @@ def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
 def test_upgrade_of_an_empty_database(tmp_path) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     assert catalog.revision() is None
-    assert catalog.upgrade() == (None, "0004")
-    assert catalog.upgrade() == ("0004", "0004")
+    assert catalog.upgrade() == (None, "0005")
+    assert catalog.upgrade() == ("0005", "0005")
     catalog.close()
 
 
@@ -112,15 +112,15 @@ def test_pending_revisions_are_what_upgrade_would_apply(tmp_path) -> None:
     from alembic import command
 
     catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
-    assert catalog.pending_revisions() == ["0001", "0002", "0003", "0004"]
+    assert catalog.pending_revisions() == ["0001", "0002", "0003", "0004", "0005"]
     with catalog.engine.begin() as conn:
         config = catalog_module._alembic_config()
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
-    assert catalog.pending_revisions() == ["0002", "0003", "0004"]
+    assert catalog.pending_revisions() == ["0002", "0003", "0004", "0005"]
     applied: list[str] = []
-    assert catalog.upgrade(progress=applied.append) == ("0001", "0004")
-    assert applied == ["0002", "0003", "0004"]
+    assert catalog.upgrade(progress=applied.append) == ("0001", "0005")
+    assert applied == ["0002", "0003", "0004", "0005"]
     assert catalog.pending_revisions() == []
     with catalog.engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
@@ -150,7 +150,7 @@ def test_a_single_folder_store_becomes_node_1_of_its_catalog_on_upgrade(catalog_
                 config = catalog_module._alembic_config()
                 config.attributes["connection"] = conn
                 command.downgrade(config, "0003")
-    assert Catalog(url).upgrade() == ("0003", "0004")
+    assert Catalog(url).upgrade() == ("0003", SCHEMA_REVISION)
     folder_id = (home / ID_FILE).read_text().split()[-1]
     with dss.open(home, catalog_url=url) as store:
         assert store.node == (1, folder_id[:16])

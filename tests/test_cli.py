@@ -80,9 +80,9 @@ def test_check(home: str) -> None:
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     home = str(tmp_path / "new")
     assert run("--home", home, "db", "current") == (0, "empty\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0004\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0004\n")
-    assert run("--home", home, "db", "current") == (0, "0004\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0005\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0005\n")
+    assert run("--home", home, "db", "current") == (0, "0005\n")
 
 
 def test_demo_reuses_and_verifies(tmp_path: Path) -> None:

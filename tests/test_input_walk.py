@@ -96,8 +96,10 @@ def rows(v1: int) -> list[Row]:
             {"tokens": "tokens", "pages": "pages", "layout": "layout", "tenant_id": "id", "label": "label"},
             ("tokens", "pages")),
         Row("shared_prefixes", {"tenant_id": "t"}, {"tenant_id": "id"}),
-        Row("read_pages", {"pages": REFS, "tenant_id": "t"}, {"pages": "page ids", "tenant_id": "optional id"},
-            ("pages",)),
+        Row("read_pages", {"pages": REFS, "tenant_id": "t", "load": True},
+            {"pages": "page ids", "tenant_id": "optional id", "load": "flag"}, ("pages",)),
+        Row("prefetch", {"session_id": "s", "tenant_id": "t", "wait": True},
+            {"session_id": "id", "tenant_id": "optional id", "wait": "flag"}, ("session_id",)),
         Row("page_sizes", {"page_ids": REFS, "tenant_id": "t"}, {"page_ids": "page ids", "tenant_id": "optional id"},
             ("page_ids",)),
         Row("forget_user", {"user_id": "u", "tenant_id": "t", "dry_run": True, "progress": None},
@@ -110,7 +112,7 @@ def rows(v1: int) -> list[Row]:
     ]
 
 
-WITHOUT_ARGUMENTS = {"check", "stats", "count_sessions", "close", "is_closed"}
+WITHOUT_ARGUMENTS = {"check", "stats", "count_sessions", "close", "is_closed", "run_mover"}
 
 
 def test_the_table_covers_every_public_method() -> None:

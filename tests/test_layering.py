@@ -22,6 +22,7 @@ FLOORS = [
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},
     {"erase", "integrity", "writer", "nearest"},
+    {"mover"},
     {"store"},
     {"service"},
     {"cli"},

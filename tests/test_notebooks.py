@@ -21,9 +21,10 @@ FIGURES = {
     "01-tour.ipynb": [],
     "02-vllm-speedup.ipynb": ["02-ttft.png"],
     "03-versions.ipynb": ["03-version-tree.png", "03-storage.png"],
+    "04-tiers.ipynb": ["04-host-share.png", "04-tiers-stacked.png"],
     "05-forget-user.ipynb": ["05-pages-per-user.png"],
 }
-"""The figures each notebook saves. 04-tiers waits for ``benchmarks/tiers.py``."""
+"""The figures each notebook saves."""
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

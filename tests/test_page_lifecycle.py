@@ -147,12 +147,12 @@ def test_deleting_sessions_that_share_pages_and_erasing_another_user(open_store:
 
 def test_a_real_second_process_evicts_while_this_one_caches(tmp_path: Path, catalog_url: str | None) -> None:
     folder = tmp_path / "store"
-    with dss.open(folder, catalog_url=catalog_url, disk_bytes=DISK) as store:
+    with dss.open(folder, catalog_url=catalog_url, disk_bytes=DISK, mover=False) as store:
         save(store, 0)
         script = textwrap.dedent(f"""
             import dss
             layout = dss.Layout(name="life", page_tokens=4, page_bytes=64)
-            with dss.open({str(folder)!r}, catalog_url={catalog_url!r}, disk_bytes={DISK}) as store:
+            with dss.open({str(folder)!r}, catalog_url={catalog_url!r}, disk_bytes={DISK}, mover=False) as store:
                 for n in range(1, 4):
                     store.save_pages(None, [n] * 8 + [99], {{i: bytes([n * 2 + i]) * 64 for i in range(2)}},
                                      tenant_id="t", user_id="w", layout=layout)

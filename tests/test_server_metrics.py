@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,3 +157,26 @@ def test_remote_tier_gauges_and_errors(tmp_path: Path) -> None:
         assert m[("dss_remote_up", ())] == 0
         assert m[("dss_remote_errors_total", (("op", "get"),))] == 1
         assert m[("dss_remote_pending_bytes", ())] == svc.store.remote.pending_bytes > 2 * LAYOUT.page_bytes
+
+
+def test_placement_counters_watermarks_and_prefetch(service: Service) -> None:
+    service.create("a")
+    service.commit(T, "a", pages={0: page(1), 1: page(2)})
+    store = service.store
+    store.host.discard(store.host.ids())                # only disk holds the pages now
+    answer = service.call("POST", "/v1/prefetch", "t1", json={"session_id": "a"})
+    assert (answer.status_code, answer.json()) == (202, {"session_id": "a", "num_pages": 2})
+    deadline = time.monotonic() + 10
+    while len(store.host) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)                                # the mover thread moves them up
+    ids = [r.page_id for r in store.resume("a", T).pages]
+    store.read_pages(ids[:1])
+    m = scrape(service)
+    assert m[("dss_tier_promotions_total", (("tier", "host"),))] == 2
+    assert m[("dss_tier_moved_bytes_total", (("tier", "host"),))] == 2 * LAYOUT.page_bytes
+    assert m[("dss_tier_demotions_total", (("tier", "host"),))] == 0
+    assert m[("dss_tier_evictions_total", (("tier", "disk"),))] == 0
+    assert m[("dss_prefetch_hits_total", ())] == 1
+    assert m[("dss_prefetch_wasted_total", ())] == 0
+    assert m[("dss_tier_high_watermark_bytes", (("tier", "host"),))] == round(0.85 * (1 << 30))
+    assert m[("dss_tier_low_watermark_bytes", (("tier", "disk"),))] == round(0.70 * (16 << 30))

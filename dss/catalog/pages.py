@@ -15,7 +15,19 @@ from sqlalchemy import ColumnElement, Select, and_, case, delete, func, insert, 
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import chunks, now
-from dss.catalog.schema import locations, nodes, pages, quarantine, segments, session_pages, sessions, tenants, tier_totals, users
+from dss.catalog.schema import (
+    locations,
+    nodes,
+    pages,
+    quarantine,
+    segments,
+    session_pages,
+    sessions,
+    tenants,
+    tier_policy,
+    tier_totals,
+    users,
+)
 
 
 class PageRecord(NamedTuple):
@@ -307,3 +319,39 @@ def count_homeless_pages(conn: Connection) -> int:
     """Pages with no location on any tier."""
     return int(conn.execute(select(func.count()).select_from(pages).where(~select(locations.c.page_id).where(
         locations.c.page_id == pages.c.page_id).exists())).scalar_one())
+
+
+def owner_bytes(conn: Connection, tier: str, user_ref: int) -> tuple[int, int, int]:
+    """Bytes of a tier's segments of the namespace ``user_ref``, of its whole tenant, and the
+    tenant's row number."""
+    tenant_ref = int(conn.execute(select(users.c.tenant_ref).where(users.c.id == user_ref)).scalar_one())
+    mine = conn.execute(select(func.coalesce(func.sum(segments.c.size), 0))
+                        .where(segments.c.tier == tier, segments.c.user_ref == user_ref)).scalar_one()
+    theirs = conn.execute(select(func.coalesce(func.sum(segments.c.size), 0))
+                          .join(users, users.c.id == segments.c.user_ref)
+                          .where(segments.c.tier == tier, users.c.tenant_ref == tenant_ref)).scalar_one()
+    return int(mine), int(theirs), tenant_ref
+
+
+def segment_owners(conn: Connection, tier: str) -> dict[int, tuple[int, int]]:
+    """``segment_ref -> (user_ref, tenant_ref)`` of every segment of a tier."""
+    return {r[0]: (r[1], r[2]) for r in conn.execute(
+        select(segments.c.id, segments.c.user_ref, users.c.tenant_ref)
+        .join(users, users.c.id == segments.c.user_ref).where(segments.c.tier == tier))}
+
+
+def segment_page_ids(conn: Connection, tier: str) -> dict[int, list[bytes]]:
+    """``segment_ref -> [page_id, ...]`` of every page located on a tier."""
+    out: dict[int, list[bytes]] = {}
+    for ref, page_id in conn.execute(select(locations.c.segment_ref, locations.c.page_id)
+                                     .where(locations.c.tier == tier)):
+        out.setdefault(ref, []).append(bytes(page_id))
+    return out
+
+
+def record_policy(conn: Connection, process: str, rows: Sequence[dict]) -> None:
+    """Replace ``process``'s rows of ``tier_policy`` (one per tier) with ``rows``."""
+    conn.execute(delete(tier_policy).where(tier_policy.c.process == process))
+    if rows:
+        stamp = now()
+        conn.execute(insert(tier_policy), [{**row, "process": process, "updated_at": stamp} for row in rows])

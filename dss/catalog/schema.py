@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0004"
+SCHEMA_REVISION = "0005"
 """The Alembic revision this code expects the catalog to be at."""
 
 
@@ -274,11 +274,37 @@ class TierTotal(Base):
     num_segments: Mapped[int] = mapped_column(BigInteger)
 
 
+class TierPolicy(Base):
+    """What one process's placement policy sees and did, per tier (written by the store at
+    open, by the mover's passes and at close; ``process`` is ``host:pid``)."""
+
+    __tablename__ = "tier_policy"
+    process: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    policy: Mapped[str] = mapped_column(String(16))
+    capacity_bytes: Mapped[int] = mapped_column(BigInteger)
+    used_bytes: Mapped[int] = mapped_column(BigInteger)
+    high_watermark_bytes: Mapped[int] = mapped_column(BigInteger)
+    low_watermark_bytes: Mapped[int] = mapped_column(BigInteger)
+    user_quota_bytes: Mapped[int] = mapped_column(BigInteger)
+    tenant_quota_bytes: Mapped[int] = mapped_column(BigInteger)
+    hits: Mapped[int] = mapped_column(BigInteger)
+    misses: Mapped[int] = mapped_column(BigInteger)
+    promotions: Mapped[int] = mapped_column(BigInteger)
+    demotions: Mapped[int] = mapped_column(BigInteger)
+    evictions: Mapped[int] = mapped_column(BigInteger)
+    moved_bytes: Mapped[int] = mapped_column(BigInteger)
+    prefetch_hits: Mapped[int] = mapped_column(BigInteger)
+    prefetch_wasted: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
 tenants, users, layouts = Tenant.__table__, User.__table__, LayoutRow.__table__
 sessions, versions = SessionRow.__table__, VersionRow.__table__
 pages, locations, session_pages = PageRow.__table__, PageLocation.__table__, SessionPage.__table__
 nodes = Node.__table__
 segments, quarantine, tier_totals = Segment.__table__, Quarantine.__table__, TierTotal.__table__
 user_keys, store_meta = UserKey.__table__, StoreMeta.__table__
+tier_policy = TierPolicy.__table__
 erasures, audit, feed, catalog_seq = Erasure.__table__, Audit.__table__, FeedRow.__table__, CatalogSeq.__table__
 """The tables, for the queries of the other catalog modules."""

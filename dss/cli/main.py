@@ -150,15 +150,35 @@ def check(ctx: Context, as_json: bool) -> None:
 @pass_ctx
 @_guard
 def stats(ctx: Context, as_json: bool) -> None:
-    """Show how full each tier is."""
+    """Show how full each tier is against its watermarks, and what the placement policy did.
+
+    One row per tier (``fill``: bytes over capacity; ``high``/``low``: the watermarks as shares
+    of the capacity), then a ``prefetch`` row and the MinHash-LSH index's size. Counters are
+    this process's: run it against a service (``dss stats`` of ``dss serve`` is
+    ``GET /v1/stats``) for a live store's.
+    """
     with ctx.open() as store:
         data = store.stats()
-    lsh = data.pop("lsh")
-    rows = [{"tier": tier, **values} for tier, values in data.items()]
+    rows = []
+    for tier in ("host", "disk"):
+        values = data[tier]
+        capacity = values["capacity"] or 1
+        rows.append({"tier": tier, "fill": round(values["bytes"] / capacity, 4),
+                     "high": round(values["high_watermark"] / capacity, 4),
+                     "low": round(values["low_watermark"] / capacity, 4), **values})
+    rows.append({"tier": "prefetch", **data["prefetch"]})
+    lsh = data["lsh"]
     if as_json:
-        _emit([*rows, {"tier": "lsh", **lsh}], as_json)
+        _emit([*rows, {"tier": "lsh", **lsh}], True)
         return
-    _emit(rows, as_json)
+    columns = ("tier", "pages", "bytes", "capacity", "fill", "high", "low", "hits", "misses", "promotions",
+               "demotions", "evictions", "moved_bytes")
+    table = [{**row, "fill": f"{row['fill']:.0%}" + (" (over high)" if row["fill"] > row["high"] else ""),
+              "high": f"{row['high']:.0%}", "low": f"{row['low']:.0%}"} for row in rows[:2]]
+    _emit(table, False, columns)
+    prefetch = data["prefetch"]
+    click.echo(f"prefetch: {prefetch['issued']} pages moved up, {prefetch['hits']} read from host, "
+               f"{prefetch['wasted']} left unread; policy {data['policy']['name']}")
     click.echo(f"lsh index: {lsh['entries']} entries in {lsh['indexes']} indexes (capacity {lsh['capacity']}, "
                f"{lsh['storage']})")
 

@@ -12,7 +12,8 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
@@ -97,10 +98,62 @@ class StoreConfig(BaseModel):
     lsh_redis_prefix: str = Field("dss-lsh", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                                   description="Prefix of the LSH index's Redis keys.")
 
-    @field_validator("host_bytes", "disk_bytes", "segment_bytes", "remote_pending_bytes", mode="before")
+    # -- placement policy (dss.policy) --
+    policy: Literal["dss", "lru"] = Field("dss", description="Placement policy: 'dss' (score of frequency, "
+                                          "recency and cost) or 'lru' (plain least recently used).")
+    policy_weights: tuple[float, float, float] = Field((0.6, 0.3, 0.1), description="Weights of frequency, "
+                                                       "recency and 1/cost in a page's score.")
+    frequency_half_life_s: float = Field(120.0, gt=0, allow_inf_nan=False,
+                                         description="Half-life of a page's access frequency, seconds.")
+    recency_half_life_s: float = Field(60.0, gt=0, allow_inf_nan=False,
+                                       description="Age at which a page's recency term halves, seconds.")
+    promote_after: int = Field(2, ge=1, description="Accesses within promote_interval_s before a read "
+                                                    "promotes a page from disk to host (engine loads always do).")
+    promote_interval_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                      description="Window of the accesses that earn a promotion, seconds.")
+    cooldown_s: float = Field(30.0, ge=0, allow_inf_nan=False,
+                              description="After a demotion, seconds before a read may promote the page again.")
+    host_high_watermark: float = Field(0.85, gt=0, le=1, allow_inf_nan=False,
+                                       description="Host fill (share of host_bytes) at which the mover starts.")
+    host_low_watermark: float = Field(0.70, ge=0, le=1, allow_inf_nan=False,
+                                      description="Host fill the mover demotes down to.")
+    disk_high_watermark: float = Field(0.85, gt=0, le=1, allow_inf_nan=False,
+                                       description="Disk fill (share of disk_bytes) at which the mover starts.")
+    disk_low_watermark: float = Field(0.70, ge=0, le=1, allow_inf_nan=False,
+                                      description="Disk fill the mover evicts down to.")
+    host_user_quota: int = Field(0, description="Most host bytes one user's pages may take (0: no quota).")
+    host_tenant_quota: int = Field(0, description="Most host bytes one tenant's pages may take (0: no quota).")
+    disk_user_quota: int = Field(0, description="Most disk bytes one user's pages may take (0: no quota).")
+    disk_tenant_quota: int = Field(0, description="Most disk bytes one tenant's pages may take (0: no quota).")
+    mover: bool = Field(True, description="Run the background mover thread (off: call store.run_mover()).")
+    mover_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                    description="How often the mover thread looks at the tiers, seconds.")
+    move_batch_pages: int = Field(16, ge=8, le=16, description="Pages the mover moves per batch (8 to 16).")
+    clock: Callable[[], float] | None = Field(None, exclude=True, description="Policy time source (seconds); "
+                                              "default time.monotonic. Not read from files or the environment.")
+
+    @field_validator("host_bytes", "disk_bytes", "segment_bytes", "host_user_quota", "host_tenant_quota",
+                     "disk_user_quota", "disk_tenant_quota", "remote_pending_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
+
+    @model_validator(mode="after")
+    def _policy_is_sound(self) -> StoreConfig:
+        if any(w < 0 for w in self.policy_weights) or not sum(self.policy_weights) > 0:
+            raise ValueError(f"policy_weights must be non-negative and sum to a positive number, "
+                             f"got {self.policy_weights}")
+        for tier in ("host", "disk"):
+            high, low = getattr(self, f"{tier}_high_watermark"), getattr(self, f"{tier}_low_watermark")
+            if low > high:
+                raise ValueError(f"{tier}_low_watermark ({low}) is above {tier}_high_watermark ({high})")
+            size = getattr(self, f"{tier}_bytes")
+            for kind in ("user", "tenant"):
+                quota = getattr(self, f"{tier}_{kind}_quota")
+                if quota > size:
+                    raise ValueError(f"{tier}_{kind}_quota ({quota} bytes) is over the tier's size "
+                                     f"{tier}_bytes ({size} bytes)")
+        return self
 
     @model_validator(mode="after")
     def _sql_url_needs_postgresql(self) -> StoreConfig:
@@ -154,6 +207,15 @@ _ENV = {
     "DSS_REMOTE_TIMEOUT_S": "remote_timeout_s",
     "DSS_REMOTE_PENDING_BYTES": "remote_pending_bytes",
     "DSS_FEED_POLL_S": "feed_poll_s",
+    "DSS_POLICY": "policy",
+    "DSS_HOST_HIGH_WATERMARK": "host_high_watermark",
+    "DSS_HOST_LOW_WATERMARK": "host_low_watermark",
+    "DSS_DISK_HIGH_WATERMARK": "disk_high_watermark",
+    "DSS_DISK_LOW_WATERMARK": "disk_low_watermark",
+    "DSS_HOST_USER_QUOTA": "host_user_quota",
+    "DSS_HOST_TENANT_QUOTA": "host_tenant_quota",
+    "DSS_DISK_USER_QUOTA": "disk_user_quota",
+    "DSS_DISK_TENANT_QUOTA": "disk_tenant_quota",
 }
 
 DEFAULT_HOME = "dss-data"

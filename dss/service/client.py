@@ -229,6 +229,11 @@ class Client:
         """:meth:`dss.Store.check` (admin key)."""
         return list(self._call("GET", "/v1/check")["problems"])
 
+    def prefetch(self, session_id: str, *, tenant_id: str | None = None) -> int:
+        """:meth:`dss.Store.prefetch`: pages of the head moving up to host (the service does not wait)."""
+        body = {"session_id": session_id, "tenant_id": tenant_id}
+        return int(self._call("POST", "/v1/prefetch", json=body)["num_pages"])
+
     def stats(self) -> dict[str, Any]:
         """:meth:`dss.Store.stats` of the service's store (admin key)."""
         return dict(self._call("GET", "/v1/stats"))

@@ -17,13 +17,22 @@ Counters and histograms (updated as requests run):
   (dry runs not counted).
 
 Gauges read from the store when scraped: ``dss_sessions``, ``dss_tier_pages{tier}``,
-``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``, ``dss_erasures_open`` (erasure jobs
-not finished, every process of the catalog), ``dss_erasure_oldest_open_seconds`` (age of the
-oldest of them; 0 when none — an alert fires when it keeps growing); with a remote tier also
+``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``,
+``dss_tier_high_watermark_bytes{tier}``, ``dss_tier_low_watermark_bytes{tier}``,
+``dss_erasures_open`` (erasure jobs not finished, every process of the catalog),
+``dss_erasure_oldest_open_seconds`` (age of the oldest of them; 0 when none — an alert fires
+when it keeps growing); with a remote tier also
 ``dss_remote_up`` (1 while Redis answers, 0 once a call failed, until one succeeds),
 ``dss_remote_errors_total{op}`` (failed ``get``, ``put``, ``delete``, ``scan`` calls, and
 values that failed ``verify``) and ``dss_remote_pending_bytes`` (page bytes waiting to be
 written through).
+
+Counters of the placement policy read from the store when scraped (:meth:`dss.Store.stats`):
+``dss_tier_promotions_total{tier}`` (pages moved up into the tier),
+``dss_tier_demotions_total{tier}`` (moved down out of it, a copy stays below),
+``dss_tier_evictions_total{tier}`` (dropped with no copy below), ``dss_tier_moved_bytes_total{tier}``,
+``dss_prefetch_hits_total`` (prefetched pages then read from host), ``dss_prefetch_wasted_total``
+(prefetched pages that left host unread).
 
 No label ever carries a tenant, user or session id (erasure must leave none behind).
 """
@@ -132,6 +141,17 @@ class StoreCollector(Collector):
         open_erasures = GaugeMetricFamily("dss_erasures_open", "Erasure jobs not finished (every process).")
         oldest = GaugeMetricFamily("dss_erasure_oldest_open_seconds",
                                    "Seconds since the oldest unfinished erasure job started (0 when none).")
+        high = GaugeMetricFamily("dss_tier_high_watermark_bytes", "Fill of a tier at which the mover starts.",
+                                 labels=["tier"])
+        low = GaugeMetricFamily("dss_tier_low_watermark_bytes", "Fill of a tier the mover moves pages down to.",
+                                labels=["tier"])
+        moves = {name: CounterMetricFamily(f"dss_tier_{name}", text, labels=["tier"]) for name, text in (
+            ("promotions", "Pages moved up into a tier."),
+            ("demotions", "Pages moved down out of a tier (a lower tier keeps a copy)."),
+            ("evictions", "Pages dropped from a tier with no copy on a lower tier."),
+            ("moved_bytes", "Bytes of pages promoted into or demoted out of a tier."))}
+        prefetch_hits = CounterMetricFamily("dss_prefetch_hits", "Prefetched pages then read from host.")
+        prefetch_wasted = CounterMetricFamily("dss_prefetch_wasted", "Prefetched pages that left host unread.")
         try:
             stats = self.store.stats()
             num_sessions = self.store.count_sessions()
@@ -146,7 +166,16 @@ class StoreCollector(Collector):
                 pages.add_metric([tier], stats[tier]["pages"])
                 size.add_metric([tier], stats[tier]["bytes"])
                 capacity.add_metric([tier], stats[tier]["capacity"])
-        yield from (sessions, pages, size, capacity, open_erasures, oldest)
+                if "high_watermark" in stats[tier]:
+                    high.add_metric([tier], stats[tier]["high_watermark"])
+                    low.add_metric([tier], stats[tier]["low_watermark"])
+                    for name, family in moves.items():
+                        family.add_metric([tier], stats[tier][name])
+        prefetch = stats.get("prefetch", {})
+        prefetch_hits.add_metric([], prefetch.get("hits", 0))
+        prefetch_wasted.add_metric([], prefetch.get("wasted", 0))
+        yield from (sessions, pages, size, capacity, high, low, *moves.values(), prefetch_hits, prefetch_wasted,
+                    open_erasures, oldest)
         remote = self.store.remote
         if remote is not None:
             up = GaugeMetricFamily("dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call "

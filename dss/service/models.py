@@ -173,6 +173,17 @@ class PinIn(_Model):
     tenant_id: TenantField = None
 
 
+class PrefetchIn(_Model):
+    session_id: str
+    tenant_id: TenantField = None
+
+
+class PrefetchOut(_Model):
+    session_id: str
+    num_pages: int
+    """Pages of the head moving up to host in the background."""
+
+
 class ForgetUserIn(_Model):
     user_id: str
     dry_run: StrictBool = False

@@ -328,6 +328,13 @@ def _add_routes(app: FastAPI) -> None:
         tenant = call.scope.writing(body.tenant_id)
         return m.version_out(call.store.pin(body.session_id, body.version_id, pinned=body.pinned, tenant_id=tenant))
 
+    @app.post("/v1/prefetch", response_model=m.PrefetchOut, status_code=202, tags=["pages"], **v1)
+    def prefetch(body: m.PrefetchIn, call: Call = call_dep) -> dict[str, Any]:
+        """Move the pages of the session's head up to host in the background (call it when the user starts
+        typing); answers at once with how many pages will move."""
+        tenant = call.scope.reading(body.tenant_id)
+        return {"session_id": body.session_id, "num_pages": call.store.prefetch(body.session_id, tenant_id=tenant)}
+
     @app.post("/v1/forget_user", response_model=Receipt | Plan, response_model_exclude_none=True, tags=["erasure"], dependencies=[_admin("forget_user")],
               responses={**_ERRORS, 500: {"description": "Verification found data left (ErasureIncomplete); the "
                                                          "erasure stays open and may be retried",
@@ -367,7 +374,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/stats", response_model=dict[str, dict[str, Any]], tags=["admin"], dependencies=[_admin("stats")],
              **v1)
     def stats(call: Call = call_dep) -> dict[str, Any]:
-        """Sizes of the tiers (admin key)."""
+        """The tiers: sizes, watermarks, what the placement policy did, prefetch counts (admin key)."""
         return call.store.stats()
 
 

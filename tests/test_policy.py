@@ -1,0 +1,260 @@
+"""The placement policy on hand-built access sequences: the victim at each step, written out;
+promotion after repeated access and the cool-down; watermarks and the mover; holds; quotas;
+prefetch; nonsense settings.
+
+Policy time comes from a fake clock (``clock=``): every step says what time it is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import dss
+from dss.core.types import PageId
+from dss.policy import Placement, Settings
+from dss.tiers.host import HostTier
+
+LAYOUT = dss.Layout(name="pol", page_tokens=4, page_bytes=1024)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def host_of(policy: str, pages: int = 4, **settings: object) -> tuple[HostTier, Placement, Clock]:
+    clock = Clock()
+    placement = Placement(Settings(policy=policy, **settings), clock)  # type: ignore[arg-type]
+    return HostTier(pages * 10, choose=placement.host_room), placement, clock
+
+
+def put(host: HostTier, placement: Placement, clock: Clock, t: float, name: str,
+        owner: tuple[str, int] | None = None) -> list[str] | None:
+    """At time ``t``, a page is accessed and put in host; returns the names of the victims."""
+    clock.t = t
+    page = PageId(name.encode())
+    placement.touch([page])
+    got = host.put(page, b"x" * 10, owner)
+    return None if got is None else [v.decode() for v in got]
+
+
+def touch(placement: Placement, clock: Clock, t: float, *names: str) -> None:
+    clock.t = t
+    placement.touch([PageId(n.encode()) for n in names])
+
+
+def test_dss_keeps_the_frequently_used_page_lru_drops_it() -> None:
+    for policy, expected in (("dss", (["b"], ["d"], ["e"])), ("lru", (["a"], ["b"], ["d"]))):
+        host, placement, clock = host_of(policy)
+        for t in range(5):                              # a: read at t = 0..4 (five accesses)
+            touch(placement, clock, t, "a")
+        host.put(PageId(b"a"), b"x" * 10)
+        for t, name in ((5, "b"), (6, "c"), (7, "d")):  # b, c, d: one access each
+            assert put(host, placement, clock, t, name) == []
+        # t=8, e arrives: dss drops b (one access, oldest); lru drops a (least recently used)
+        assert put(host, placement, clock, 8, "e") == expected[0], policy
+        # t=100: c is read again; f arrives. dss: d and e have one old access each, d is older
+        # -> d; lru: b, the least recently used
+        touch(placement, clock, 100, "c")
+        host.get_many([PageId(b"c")])
+        assert put(host, placement, clock, 101, "f") == expected[1], policy
+        # t=102, g arrives. dss: e (one access, t=8) is the least worth; lru: d (c was just read)
+        assert put(host, placement, clock, 102, "g") == expected[2], policy
+        assert host.check() == []
+
+
+def test_decay_lets_a_page_that_was_hot_long_ago_go() -> None:
+    host, placement, clock = host_of("dss", pages=2, frequency_half_life_s=10.0, recency_half_life_s=10.0)
+    for t in range(4):
+        touch(placement, clock, t, "old")             # four accesses around t = 0..3
+    host.put(PageId(b"old"), b"x" * 10)
+    assert put(host, placement, clock, 500, "new") == []
+    # t=501: 'old' was hot, but 50 half-lives ago; 'new' was read a second ago
+    assert put(host, placement, clock, 501, "next") == ["old"]
+
+
+def test_ties_go_to_the_least_recently_used() -> None:
+    host, placement, clock = host_of("dss", pages=3)
+    for name in ("a", "b", "c"):
+        assert put(host, placement, clock, 0, name) == []  # all at t=0: equal scores
+    assert put(host, placement, clock, 0, "d") == ["a"]
+    assert put(host, placement, clock, 0, "e") == ["b"]
+
+
+def test_held_pages_are_never_chosen() -> None:
+    host, placement, clock = host_of("dss", pages=2)
+    assert put(host, placement, clock, 0, "a") == []
+    assert put(host, placement, clock, 1, "b") == []
+    with placement.hold([PageId(b"a")]):
+        assert put(host, placement, clock, 2, "c") == ["b"]  # a would go first, but it is held
+        with placement.hold([PageId(b"c")]):
+            assert put(host, placement, clock, 3, "d") is None  # everything held: d stays out
+    assert put(host, placement, clock, 4, "d") == ["a"]
+    assert host.check() == []
+
+
+def test_a_heavy_user_evicts_their_own_pages_first() -> None:
+    heavy, light = ("t", 1), ("t", 2)
+    host, placement, clock = host_of("dss", pages=4, host_user_quota=20)
+    assert put(host, placement, clock, 0, "l1", light) == []
+    assert put(host, placement, clock, 1, "h1", heavy) == []
+    assert put(host, placement, clock, 2, "h2", heavy) == []
+    # h3 would put the heavy user over 20 bytes: their own oldest page goes, not l1
+    assert put(host, placement, clock, 3, "h3", heavy) == ["h1"]
+    assert put(host, placement, clock, 4, "l2", light) == []
+    assert put(host, placement, clock, 5, "h4", heavy) == ["h2"]
+    assert sorted(p.decode() for p in host.ids()) == ["h3", "h4", "l1", "l2"]
+    assert host.owner_bytes[heavy] == 20 and host.owner_bytes[light] == 20
+
+
+def test_tenant_quota() -> None:
+    host, placement, clock = host_of("lru", pages=4, host_tenant_quota=20)
+    assert put(host, placement, clock, 0, "a1", ("a", 1)) == []
+    assert put(host, placement, clock, 1, "a2", ("a", 2)) == []
+    assert put(host, placement, clock, 2, "b1", ("b", 3)) == []
+    assert put(host, placement, clock, 3, "a3", ("a", 2)) == ["a1"]  # tenant a at its quota: its oldest goes
+    assert host.tenant_bytes["a"] == 20
+
+
+def test_promotion_needs_repeated_access_and_respects_the_cooldown() -> None:
+    _, placement, clock = host_of("dss", promote_after=2, promote_interval_s=60.0, cooldown_s=30.0)
+    p = PageId(b"p")
+    touch(placement, clock, 0, "p")
+    assert not placement.should_promote(p, load=False)  # a single touch never promotes
+    assert placement.should_promote(p, load=True)       # ... unless the engine waits for it
+    touch(placement, clock, 100, "p")                    # the second access comes too late
+    assert not placement.should_promote(p, load=False)
+    touch(placement, clock, 110, "p")                    # two within 60 s
+    assert placement.should_promote(p, load=False)
+    placement.demoted([p])                               # demoted at t=110
+    touch(placement, clock, 120, "p")
+    assert not placement.should_promote(p, load=False)   # cooling down until t=140
+    clock.t = 141
+    assert placement.should_promote(p, load=False)
+    lru = host_of("lru")[1]
+    assert lru.should_promote(PageId(b"q"), load=False)  # plain LRU promotes every read
+
+
+# -- through the store ----------------------------------------------------------------------
+
+
+def toks(seed: int, n: int = 16) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def pages(tokens: list[int]) -> dict[int, bytes]:
+    return {i: bytes([(tokens[0] + i) % 256]) * 1024 for i in range(len(tokens) // 4)}
+
+
+def test_reads_promote_as_the_policy_says(open_store) -> None:
+    clock = Clock()
+    store = open_store(host_bytes=20 * 1024, clock=clock, promote_interval_s=60.0, cooldown_s=30.0)
+    store.create_session("s", layout=LAYOUT)
+    t = toks(1)
+    store.commit("s", t, pages(t))
+    refs = store.resume("s", t).pages
+    store.host.discard([r.page_id for r in refs])       # only disk holds them now
+    first = refs[0].page_id
+    clock.t = 100                                       # the commit's access (t=0) is out of the window
+    assert store.read_pages([first], load=False) == [pages(t)[0]]
+    assert first not in store.host                      # one touch: served, not promoted
+    clock.t = 110
+    assert store.read_pages([first], load=False) == [pages(t)[0]]
+    assert first in store.host                          # second access within the interval
+    assert store.read_pages([refs[1].page_id]) == [pages(t)[1]]
+    assert refs[1].page_id in store.host                # an engine load promotes at once
+    stats = store.stats()
+    assert stats["host"]["promotions"] == 2 and stats["disk"]["hits"] == 3
+    assert stats["host"]["hits"] == 0 and stats["host"]["misses"] == 3
+    assert store.check() == []
+
+
+def test_the_mover_demotes_to_the_low_mark_in_batches(open_store) -> None:
+    clock = Clock()
+    store = open_store(host_bytes=100 * 1024, clock=clock, move_batch_pages=8)
+    for n in range(12):                                 # 12 sessions x 4 pages = 48 pages, under 85 %
+        store.create_session(f"s{n}", layout=LAYOUT)
+        clock.t = n
+        store.commit(f"s{n}", toks(n), pages(toks(n)))
+    assert store.run_mover() == {"host": 0, "disk": 0}  # under the high mark: nothing moves
+    for n in range(12, 22):                             # 88 pages: past 85 (the high mark)
+        store.create_session(f"s{n}", layout=LAYOUT)
+        clock.t = n
+        store.commit(f"s{n}", toks(n), pages(toks(n)))
+    assert store.stats()["host"]["inline_evictions"] == 0
+    assert store.run_mover() == {"host": 18, "disk": 0}  # 88 -> 70 pages (the low mark)
+    stats = store.stats()["host"]
+    assert stats["bytes"] == 70 * 1024 == stats["low_watermark"]
+    assert stats["demotions"] == 18 and stats["moved_bytes"] == 18 * 1024 and stats["evictions"] == 0
+    # the oldest sessions left host, all four pages of each of s0..s3, two of s4
+    assert [store.resume(f"s{n}", toks(n)).tiers for n in (0, 3, 5)] == [{"disk": 16}, {"disk": 16}, {"host": 16}]
+    assert store.check() == []
+
+
+def test_the_disk_mover_evicts_to_the_low_mark_and_keeps_pinned_pages(open_store) -> None:
+    segment = 32 + 4 * (32 + 28 + 1024)                # one commit of 4 sealed pages
+    store = open_store(disk_bytes=10 * segment, host_bytes=0)
+    for n in range(9):                                  # 9 segments: 90 %, over the 85 % mark
+        store.create_session(f"s{n}", layout=LAYOUT)
+        version = store.commit(f"s{n}", toks(n), pages(toks(n)))
+        if n == 0:
+            store.pin("s0", version.version_id)
+    assert store.run_mover() == {"host": 0, "disk": 8}  # two segments go: 7 of 10 = 70 %
+    assert [store.resume(f"s{n}", toks(n)).matched_tokens for n in range(9)] == [16, 0, 0, 16, 16, 16, 16, 16, 16]
+    assert store.stats()["disk"]["evictions"] == 8
+    assert store.check() == []
+
+
+def test_prefetch_moves_the_head_up_and_counts_hits_and_waste(open_store) -> None:
+    clock = Clock()
+    store = open_store(host_bytes=7 * 1024, clock=clock)
+    for n in (1, 2):
+        store.create_session(f"s{n}", layout=LAYOUT)
+        store.commit(f"s{n}", toks(n), pages(toks(n)))
+    store.host.discard(store.host.ids())
+    assert store.prefetch("s1", wait=True) == 4
+    assert store.resume("s1", toks(1)).tiers == {"host": 16}
+    refs = store.resume("s1", toks(1)).pages
+    assert store.read_pages(refs[:3]) == [pages(toks(1))[i] for i in range(3)]
+    assert store.prefetch("s2", wait=True) == 4         # fills host: s1's page 3 goes, unread
+    assert store.prefetch("s2", wait=True) == 0         # already up
+    assert store.stats()["prefetch"] == {"issued": 8, "hits": 3, "wasted": 1}
+    assert store.check() == []
+
+
+def test_the_mover_thread_runs_by_itself_and_stops_on_close(tmp_path) -> None:
+    store = dss.open(tmp_path / "s", host_bytes=20 * 1024, mover_interval_s=0.05)
+    store.create_session("s", layout=LAYOUT)
+    t = toks(1, 80)                                     # 20 pages: a full host, past its high mark
+    store.commit("s", t, pages(t))
+    deadline = time.monotonic() + 10
+    while store.host.used_bytes > 14 * 1024 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.host.used_bytes == 14 * 1024           # the low mark, reached without run_mover
+    thread = store.mover._thread
+    assert thread is not None and thread.is_alive()
+    store.close()
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"host_low_watermark": 0.9}, "host_low_watermark"),
+    ({"disk_high_watermark": 0.5, "disk_low_watermark": 0.6}, "disk_low_watermark"),
+    ({"host_user_quota": -1}, "host_user_quota"),
+    ({"disk_tenant_quota": "-5MiB"}, "disk_tenant_quota"),
+    ({"policy_weights": (0, 0, 0)}, "policy_weights"),
+    ({"policy_weights": (1, -2, 0.5)}, "policy_weights"),
+    ({"host_bytes": 1000, "host_user_quota": 2000}, "host_user_quota"),
+    ({"disk_bytes": "1MiB", "disk_tenant_quota": "2MiB"}, "disk_tenant_quota"),
+    ({"policy": "fifo"}, "policy"),
+    ({"move_batch_pages": 64}, "move_batch_pages"),
+])
+def test_nonsense_settings_are_a_config_error_naming_them(tmp_path, options, named) -> None:
+    with pytest.raises(dss.ConfigError, match=named):
+        dss.open(tmp_path / "s", **options)
+    assert not (tmp_path / "s").exists()
