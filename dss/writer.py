@@ -170,8 +170,8 @@ class Writer:
         With group commit the transaction is shared with concurrent writers (module
         docstring); ``alone`` applies it in a transaction of its own (a caller that holds
         the lock must: a leader needs it)."""
-        if self.group_commit and not alone:
-            return self._apply_grouped(change)
+        if self.group_commit and not alone and not self.guard.lock._is_owned():  # type: ignore[attr-defined]
+            return self._apply_grouped(change)  # (a caller holding the lock would wait for a leader needing it)
         written = self.pages.write(change.pages)
         committed = False
         try:
