@@ -109,11 +109,14 @@ class PageStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, new: Sequence[NewPage], sealer: Sealer | None = None) -> list[WrittenSegment]:
+    def write(self, new: Sequence[NewPage], sealer: Sealer | None = None, *,
+              publish: bool = True) -> list[WrittenSegment]:
         """Write the pages that need it as segment files of at most ``segment_bytes`` each; no
         catalog, no lock. Pages flagged sealed are sealed with ``sealer`` (bound to their id)
         as they are written, while the disk writes the ones before them. Writes nothing when
-        they could never fit the tier, or when the disk is full (the pages stay in host)."""
+        they could never fit the tier, or when the disk is full (the pages stay in host).
+        ``publish=False``: the files' names are not yet durable; :meth:`publish` them before
+        the transaction that records them."""
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
@@ -127,7 +130,7 @@ class PageStore:
         try:
             for batch in self._batches(fresh):
                 done: list[NewPage] = []
-                name, size, located = self.disk.write(_records(batch, sealer, ring, done, keep))
+                name, size, located = self.disk.write(_records(batch, sealer, ring, done, keep), publish=publish)
                 out.append(WrittenSegment(name, size, self.node_ref, tuple((p, where.offset, where.length)
                                                             for p, where in zip(done, located))))
         except OSError as exc:
@@ -143,6 +146,12 @@ class PageStore:
             if ring is not None:
                 ring.lock.release()
         return out
+
+    def publish(self, written: Sequence[WrittenSegment]) -> None:
+        """Make the names of segment files written with ``publish=False`` durable (one fsync
+        of the folder for all of them)."""
+        if written:
+            self.disk.publish()
 
     def room(self, tx: Tx, written: Sequence[WrittenSegment], user_ref: int | None = None) -> Room:
         """What the policy decides for ``written`` (pages of namespace ``user_ref``) in

@@ -137,7 +137,8 @@ class Store:
             self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
         self.eraser = Eraser(self.catalog, self.mirror, self.pages)
         self.guard = Guard(self.mirror, self.pages)
-        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master)
+        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master,
+                             group_commit=config.group_commit)
         self.mover = Mover(self.guard, self.pages, self.writer, self.catalog, self.placement,
                            disk_bytes=config.disk_bytes, interval_s=config.mover_interval_s,
                            batch=config.move_batch_pages)

@@ -9,6 +9,20 @@ under the lock, makes room by the policy and applies it (:func:`dss.catalog.chan
 then this process's caches take its events (:meth:`dss.mirror.Mirror.apply`) and its pages
 (:meth:`dss.pages.PageStore.settle`). A change built on a session that another writer moved
 on meanwhile is built again from a fresh state.
+
+**Group commit** (``group_commit``, on by default): concurrent writers of this process share
+one catalog transaction and one round of fsyncs. Each writer writes and fsyncs its segment
+files (concurrently with the others: the file system joins concurrent fsyncs into one journal
+commit) and renames them into place without the folder's fsync, then joins a queue; the
+first writer to find no leader leads the queue as it stands: it fsyncs the folder once for
+all of them, opens one transaction,
+applies each member's change — a member whose check fails (``Stale``, a deleted
+session) writes nothing and gets its error; one that fails part-way gets its error and
+the group's transaction is rolled back and applied again without it; the others go on —
+commits, and updates this process's caches in member order. Writers that arrive
+meanwhile form the next group. No member returns before the transaction that holds its
+change committed; when the transaction fails, every member gets the error and its files are
+deleted, as a lone write's would be.
 """
 
 from __future__ import annotations
@@ -18,11 +32,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
+
 from dss import versions
 from dss.catalog import change as changes
 from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
-from dss.catalog.database import Catalog, catalog_errors
-from dss.core.errors import Conflict, SessionExists, StoreClosed, UnknownSession
+from dss.catalog.database import Catalog, Tx, catalog_errors
+from dss.core.crypto import Sealer
+from dss.core.errors import Conflict, DssError, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
 from dss.keys import DataKeys, ensure_namespace
 from dss.mirror import Mirror
@@ -63,11 +80,80 @@ class Guard:
                 yield
 
 
+class Restart(Exception):
+    """A member of a commit group failed part-way: roll the group's transaction back and go again without it."""
+
+
+class Member:
+    """One write waiting in a commit group: its change and files; once done, what it did or why not."""
+
+    __slots__ = ("change", "written", "applied", "error", "is_done", "wake")
+
+    def __init__(self, change: Change, written: list[WrittenSegment]) -> None:
+        self.change = change
+        self.written = written
+        self.applied: Applied | None = None
+        self.error: BaseException | None = None
+        self.is_done = False
+        self.wake = threading.Event()
+        """Set when the member is done, or when it is to lead the next group."""
+
+
+class CommitQueue:
+    """Writers waiting for a leader (see the module docstring). Only the leader's thread runs
+    a group; the others sleep on their own event until their member is done (or, for the
+    first of the next group, until it is its turn to lead): no thundering herd."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[Member] = []
+        self._is_leading = False
+        self.num_groups = 0
+        """Groups led so far (for tests and metrics)."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Writers queued for the next group."""
+        with self._lock:
+            return len(self._waiting)
+
+    def join(self, member: Member) -> list[Member] | None:
+        """Queue ``member``. Returns the group to lead (every member queued so far, in arrival
+        order, ``member`` among them), or ``None`` once another leader finished ``member``."""
+        with self._lock:
+            self._waiting.append(member)
+            if not self._is_leading:
+                self._is_leading = True
+                return self._take()
+        member.wake.wait()
+        with self._lock:
+            return None if member.is_done else self._take()
+
+    def _take(self) -> list[Member]:
+        group, self._waiting = self._waiting, []
+        self.num_groups += 1
+        return group
+
+    def finish(self, group: Sequence[Member]) -> None:
+        """The leader is done with ``group``: wake its members, and the first writer queued
+        meanwhile to lead the next group."""
+        with self._lock:
+            for member in group:
+                member.is_done = True
+                member.wake.set()
+            if self._waiting:
+                self._waiting[0].wake.set()
+            else:
+                self._is_leading = False
+
+
 class Writer:
     """Applies changes for one store (see the module docstring)."""
 
     def __init__(self, catalog: Catalog, mirror: Mirror, pages: PageStore, keys: DataKeys, index: PageIndex,
-                 guard: Guard, master: bytes) -> None:
+                 guard: Guard, master: bytes, *, group_commit: bool = True) -> None:
+        self.group_commit = group_commit
+        self.queue = CommitQueue()
         self.catalog = catalog
         self.mirror = mirror
         self.pages = pages
@@ -76,16 +162,22 @@ class Writer:
         self.guard = guard
         self._master = master
 
-    def apply(self, change: Change, files: Sequence[str] = ()) -> Applied:
+    def apply(self, change: Change, files: Sequence[str] = (), *, alone: bool = False) -> Applied:
         """Write a change's segment files (outside the lock), apply it in one catalog
         transaction with the policy's room, then bring this process's caches up to date.
         Raises ``Stale`` (nothing written) when its session moved on meanwhile. ``files``:
         segment files the caller wrote for the change (compaction's), deleted with the
-        change's own when its transaction does not commit."""
+        change's own when its transaction does not commit.
+
+        With group commit the transaction is shared with concurrent writers (module
+        docstring); ``alone`` applies it in a transaction of its own (a caller that holds
+        the lock must: a leader needs it; so does a change with ``files``)."""
         sealer = None
         if change.user_ref is not None and any(p.flags & SEALED and p.stored is not None for p in change.pages):
             with self.guard.lock:
                 sealer = self.keys.of(change.user_ref).sealer
+        if self.group_commit and not alone and not files and not self.guard.lock._is_owned():  # type: ignore[attr-defined]
+            return self._apply_grouped(change, sealer)  # (a caller holding the lock would wait for a leader needing it)
         written = self.pages.write(change.pages, sealer)
         committed = False
         try:
@@ -102,6 +194,80 @@ class Writer:
                 self.pages.disk.remove(files)
             raise
 
+    def _apply_grouped(self, change: Change, sealer: Sealer | None) -> Applied:
+        member = Member(change, self.pages.write(change.pages, sealer, publish=False))
+        group = self.queue.join(member)
+        if group is not None:
+            try:
+                self._commit_group(group)
+            finally:
+                self.queue.finish(group)
+        if member.error is not None:
+            raise member.error
+        assert member.applied is not None
+        return member.applied
+
+    def _commit_group(self, group: list[Member]) -> None:
+        """Apply a group's changes in one transaction (see the module docstring). Every member
+        ends with ``applied`` or ``error`` (or both: committed, but this process's caches
+        failed to take it); the files of members without ``applied`` are deleted."""
+        is_committed = False
+        try:
+            self.pages.publish([w for member in group for w in member.written])  # outside the lock: reads go on
+            with self.guard.lock:
+                self.guard.check_open()
+                while not is_committed:
+                    try:
+                        with catalog_errors(), self.catalog.write() as tx:
+                            is_committed = self._apply_group(tx, group)
+                    except Restart:
+                        continue
+                self._settle_group(group, tx.seq)
+        except BaseException as exc:
+            for member in group:
+                if not is_committed:  # nothing committed: every member hears why
+                    member.applied = None
+                if member.applied is None or member.error is None:
+                    member.error = member.error or exc
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like stop the leader's own thread too
+        finally:
+            for member in group:
+                if member.applied is None:
+                    self.pages.abort(member.written)
+
+    def _apply_group(self, tx: Tx, group: list[Member]) -> bool:
+        """Apply in ``tx`` each member that :func:`~dss.catalog.change.check` accepts (the others
+        keep their error; a refused check writes nothing) and return ``True``. A member whose
+        change fails part-way gets the error, and ``Restart`` rolls ``tx`` back: the caller
+        applies the group again without it in a new transaction."""
+        for member in group:
+            member.applied = None
+        for member in group:
+            if member.error is not None:
+                continue
+            try:
+                changes.check(tx, member.change)
+            except (Stale, DssError) as exc:  # refused before writing: this member alone
+                member.error = exc
+                continue
+            try:
+                room = self.pages.room(tx, member.written, member.change.user_ref)
+                member.applied = changes.apply(tx, member.change, member.written, room, is_checked=True)
+            except (DssError, IntegrityError) as exc:  # part written: roll back, go again without it
+                member.error = exc
+                raise Restart() from exc
+        return True
+
+    def _settle_group(self, group: list[Member], seq: int) -> None:
+        """After a group's transaction committed: this process's caches take its changes, in order."""
+        committed = [member for member in group if member.applied is not None]
+        self.pages.disk.settled(w.name for member in committed for w in member.written)
+        if committed:
+            self.mirror.wrote(seq)
+        for member in committed:
+            self._settle(member.change, member.applied, member.written)  # type: ignore[arg-type]
+
     def evict(self, victims: Sequence[int]) -> Applied:
         """Drop these disk segments and their pages in one catalog transaction (the mover
         making room), then bring this process's caches up to date."""
@@ -116,10 +282,15 @@ class Writer:
         """After a change committed: tell other processes, update this one's caches (and the
         remote tier, with ``written``)."""
         self.mirror.wrote(applied.seq)
+        self._settle(change, applied, written)
+        return applied
+
+    def _settle(self, change: Change, applied: Applied, written: Sequence[WrittenSegment] = ()) -> None:
+        """This process's caches take a committed change's events and pages (and the remote
+        tier its ``written`` pages)."""
         self.mirror.apply(applied.events)
         namespace = self.index.namespaces.get(change.user_ref) if change.user_ref is not None else None
         self.pages.settle(applied, change.pages, namespace, written)
-        return applied
 
     def write(self, session_id: str, tenant_id: str | None, build: Callable[..., Change], *args: Any) -> Applied:
         """Build a session's change with ``build(state, context, *args)`` (a :mod:`dss.versions`
@@ -132,7 +303,7 @@ class Writer:
                     state = self.mirror.state(session_id, tenant_id)
                     change = build(state, self.context(state), *args)
                 try:
-                    return self.apply(change)
+                    return self.apply(change, alone=bool(attempt))  # a retry holds the lock: no group
                 except Stale:
                     continue
         raise Conflict(f"session {session_id!r} keeps being changed by other writers; try again")

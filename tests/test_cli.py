@@ -156,6 +156,9 @@ def walk_cases(home: str, url: str) -> list[tuple[tuple[str, ...], list[str], Ca
          lambda code, out: [k["tenant_id"] for k in json.loads(out)] == ["acme"]),
         (("keys", "remove"), ["keys", "remove", "nosuchkey"], lambda code, out: code == 1 and "nosuchkey" in out),
         (("serve",), ["serve"], lambda code, out: code == 1 and f"cannot read server config file {home}" in out),
+        (("route",), ["route", "--backend", "a=http://127.0.0.1:9", "--dry-run"],
+         lambda code, out: (code, out) == (0, "dss route (kv) on http://127.0.0.1:8078 in front of "
+                                              f"a=http://127.0.0.1:9; store {home}: 1 sessions\n")),
         (("demo",), ["demo"], lambda code, out: code == 0 and out.startswith(f"dss demo in {home}\n")),
     ]
 

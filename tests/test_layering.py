@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = [
     {"core"},
+    {"routing"},
     {"catalog", "tiers", "trie"},
     {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "residency"},
     {"state"},

@@ -60,10 +60,10 @@ def words(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-@contextmanager
-def api_server(model: Path, store: Path | None) -> Iterator[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` on a free port, with the dss connector on
-    ``store`` if given; yields its base URL once ``/health`` answers; SIGTERM on exit."""
+def launch(model: Path, store: Path | None) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` on a free port, with the dss
+    connector on ``store`` if given; return the process (its own process group), its base URL
+    and its log file, without waiting for it."""
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
@@ -75,37 +75,60 @@ def api_server(model: Path, store: Path | None) -> Iterator[str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}", log
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Return once the server answers ``/health``; fail if it exits or takes too long."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-5000:]}"
+        assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()[-5000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL of its process group after 60 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()[-5000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextmanager
+def api_server(model: Path, store: Path | None) -> Iterator[str]:
+    """:func:`launch`, yield the base URL once ``/health`` answers, :func:`stop` on exit."""
+    process, url, log = launch(model, store)
+    try:
+        wait_ready(process, url, log)
         yield url
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop(process)
 
 
-def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None) -> Any:
-    """One greedy chat completion (special tokens barred, so replies are plain words)."""
+def chat_response(url: str, messages: list[dict[str, str]], max_tokens: int,
+                  dss_fields: dict[str, Any] | None) -> httpx.Response:
+    """One greedy chat completion (special tokens barred, so replies are plain words), answered 200."""
     body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                             "ignore_eos": True, "logit_bias": {str(i): -100 for i in SPECIAL.values()}}
     if dss_fields is not None:
         body["kv_transfer_params"] = {"dss": dss_fields}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
-    return response.json()
+    return response
+
+
+def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None) -> Any:
+    """:func:`chat_response`'s JSON."""
+    return chat_response(url, messages, max_tokens, dss_fields).json()
 
 
 USER1 = {"role": "user", "content": words(prompt(1, 100))}

@@ -185,22 +185,36 @@ class Applied(NamedTuple):
     """Segments that lost pages and keep some: their dead bytes grew (compaction may be due)."""
 
 
-def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room()) -> Applied:
-    """Write ``change`` in ``tx`` (with its segment files ``written`` and the policy's ``room``).
-
-    Raises ``Stale`` when the session moved on since ``change.base_seq`` (or a session it
-    would create exists already), ``UnknownSession`` when the session was deleted.
-    """
-    conn, seq = tx
-    stamp = now()
-    events: list[Event] = []
-    ref = change.session_ref
-    if ref is not None:
-        current = sessions.seq_of(conn, ref)
+def check(tx: Tx, change: Change) -> None:
+    """Whether ``change`` can be applied in ``tx`` now; reads only, so a refused change leaves
+    the transaction as it was. Raises ``Stale`` when its session moved on since
+    ``change.base_seq`` (or a session it would create exists already), ``UnknownSession``
+    when its session was deleted."""
+    conn = tx.conn
+    if change.session_ref is not None:
+        current = sessions.seq_of(conn, change.session_ref)
         if current is None:
             raise UnknownSession(f"session {change.session_id!r} was deleted")
         if change.base_seq is not None and current != change.base_seq:
             raise Stale()
+    if change.create is not None and sessions.find_in_tenant(conn, change.create.session_key,
+                                                              change.create.tenant_ref) is not None:
+        raise Stale()  # made meanwhile: the builder decides whether it is the same session
+
+
+def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room(), *,
+          is_checked: bool = False) -> Applied:
+    """Write ``change`` in ``tx`` (with its segment files ``written`` and the policy's ``room``).
+
+    Raises what :func:`check` raises, before writing anything (``is_checked``: the caller
+    just called :func:`check` in ``tx``).
+    """
+    if not is_checked:
+        check(tx, change)
+    conn, seq = tx
+    stamp = now()
+    events: list[Event] = []
+    ref = change.session_ref
     layout_ref = change.layout_ref
     if change.create is not None:
         ref, layout_ref = _create(conn, seq, stamp, change)
@@ -236,8 +250,6 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
 def _create(conn: Any, seq: int, stamp: dt.datetime, change: Change) -> tuple[int, int]:
     new = change.create
     assert new is not None and change.user_ref is not None
-    if sessions.find_in_tenant(conn, new.session_key, new.tenant_ref) is not None:
-        raise Stale()  # made meanwhile: the builder decides whether it is the same session
     layout_ref = namespaces.ensure_layout(conn, new.layout)
     ref = sessions.insert_session(conn, new.session_key, new.sealed_name, new.tenant_ref, change.user_ref,
                                   layout_ref, seq, stamp)
@@ -348,4 +360,4 @@ def _changed(events: list[Event], conn: Any, session_refs: Sequence[int], skip: 
 
 
 __all__ = ["Applied", "Change", "MovedSegment", "NewPage", "NewSession", "NewVersion", "Quarantined", "Room",
-           "SessionWrite", "Stale", "WrittenSegment", "apply"]
+           "SessionWrite", "Stale", "WrittenSegment", "apply", "check"]

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection
 from dss.catalog.database import chunks, now
 from dss.catalog.schema import (
     locations,
+    nodes,
     pages,
     quarantine,
     segments,
@@ -238,6 +239,19 @@ class SegmentRow(NamedTuple):
     size: int
     newest: int
     is_pinned: bool
+
+
+def disk_nodes(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, str]:
+    """For each of these pages that some node's disk holds, that node's id (the catalog keeps
+    one disk copy of a page in the fleet)."""
+    out: dict[bytes, str] = {}
+    for part in chunks(page_ids):
+        rows = conn.execute(select(locations.c.page_id, nodes.c.node_id)
+                            .join(segments, segments.c.id == locations.c.segment_ref)
+                            .join(nodes, nodes.c.id == segments.c.node_ref)
+                            .where(locations.c.page_id.in_(part), locations.c.tier == "disk"))
+        out.update({bytes(page_id): node_id for page_id, node_id in rows})
+    return out
 
 
 def tier_bytes(conn: Connection, tier: str, node_ref: int) -> int:

@@ -1,4 +1,4 @@
-"""``dss serve`` and ``dss keys``: the service's commands, added to the ``dss`` command line.
+"""``dss serve``, ``dss route`` and ``dss keys``: the service's commands, added to the ``dss`` command line.
 
 :func:`register` is called by :mod:`dss.cli.main`. FastAPI and uvicorn are imported only when
 ``dss serve`` runs, so every other command works without the ``server`` extra.
@@ -145,8 +145,68 @@ def keys_remove(ctx: click.Context, key_id: str, home: str | None, config_file: 
     click.echo(f"removed key {entry.key_id} of tenant {entry.tenant_id!r}")
 
 
+@click.command()
+@click.option("--backend", "backends", multiple=True, required=True, metavar="NODE=URL",
+              help="A vLLM OpenAI-compatible server and its node id, e.g. node-a=http://10.0.0.5:8000 (repeat).")
+@click.option("--policy", type=click.Choice(["kv", "hash", "round_robin"]), default="kv", show_default=True,
+              help="kv: the node holding most of the session's pages; hash: consistent hashing with bounded load.")
+@_home_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8078, type=int, show_default=True, help="Port.")
+@click.option("--load-factor", default=2.0, type=float, show_default=True,
+              help="Most requests in flight on one node, as a multiple of the mean.")
+@click.option("--health-interval", default=1.0, type=float, show_default=True, help="Seconds between health checks.")
+@click.option("--no-store", is_flag=True, help="Do not open the store (kv routes by the router's memory only).")
+@click.option("--dry-run", is_flag=True, help="Check the settings and the store, say what would run, and exit.")
+@click.option("--log-level", default="info", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              show_default=True, help="Log level.")
+@click.pass_context
+def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: str | None, host: str, port: int,
+          load_factor: float, health_interval: float, no_store: bool, dry_run: bool, log_level: str) -> None:
+    """Proxy vLLM's OpenAI API (/v1/completions, /v1/chat/completions), sending each session
+    to the node that holds its KV; fails over when a backend dies."""
+    from pydantic import ValidationError
+
+    try:
+        from dss.service.router import RouterConfig, StoreHoldings, parse_backends, serve_router
+    except ModuleNotFoundError as exc:
+        _fail(f"dss route needs the server extra ({exc.name} is missing): pip install 'dss-store[server]'")
+        return
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = RouterConfig(backends=parse_backends(backends), policy=policy, host=host, port=port,
+                              load_factor=load_factor, health_interval_s=health_interval)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        _fail(f"ConfigError: invalid router configuration: {problems}")
+        return
+    except DssError as exc:
+        _fail(f"{exc.kind}: {exc}")
+        return
+    store = None
+    try:
+        if policy == "kv" and not no_store:
+            from dss.store import Store
+
+            parent = ctx.find_root().obj
+            store = Store(load_config(home or getattr(parent, "home", None),
+                                      catalog_url=getattr(parent, "catalog_url", None)))
+        if dry_run:
+            where = f"store {store.config.home}: {store.count_sessions()} sessions" if store is not None else "no store"
+            click.echo(f"dss route ({policy}) on http://{host}:{port} in front of "
+                       f"{', '.join(f'{n}={u}' for n, u in config.backends)}; {where}")
+            return
+        serve_router(config, StoreHoldings(store) if store is not None else None, log_level=log_level)
+    except DssError as exc:
+        _fail(f"{exc.kind}: {exc}")
+    finally:
+        if store is not None:
+            store.close()
+
+
 def register(group: click.Group) -> None:
-    """Add ``serve`` and ``keys`` to the ``dss`` command group."""
+    """Add ``serve``, ``route`` and ``keys`` to the ``dss`` command group."""
     group.add_command(serve)
+    group.add_command(route)
     group.add_command(keys)
 

@@ -49,6 +49,8 @@ class StoreConfig(BaseModel):
     master_key: SecretStr | None = Field(None, description="The master key as 64 hex digits (instead of a file).")
     encrypt: bool = Field(True, description="Seal pages and token histories at rest; off only for benchmarks.")
     fsync: bool = Field(True, description="fsync page files and the catalog; turn off only for throwaway stores.")
+    group_commit: bool = Field(True, description="Concurrent writes of this process share one catalog "
+                               "transaction and one round of fsyncs; each returns once the group is durable.")
     segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
     host_read_gbps: float = Field(8.0, gt=0, allow_inf_nan=False,
                                   description="Estimated host-tier load bandwidth, GB/s.")
@@ -195,6 +197,7 @@ _ENV = {
     "DSS_ENCRYPT": "encrypt",
     "DSS_FSYNC": "fsync",
     "DSS_SEGMENT_BYTES": "segment_bytes",
+    "DSS_GROUP_COMMIT": "group_commit",
     "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",
     "DSS_SQL_TIMEOUT_S": "sql_timeout_s",
     "DSS_SQL_URL": "sql_url",

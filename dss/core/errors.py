@@ -156,3 +156,14 @@ class CatalogUnavailable(InternalError):
     """The catalog database cannot be reached or used (connection refused, locked, disk I/O)."""
 
     status = 503
+
+
+class NoBackend(Unavailable):
+    """The router has no healthy backend to send a request to; retry once one is back."""
+
+
+class BackendFailed(Unavailable):
+    """The backend a request was sent to failed after the response began (it cannot be retried
+    elsewhere): the router cuts the response off with it."""
+
+    status = 502

@@ -102,13 +102,17 @@ class DiskTier(DurableTier):
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, pages: Iterable[tuple[PageId, int, Any, int]]) -> tuple[str, int, list[Located]]:
+    def write(self, pages: Iterable[tuple[PageId, int, Any, int]], *,
+              publish: bool = True) -> tuple[str, int, list[Located]]:
         """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
 
         The records go out with one ``writev`` per :data:`IO_PAGES` of them (no copy into a
         buffer), each issued by the helper thread while the next ones are taken from
         ``pages`` (which may be produced lazily: sealed as they are asked for) and written
         back to the disk right away, then one ``fsync`` of the file and one of the folder.
+        ``publish=False`` skips the folder's fsync: the rename is durable only once
+        :meth:`publish` ran (group commit fsyncs the folder once for a whole group), and
+        until then a crash may lose the file, which nothing refers to yet.
         """
         name = f"{self.writer}-{next(self._counter):010d}.seg"
         self._in_flight.add(name)
@@ -148,7 +152,8 @@ class DiskTier(DurableTier):
             raise
         os.close(fd)
         os.rename(tmp, self.segments_dir / name)
-        self._sync_dir(self.segments_dir)
+        if publish:
+            self._sync_dir(self.segments_dir)
         return name, offset, locations
 
     def _write_parts(self, fd: int, parts: list[Any], records: int, start: int, length: int) -> None:
@@ -161,6 +166,10 @@ class DiskTier(DurableTier):
         write_all(fd, parts)
         if self.fsync and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+
+    def publish(self) -> None:
+        """Make the renames of segments written with ``publish=False`` durable (fsync the folder)."""
+        self._sync_dir(self.segments_dir)
 
     def remove(self, segments: Iterable[str]) -> None:
         """Delete segments (absent ones are ignored), then fsync the directory."""
