@@ -11,13 +11,7 @@ whose erasure was acknowledged must be gone.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,43 +19,20 @@ import pytest
 import dss
 from tests.conftest import _pg_schema
 from tests.crash_child import LAYOUT, digest, payload
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.victims import kill_after
 
 
 def run_and_kill(folder: Path, url: str, seed: int, delay: float) -> tuple[list[tuple[int, int, str]], list[str]]:
     """Start the victim; once it has erased a user, open and close the store here; SIGKILL the
     victim ``delay`` seconds later; return its acknowledged commits and erased users."""
-    child = subprocess.Popen([sys.executable, "-m", "tests.crash_child", str(folder), url, str(seed)],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    erased = threading.Event()
-
-    def pump() -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            if line.startswith("forgot "):
-                erased.set()
-            lines.append(line)
-
-    reader = threading.Thread(target=pump)
-    reader.start()
-    if not erased.wait(60):
-        child.kill()
-        reader.join()
-        raise AssertionError(f"victim never erased a user: {child.stderr.read() if child.stderr else ''}")
-    dss.open(folder, catalog_url=None if url == "-" else url).close()
-    time.sleep(delay)
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    reader.join()
-    assert child.returncode == -signal.SIGKILL, child.stderr.read() if child.stderr else ""
+    lines = kill_after("crash_child", [str(folder), url, str(seed)], "forgot ", delay,
+                       before=lambda: dss.open(folder, catalog_url=None if url == "-" else url).close())
     acks, forgotten = [], []
     for line in lines:
         parts = line.split()
-        if line.endswith("\n") and len(parts) == 4 and parts[0] == "ack":
+        if len(parts) == 4 and parts[0] == "ack":
             acks.append((int(parts[1]), int(parts[2]), parts[3]))
-        if line.endswith("\n") and len(parts) == 2 and parts[0] == "forgot":
+        if len(parts) == 2 and parts[0] == "forgot":
             forgotten.append(parts[1])
     return acks, forgotten
 

@@ -7,13 +7,7 @@ commit of every round so far must be there with its exact tokens and pages.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,40 +15,17 @@ import pytest
 import dss
 from tests.conftest import _pg_schema
 from tests.crash_child import LAYOUT, digest, payload
+from tests.victims import kill_after
 
-ROOT = Path(__file__).resolve().parents[1]
 THREADS = 16
 
 
 def run_and_kill(folder: Path, url: str, round_: int, delay: float) -> list[tuple[str, int, int, str]]:
     """Start the victim, SIGKILL it ``delay`` seconds after it is ready; return its acknowledged commits."""
-    child = subprocess.Popen([sys.executable, "-m", "tests.group_crash_child", str(folder), url, str(round_),
-                              str(THREADS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            if line == "ready\n":
-                ready.set()
-            lines.append(line)
-
-    reader = threading.Thread(target=pump)
-    reader.start()
-    if not ready.wait(60):
-        child.kill()
-        reader.join()
-        raise AssertionError(f"victim never got ready: {child.stderr.read() if child.stderr else ''}")
-    time.sleep(delay)
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    reader.join()
-    assert child.returncode == -signal.SIGKILL, child.stderr.read() if child.stderr else ""
     acks = []
-    for line in lines:
+    for line in kill_after("group_crash_child", [str(folder), url, str(round_), str(THREADS)], "ready", delay):
         parts = line.split()
-        if line.endswith("\n") and len(parts) == 5 and parts[0] == "ack":
+        if len(parts) == 5 and parts[0] == "ack":
             acks.append((parts[1], int(parts[2]), int(parts[3]), parts[4]))
     return acks
 

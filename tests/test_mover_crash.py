@@ -7,52 +7,21 @@ there, the pinned version's pages read back byte-exact, no read returns wrong by
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import _pg_schema
 from tests.mover_child import LAYOUT, digest, open_store, payload
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.victims import kill_after
 
 
 def run_and_kill(folder: Path, url: str, seed: int, delay: float) -> list[tuple[str, int, str]]:
-    child = subprocess.Popen([sys.executable, "-m", "tests.mover_child", str(folder), url, str(seed)],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            if line.startswith("ready"):
-                ready.set()
-            lines.append(line)
-
-    reader = threading.Thread(target=pump)
-    reader.start()
-    if not ready.wait(60):
-        child.kill()
-        reader.join()
-        raise AssertionError(f"the victim never got ready: {child.stderr.read() if child.stderr else ''}")
-    time.sleep(delay)
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    reader.join()
-    assert child.returncode == -signal.SIGKILL, child.stderr.read() if child.stderr else ""
     acks = []
-    for line in lines:
+    for line in kill_after("mover_child", [str(folder), url, str(seed)], "ready", delay):
         parts = line.split()
-        if line.endswith("\n") and len(parts) == 4 and parts[0] == "ack":
+        if len(parts) == 4 and parts[0] == "ack":
             acks.append((parts[1], int(parts[2]), parts[3]))
     return acks
 

@@ -19,7 +19,6 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 
 import dss
 from dss.core.crypto import OVERHEAD

@@ -148,8 +148,11 @@ def test_preempted_requests_with_loads_and_saves_in_flight_keep_their_outputs(mo
     assert paused and all("growing" in trace[i] for i in paused)
     assert tokens_out(done["growing"]) == ref["growing"]
     assert tokens_out(done["loading"]) == ref["loading"]
-    # 256 tokens from disk at first; after the preemption, the pages it had saved meanwhile
-    assert done["loading"].kv_transfer_params["dss"]["loaded_tokens"] > 256
+    # 256 tokens from disk at first; after the preemption, those again, plus the pages it had
+    # saved meanwhile whose writes landed before it was admitted again (a race: the rest is
+    # recomputed, never wrong)
+    loaded = done["loading"].kv_transfer_params["dss"]["loaded_tokens"]
+    assert loaded >= 256 and loaded % 32 == 0
     assert metrics["loaded_tokens_disk"] >= 256 and metrics.get("failed_pages", 0) == 0
     with dss.open(store_path) as store:
         assert store.check() == []
