@@ -29,10 +29,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from dss.catalog import pages
+from dss.catalog import compaction as rows
 from dss.catalog.change import Change, MovedSegment, Quarantined
+from dss.catalog.compaction import LiveRecord, SegmentUsage
 from dss.catalog.database import Catalog
-from dss.catalog.pages import LiveRecord, SegmentUsage
 from dss.tiers.base import ReadRequest
 from dss.tiers.disk import HEADER_BYTES, DiskTier
 from dss.core.types import PageId
@@ -103,7 +103,7 @@ class Compactor:
 
     def usage(self, refs: Sequence[int] | None = None) -> list[SegmentUsage]:
         with self.catalog.read() as conn:
-            return pages.segment_usage(conn, "disk", self.node_ref, refs)
+            return rows.segment_usage(conn, "disk", self.node_ref, refs)
 
     def has_sparse(self, refs: Sequence[int] | None = None) -> bool:
         """Whether some segment (of ``refs``, if given) is sparse (one catalog read)."""
@@ -137,7 +137,7 @@ class Compactor:
         names = {s.ref: s.name for s in group}
         user_ref = group[0].user_ref
         with self.catalog.read() as conn:
-            records = pages.live_records(conn, list(names))
+            records = rows.live_records(conn, list(names))
         requests = [ReadRequest(names[r.segment_ref], r.offset, r.length, PageId(r.page_id), r.checksum)
                     for r in records]
         found, failures = self.disk.read(requests)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from dss.catalog import feed, namespaces, pages, sessions
+from dss.catalog import compaction, feed, namespaces, pages, sessions
 from dss.catalog.database import Tx, now
 from dss.catalog.feed import Event, PagesDropped, PagesEvicted, PagesStored, SessionChanged
 from dss.catalog.pages import PageRecord
@@ -108,7 +108,7 @@ class MovedSegment(NamedTuple):
     node_ref: int
     user_ref: int
     size: int
-    moves: tuple[tuple[pages.LiveRecord, int], ...]
+    moves: tuple[tuple[compaction.LiveRecord, int], ...]
 
 
 class Room(NamedTuple):
@@ -329,7 +329,7 @@ def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Ev
     """Record pages that failed verification and drop them from the catalog."""
     if not bad:
         return []
-    bad = pages.still_located(conn, bad)  # a page compaction moved meanwhile was read from its old file
+    bad = compaction.still_located(conn, bad)  # a page compaction moved meanwhile was read from its old file
     if not bad:
         return []
     for q in bad:
@@ -346,7 +346,7 @@ def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Ev
 def _move(conn: Any, seq: int, moved: Sequence[MovedSegment], events: list[Event], dead: list[str]) -> None:
     """Point pages at their copies in compacted segments (those not dropped or moved meanwhile)."""
     for segment in moved:
-        records, emptied = pages.relocate(conn, segment.name, segment.tier, segment.node_ref, segment.user_ref,
+        records, emptied = compaction.relocate(conn, segment.name, segment.tier, segment.node_ref, segment.user_ref,
                                           segment.size, segment.moves, seq)
         dead += emptied
         if records:

@@ -11,7 +11,7 @@ process that falls further behind reloads everything.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Union
+from typing import NamedTuple, Union
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Connection
@@ -19,8 +19,6 @@ from sqlalchemy.engine import Connection
 from dss.catalog.pages import PageRecord
 from dss.catalog.schema import catalog_seq, feed
 
-if TYPE_CHECKING:
-    from dss.catalog.change import SessionWrite
 
 KEPT = 100_000
 """How many feed rows survive pruning; a process further behind reloads everything."""
@@ -33,8 +31,9 @@ class SessionChanged(NamedTuple):
 
     session_ref: int
     user_ref: int
-    own: SessionWrite | None = None
-    """The write in detail (only in the process that made it)."""
+    own: object | None = None
+    """The write in detail, a :class:`dss.catalog.change.SessionWrite` (only in the process
+    that made it; opaque here, so the feed does not import the module that writes it)."""
 
     def rows(self, seq: int) -> list[dict]:
         return [_row(seq, "session", self.user_ref, session_ref=self.session_ref)]
