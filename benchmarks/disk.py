@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import dss
+import pagecache
 from progress import track
 
 PAGE_TOKENS = 16
@@ -135,21 +136,13 @@ def build_long_session(store: dss.Store, num_tokens: int) -> None:
         store.commit("long", tokens[:end], {i: payload(1, i) for i in range(first, end // PAGE_TOKENS)})
 
 
-def drop_cache(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def child_read(folder: Path, keys: Path, encrypt: bool, num_tokens: int) -> dict[str, float]:
     """In a fresh process: empty the page cache of the store's files, then read the long session."""
     store = open_store(folder, keys, encrypt)
     try:
-        drop_cache(sorted((folder / "segments").iterdir()))
+        pagecache.drop(sorted((folder / "segments").iterdir()))
         tokens = tokens_of(1, num_tokens)
         start = time.perf_counter()
         result = store.resume("long", tokens)
@@ -167,7 +160,7 @@ def child_read(folder: Path, keys: Path, encrypt: bool, num_tokens: int) -> dict
 def child_direct(folder: Path) -> dict[str, float]:
     """In a fresh process: empty the page cache of the files, then read them sequentially."""
     files = sorted((folder / "segments").iterdir())
-    drop_cache(files)
+    pagecache.drop(files)
     total = 0
     start = time.perf_counter()
     for path in files:

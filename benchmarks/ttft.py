@@ -61,6 +61,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pagecache
 from progress import track
 
 BLOCK = 32
@@ -125,14 +126,7 @@ def expected_hit(n: int) -> int:
 
 def drop_page_cache(folder: Path) -> None:
     """Ask the kernel to forget the cached pages of every file under ``folder``."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    pagecache.drop(path for path in folder.rglob("*") if path.is_file())
 
 
 def timed(label: str, llm: Any, tokens: list[int], session: str | None, want_cached: int,
