@@ -136,8 +136,6 @@ def build_long_session(store: dss.Store, num_tokens: int) -> None:
         store.commit("long", tokens[:end], {i: payload(1, i) for i in range(first, end // PAGE_TOKENS)})
 
 
-
-
 def child_read(folder: Path, keys: Path, encrypt: bool, num_tokens: int) -> dict[str, float]:
     """In a fresh process: empty the page cache of the store's files, then read the long session."""
     store = open_store(folder, keys, encrypt)
