@@ -149,12 +149,6 @@ class Mover:
                 pages.record_policy(conn, self.process, rows)
         self._recorded = time.monotonic()
 
-    def over_high(self) -> bool:
-        """Whether host is past its high mark (cheap; the disk is checked in :meth:`run`)."""
-        host = self.pages.host
-        high, _ = policy.watermarks(self.placement.settings, "host", host.capacity_bytes)
-        return host.used_bytes > high
-
     def run(self) -> dict[str, int]:
         """One pass: demote host, then evict disk, each down to its low mark if past its high
         mark. Returns the pages moved per tier."""

@@ -41,13 +41,6 @@ def find_user(conn: Connection, tenant_id: str, user_id: str) -> int | None:
         tenants.c.tenant_id == tenant_id, users.c.user_id == user_id)).scalar()
 
 
-def find_namespace(conn: Connection, tenant_id: str, user_id: str) -> tuple[int, int] | None:
-    """``(tenant_ref, user_ref)`` of ``(tenant_id, user_id)``, or ``None``."""
-    row = conn.execute(select(users.c.tenant_ref, users.c.id).join(tenants, tenants.c.id == users.c.tenant_ref)
-                       .where(tenants.c.tenant_id == tenant_id, users.c.user_id == user_id)).first()
-    return (row[0], row[1]) if row else None
-
-
 def tenant_of(conn: Connection, user_ref: int) -> str | None:
     return conn.execute(select(tenants.c.tenant_id).join(users, users.c.tenant_ref == tenants.c.id)
                         .where(users.c.id == user_ref)).scalar()

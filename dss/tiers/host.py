@@ -119,9 +119,6 @@ class HostTier(CacheTier):
         payload = self._pages.get(page_id)
         return len(payload) if payload is not None else 0
 
-    def owner_of(self, page_id: PageId) -> Owner | None:
-        return self._owner.get(page_id)
-
     def check(self) -> list[str]:
         """Problems with the tier's own accounting (empty when sound)."""
         problems = []
