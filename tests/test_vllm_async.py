@@ -92,8 +92,12 @@ def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(model: Path
         steps = [step(llm, done)]
         while "long" not in done:
             steps.append(step(llm, done))
-        # every step until it finished, the decoders each produced a token
-        assert all({"d0", "d1", "d2"} <= set(s) for s in steps)
+        # every step until it finished, each decoder produced a token, until it had all 40 (a
+        # slow load may outlast them: then the last steps are the long request's alone)
+        produced = {"d0": 2, "d1": 2, "d2": 2}
+        for s in steps:
+            assert {d for d, n in produced.items() if n < 40} <= set(s), (produced, s)
+            produced.update({d: n for d, n in s.items() if d in produced})
         assert [s["long"] for s in steps if "long" in s] == list(range(1, 9))
         assert read_metrics(llm)["loaded_tokens_disk"] == 576
         while len(done) < 4:
