@@ -315,19 +315,19 @@ class Placement:
         quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
         ``None``: it stays out (over a quota by itself, or held pages fill the room)."""
         s = self.settings
-        candidates = host.candidates()
         chosen: list[PageId] = []
         taken: set[PageId] = set()
         freed_user = 0
-        sizes = {c[0]: c[1] for c in candidates}
 
         def take(to_free: int, accept: Callable[[Owner | None], bool] | None) -> int:
-            pool = [c for c in candidates if c[0] not in taken]
+            # every page of the tier is listed only here, when a quota is exceeded: a put that
+            # fits costs O(1), not O(pages held)
+            pool = [c for c in host.candidates() if c[0] not in taken]
             got = 0
             for page_id in self.host_victims(pool, to_free, accept):
                 chosen.append(page_id)
                 taken.add(page_id)
-                got += sizes[page_id]
+                got += host.size_of(page_id)
             return got
 
         if owner is not None and s.host_user_quota:
@@ -346,7 +346,7 @@ class Placement:
                 freed_tenant = take(over, lambda o: o is not None and o[0] == owner[0])
                 if freed_tenant < over:
                     return None
-        freed = sum(sizes[p] for p in chosen)
+        freed = sum(host.size_of(p) for p in chosen)
         need = host.used_bytes - freed + size - host.capacity_bytes
         if need > 0:
             got = self.next_victims(host, need, taken)
@@ -365,7 +365,7 @@ class Placement:
         chosen: list[PageId] = []
         held = self.held
         if self.is_lru:
-            for page_id, page_size, _ in host.candidates():
+            for page_id, page_size in host.oldest():
                 if need <= 0:
                     break
                 if page_id not in held and page_id not in exclude:

@@ -10,7 +10,7 @@ tenant for the policy's quotas. Thread safety is the caller's (the store seriali
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from dss.core.types import PageId
 from dss.tiers.base import CacheTier
@@ -113,6 +113,12 @@ class HostTier(CacheTier):
         """``(page_id, size, owner)`` of every page held, least recently used first."""
         owners = self._owner
         return [(p, len(data), owners.get(p)) for p, data in self._pages.items()]
+
+    def oldest(self) -> Iterator[tuple[PageId, int]]:
+        """``(page_id, size)`` of the pages held, least recently used first, lazily (do not
+        change the tier while iterating)."""
+        for page_id, data in self._pages.items():
+            yield page_id, len(data)
 
     def size_of(self, page_id: PageId) -> int:
         """Bytes of a page held (0 when absent)."""
