@@ -84,11 +84,14 @@ class NamespaceForgotten(NamedTuple):
 Event = Union[SessionChanged, PagesStored, PagesDropped, PagesEvicted, NamespaceForgotten]
 
 
+_INSERT_FEED = insert(feed)
+
+
 def record(conn: Connection, seq: int, events: Sequence[Event]) -> None:
     """Write the feed rows of ``events`` for transaction ``seq`` (without their detail)."""
     rows = [row for event in events for row in event.rows(seq)]
     if rows:
-        conn.execute(insert(feed), rows)
+        conn.execute(_INSERT_FEED, rows)
     if seq % PRUNE_EVERY == 0:
         _prune(conn)
 

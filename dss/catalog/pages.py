@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from sqlalchemy import ColumnElement, Select, and_, case, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, Select, and_, bindparam, case, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import chunks, now
@@ -28,6 +28,28 @@ from dss.catalog.schema import (
     tier_totals,
     users,
 )
+
+
+# The statements every commit runs, built once: building and keying a statement costs more
+# than executing it (SQLAlchemy memoizes a statement object's cache key, not an equal one's).
+_EXISTING = select(pages.c.page_id).where(pages.c.page_id.in_(bindparam("ids", expanding=True)))
+_INSERT_SEGMENT = insert(segments)
+_INSERT_PAGES = insert(pages)
+_INSERT_LOCATIONS = insert(locations)
+_INSERT_HOLDS = insert(session_pages)
+_COUNT_TIER = (update(tier_totals)
+               .where(tier_totals.c.tier == bindparam("t_tier"), tier_totals.c.node_ref == bindparam("t_node"))
+               .values(bytes=tier_totals.c.bytes + bindparam("t_bytes"),
+                       num_segments=tier_totals.c.num_segments + bindparam("t_num")))
+_TIER_BYTES = select(tier_totals.c.bytes).where(tier_totals.c.tier == bindparam("tier"),
+                                                tier_totals.c.node_ref == bindparam("node_ref"))
+_RETAG = (update(session_pages)
+          .where(session_pages.c.session_ref == bindparam("s_ref"), session_pages.c.version_ref == bindparam("old"))
+          .values(version_ref=bindparam("new")))
+_TOUCH = (update(session_pages)
+          .where(session_pages.c.session_ref == bindparam("s_ref"),
+                 session_pages.c.page_id.in_(bindparam("ids", expanding=True)))
+          .values(version_ref=bindparam("new")))
 
 
 class PageRecord(NamedTuple):
@@ -79,7 +101,7 @@ def pages_by_id(conn: Connection, page_ids: Sequence[bytes], node_ref: int) -> l
 def existing_pages(conn: Connection, page_ids: Sequence[bytes]) -> set[bytes]:
     found: set[bytes] = set()
     for part in chunks(page_ids):
-        found.update(bytes(r[0]) for r in conn.execute(select(pages.c.page_id).where(pages.c.page_id.in_(part))))
+        found.update(bytes(r[0]) for r in conn.execute(_EXISTING, {"ids": list(part)}))
     return found
 
 
@@ -97,12 +119,11 @@ def page_owners(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, tupl
 def insert_segment(conn: Connection, name: str, tier: str, node_ref: int, user_ref: int, size: int,
                    page_rows: list[dict], location_rows: list[dict]) -> None:
     """Record a segment file of node ``node_ref`` and the pages it holds (``segment_ref`` is filled in)."""
-    ref = int(conn.execute(insert(segments).values(
-        name=name, tier=tier, node_ref=node_ref, user_ref=user_ref, size=size, created_at=now())
-    ).inserted_primary_key[0])
+    ref = int(conn.execute(_INSERT_SEGMENT, {"name": name, "tier": tier, "node_ref": node_ref, "user_ref": user_ref,
+                                             "size": size, "created_at": now()}).inserted_primary_key[0])
     count_tier(conn, tier, node_ref, size, 1)
-    conn.execute(insert(pages), page_rows)
-    conn.execute(insert(locations), [{**row, "segment_ref": ref} for row in location_rows])
+    conn.execute(_INSERT_PAGES, page_rows)
+    conn.execute(_INSERT_LOCATIONS, [{**row, "segment_ref": ref} for row in location_rows])
 
 
 def delete_segments(conn: Connection, where: ColumnElement[bool]) -> list[str]:
@@ -118,9 +139,7 @@ def delete_segments(conn: Connection, where: ColumnElement[bool]) -> list[str]:
 
 def count_tier(conn: Connection, tier: str, node_ref: int, size: int, num: int) -> None:
     """Add ``size`` bytes and ``num`` segments to node ``node_ref``'s running total of a tier."""
-    where = and_(tier_totals.c.tier == tier, tier_totals.c.node_ref == node_ref)
-    updated = conn.execute(update(tier_totals).where(where).values(
-        bytes=tier_totals.c.bytes + size, num_segments=tier_totals.c.num_segments + num)).rowcount
+    updated = conn.execute(_COUNT_TIER, {"t_tier": tier, "t_node": node_ref, "t_bytes": size, "t_num": num}).rowcount
     if not updated:
         conn.execute(insert(tier_totals).values(tier=tier, node_ref=node_ref, bytes=size, num_segments=num))
 
@@ -192,22 +211,18 @@ def hold(conn: Connection, session_ref: int, page_ids: Iterable[bytes], version_
     rows = [{"session_ref": session_ref, "page_id": p, "version_ref": version_id, "pinned": p in pinned}
             for p in page_ids]
     if rows:
-        conn.execute(insert(session_pages), rows)
+        conn.execute(_INSERT_HOLDS, rows)
 
 
 def retag(conn: Connection, session_ref: int, old_version: int, version_id: int) -> None:
     """Move every page of the session whose newest version is ``old_version`` to ``version_id``."""
-    conn.execute(update(session_pages).where(session_pages.c.session_ref == session_ref,
-                                             session_pages.c.version_ref == old_version)
-                 .values(version_ref=version_id))
+    conn.execute(_RETAG, {"s_ref": session_ref, "old": old_version, "new": version_id})
 
 
 def touch(conn: Connection, session_ref: int, page_ids: Sequence[bytes], version_id: int) -> None:
     """Mark ``version_id`` as the newest version of the session containing these pages."""
     for part in chunks(page_ids):
-        conn.execute(update(session_pages).where(session_pages.c.session_ref == session_ref,
-                                                 session_pages.c.page_id.in_(part))
-                     .values(version_ref=version_id))
+        conn.execute(_TOUCH, {"s_ref": session_ref, "ids": list(part), "new": version_id})
 
 
 def set_pinned_pages(conn: Connection, session_ref: int, page_ids: Sequence[bytes], pinned: bool) -> None:
@@ -257,8 +272,7 @@ def disk_nodes(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, str]:
 
 def tier_bytes(conn: Connection, tier: str, node_ref: int) -> int:
     """Bytes of every segment file of a node's tier, the space it occupies (from the running total)."""
-    return int(conn.execute(select(tier_totals.c.bytes).where(tier_totals.c.tier == tier,
-                                                              tier_totals.c.node_ref == node_ref)).scalar() or 0)
+    return int(conn.execute(_TIER_BYTES, {"tier": tier, "node_ref": node_ref}).scalar() or 0)
 
 
 def tier_segments(conn: Connection, tier: str, node_ref: int) -> list[SegmentRow]:

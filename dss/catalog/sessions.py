@@ -12,13 +12,21 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import aware, chunks
 from dss.catalog.namespaces import stored_layout
 from dss.catalog.schema import layouts, sessions, tenants, users, versions
 from dss.core.types import Layout
+
+
+# Statements every commit runs, built once (see dss.catalog.pages).
+_SEQ_OF = select(sessions.c.seq).where(sessions.c.id == bindparam("ref"))
+_INSERT_VERSION = insert(versions)
+_STAMP = update(sessions).where(sessions.c.id == bindparam("ref")).values(seq=bindparam("seq"),
+                                                                          last_access=bindparam("stamp"))
+_STAMP_HEAD = _STAMP.values(head_id=bindparam("head"))
 
 
 class SessionRecord(NamedTuple):
@@ -97,7 +105,7 @@ def session_by_ref(conn: Connection, ref: int) -> SessionRecord | None:
 
 def seq_of(conn: Connection, ref: int) -> int | None:
     """The sequence number of the last transaction that changed the session (``None``: gone)."""
-    return conn.execute(select(sessions.c.seq).where(sessions.c.id == ref)).scalar()
+    return conn.execute(_SEQ_OF, {"ref": ref}).scalar()
 
 
 def owners(conn: Connection, session_refs: Sequence[int]) -> list[tuple[int, int]]:
@@ -143,10 +151,10 @@ def insert_session(conn: Connection, session_key: bytes, sealed_name: bytes, ten
 def stamp_session(conn: Connection, session_ref: int, seq: int, stamp: dt.datetime,
                   head_id: int | None = None) -> None:
     """Mark a session changed by transaction ``seq`` at ``stamp`` (and move its head, if given)."""
-    values: dict = {"seq": seq, "last_access": stamp}
-    if head_id is not None:
-        values["head_id"] = head_id
-    conn.execute(update(sessions).where(sessions.c.id == session_ref).values(**values))
+    if head_id is None:
+        conn.execute(_STAMP, {"ref": session_ref, "seq": seq, "stamp": stamp})
+    else:
+        conn.execute(_STAMP_HEAD, {"ref": session_ref, "seq": seq, "stamp": stamp, "head": head_id})
 
 
 def delete_session_rows(conn: Connection, session_ref: int) -> None:
@@ -180,10 +188,10 @@ def insert_version(conn: Connection, session_ref: int, parent_id: int | None, ba
                    num_tokens: int, suffix: bytes, sealed_label: bytes | None, sealed: bool,
                    stamp: dt.datetime) -> int:
     """Insert a version row made at ``stamp``; return its id."""
-    return int(conn.execute(insert(versions).values(
-        session_ref=session_ref, parent_id=parent_id, base_id=base_id, base_len=base_len, num_tokens=num_tokens,
-        suffix=suffix, label=sealed_label, pinned=False, created_at=stamp, sealed=sealed,
-    )).inserted_primary_key[0])
+    return int(conn.execute(_INSERT_VERSION, {
+        "session_ref": session_ref, "parent_id": parent_id, "base_id": base_id, "base_len": base_len,
+        "num_tokens": num_tokens, "suffix": suffix, "label": sealed_label, "pinned": False, "created_at": stamp,
+        "sealed": sealed}).inserted_primary_key[0])
 
 
 def set_pinned(conn: Connection, version_id: int, pinned: bool) -> None:
