@@ -329,6 +329,17 @@ def redis_client(url: str) -> Any:
     return redis_py.Redis.from_url(url)
 
 
+def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` (on every master of a cluster): a test's keys, after it."""
+    client = redis_client(url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
 def _is_free(port: int) -> bool:
     with socket.socket() as sock:
         try:

@@ -3,8 +3,9 @@
 Every test runs real servers: the suite's PostgreSQL (a fresh schema per test) and Redis (a
 key prefix of its own per test; the restart test starts a Redis of its own on a free port, so
 stopping it disturbs nobody). Tests of the remote tier run twice: on the single Redis and on
-a three-master Redis Cluster (``remote_url``, see ``tests/conftest.py``). Nodes are :mod:`tests.fleet_child` processes; where a test
-needs to look inside a node, the node is a store opened in this process.
+a three-master Redis Cluster (``remote_url``, see ``tests/conftest.py``). Nodes are
+:mod:`tests.fleet_child` processes; where a test needs to look inside a node, the node is a
+store opened in this process.
 """
 
 from __future__ import annotations
@@ -87,11 +88,7 @@ def prefix(remote_url: str) -> Iterator[str]:
     """A key prefix of this test's own in the test's Redis (its keys are deleted afterwards)."""
     value = f"t{uuid.uuid4().hex[:10]}:"
     yield value
-    client = servers.redis_client(remote_url)
-    keys = list(client.scan_iter(match=f"{value}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    servers.delete_prefix(remote_url, value)
 
 
 ON_REDIS_ONLY = pytest.mark.parametrize("remote_url", ["redis"], indirect=True)
@@ -554,7 +551,7 @@ def test_a_deletion_redis_cannot_take_now_never_fails_the_write(tmp_path: Path, 
         assert a.remote is not None and a.remote.flush()
         client = redis.Redis(port=own_redis.port)
         assert client.dbsize() == 3
-        client.client_pause(4000, all=False)  # writes wait 4 s; reads go on
+        client.client_pause(3000, all=False)  # writes wait 3 s; reads go on
         assert a.delete_session("s") == 3
         assert wait_for(lambda: a.remote is not None and a.remote.errors["delete"] >= 1, 3.0)
         assert client.dbsize() == 3 and a.remote.errors["put"] == 0

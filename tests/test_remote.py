@@ -27,11 +27,7 @@ def tier(remote_url: str) -> Iterator[RemoteTier]:
     tier = RemoteTier(remote_url, prefix=f"t{uuid.uuid4().hex[:10]}:", timeout_s=0.5, max_pending_bytes=1 << 20)
     yield tier
     tier.close()
-    client = servers.redis_client(remote_url)
-    keys = list(client.scan_iter(match=f"{tier.prefix}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    servers.delete_prefix(remote_url, tier.prefix)
 
 
 def tag(n: int) -> bytes:
@@ -152,8 +148,4 @@ def test_a_stopped_cluster_master_opens_the_breaker_and_the_tier_recovers(
         assert "remote tier reachable again" in messages
     finally:
         tier.close()
-        client = servers.redis_client(redis_cluster.url)
-        leftover = list(client.scan_iter(match=f"{tier.prefix}*"))
-        if leftover:
-            client.delete(*leftover)
-        client.close()
+        servers.delete_prefix(redis_cluster.url, tier.prefix)
