@@ -78,6 +78,7 @@ def remote_url(request: pytest.FixtureRequest) -> str:
         return request.getfixturevalue("redis_url")
     return request.getfixturevalue("redis_cluster").url
 
+
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
 
 

@@ -33,9 +33,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

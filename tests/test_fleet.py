@@ -517,7 +517,9 @@ def test_a_quarantined_pages_remote_key_is_deleted(tmp_path: Path, fleet_url: st
 
 def test_pages_a_full_disk_evicted_keep_their_remote_keys(tmp_path: Path, fleet_url: str, remote_url: str,
                                                           prefix: str) -> None:
-    """Eviction is one node's disk making room: its keys are left to Redis's own eviction."""
+    """Eviction is one node's disk making room: its pages' keys are left to Redis's own
+    eviction. (The catalog keeps one disk copy of a page in the fleet, so it drops an evicted
+    page: no node asks for that key again.)"""
     def tokens_of(k: int) -> list[int]:
         return [k * 100 + i for i in range(16)]
 

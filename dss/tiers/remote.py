@@ -220,10 +220,10 @@ class RemoteTier:
                     pipe.set(key, value)
             pipe.execute()
         except self._error as exc:
-            ops = sorted({"delete" if value is None else "put" for _, value in batch}, reverse=True)
-            for op in ops[1:]:
-                self.errors[op] += 1
-            self._failed(ops[0], exc)
+            has_writes = any(value is not None for _, value in batch)
+            if has_writes and any(value is None for _, value in batch):
+                self.errors["delete"] += 1  # the breaker counts the batch once, as a put
+            self._failed("put" if has_writes else "delete", exc)
             return False
         self._succeeded()
         return True
