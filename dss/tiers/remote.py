@@ -6,14 +6,17 @@ depends on it. What a page costs and how it is found:
 * **Keys** — ``<prefix>{<tag>}:<page id hex>``. The tag is a keyed hash of the namespace (made
   from the namespace's hash key by the caller); page ids are keyed chain hashes already. No
   tenant, user or session id appears in a key name. The braces are a Redis Cluster hash tag:
-  every page of one namespace lives in one slot, so a resume's pages are read in one ``MGET``.
+  every page of one namespace lives in one slot, so a resume's pages are read in one ``MGET``
+  (in a cluster, one ``MGET`` per namespace, pipelined to the masters at once).
 * **Values** — format ``dssr v1``: the 7-byte tag, a flags byte, the little-endian u64
   checksum (XXH3) of the stored bytes, then the stored bytes: the page sealed under its
   owner's data key exactly as in a disk segment record (so a copy in a Redis replica, an AOF
   or an RDB file is unreadable once the key is destroyed).
 * **Writes** go through a background thread: :meth:`RemoteTier.put` queues and returns; the
-  thread writes queued pages in pipelined batches. At most ``max_pending_bytes`` wait; beyond
-  that the oldest are let go (a later miss, never an error).
+  thread writes queued pages in pipelined batches. :meth:`RemoteTier.drop` queues deletions the
+  same way, in order with the writes (the keys of pages gone from every tier). At most
+  ``max_pending_bytes`` wait (a deletion counts its key's length); beyond that the oldest are
+  let go (a later miss, or a key left to Redis's own eviction; never an error).
 * **Reads** (:meth:`RemoteTier.get`) are one round trip for any number of keys; a missing
   key, a timeout or a refused connection is a miss.
 * **Failures** — every call has a time limit; after :data:`BREAKER_FAILURES` failures in a row
@@ -24,7 +27,8 @@ depends on it. What a page costs and how it is found:
   back are logged once each.
 
 Erasure needs to know: :meth:`delete` and :meth:`scan` raise :class:`RemoteUnavailable`
-instead of pretending.
+instead of pretending. In a Redis Cluster both cover every master (``DEL`` is split by slot,
+``SCAN`` walks each master to its end).
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ def page_id_of(key: str | bytes) -> bytes | None:
         return None
 
 
+def _size(item: tuple[str, bytes | None]) -> int:
+    """What a queued write (its value) or deletion (its key) counts towards ``pending_bytes``."""
+    key, value = item
+    return len(key) if value is None else len(value)
+
+
 class RemoteTier:
     """Page records in a Redis (or Redis Cluster) shared by the fleet. Thread-safe."""
 
@@ -118,7 +128,8 @@ class RemoteTier:
         self.pending_bytes = 0
         self._failures = 0
         self._open_until = 0.0
-        self._queue: deque[tuple[str, bytes]] = deque()
+        self._queue: deque[tuple[str, bytes | None]] = deque()
+        """``(key, value)`` to write, ``(key, None)`` to delete."""
         self._cond = threading.Condition()
         self._writing = False
         self._closed = False
@@ -137,24 +148,32 @@ class RemoteTier:
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Queue ``(key, value)`` pairs for the writer thread; never blocks, never raises."""
+        self._enqueue(items)
+
+    def drop(self, keys: Sequence[str]) -> None:
+        """Queue the deletion of ``keys`` for the writer thread (after the writes queued before
+        it); never blocks, never raises. A deletion that fails is retried like a write, and
+        counted in ``errors["delete"]``."""
+        self._enqueue([(key, None) for key in keys])
+
+    def _enqueue(self, items: Sequence[tuple[str, bytes | None]]) -> None:
         if not items:
             return
         with self._cond:
-            for key, value in items:
-                self._queue.append((key, value))
-                self.pending_bytes += len(value)
+            for item in items:
+                self._queue.append(item)
+                self.pending_bytes += _size(item)
             dropped = 0
             while self.pending_bytes > self.max_pending_bytes and self._queue:
-                _, value = self._queue.popleft()
-                self.pending_bytes -= len(value)
+                self.pending_bytes -= _size(self._queue.popleft())
                 dropped += 1
             if dropped:
-                log.warning("remote tier: %d queued pages not written (more than %d bytes waiting)", dropped,
+                log.warning("remote tier: %d queued writes and deletions let go (more than %d bytes waiting)", dropped,
                             self.max_pending_bytes)
             self._cond.notify_all()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued page is written (or let go); whether that happened in time."""
+        """Wait until every queued write and deletion is done (or let go); whether that happened in time."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._queue or self._writing:
@@ -171,12 +190,12 @@ class RemoteTier:
                     self._cond.wait()
                 if self._closed:
                     return
-                batch: list[tuple[str, bytes]] = []
+                batch: list[tuple[str, bytes | None]] = []
                 size = 0
-                while self._queue and (not batch or size + len(self._queue[0][1]) <= BATCH_BYTES):
+                while self._queue and (not batch or size + _size(self._queue[0]) <= BATCH_BYTES):
                     item = self._queue.popleft()
                     batch.append(item)
-                    size += len(item[1])
+                    size += _size(item)
                 self._writing = True
             ok = self._write(batch)
             with self._cond:
@@ -189,16 +208,22 @@ class RemoteTier:
             if not ok:
                 time.sleep(min(BREAKER_COOLDOWN_S, max(0.0, self._open_until - time.monotonic())) or 0.05)
 
-    def _write(self, batch: list[tuple[str, bytes]]) -> bool:
+    def _write(self, batch: list[tuple[str, bytes | None]]) -> bool:
         if not self._allowed():
             return False
         try:
             pipe = self.client.pipeline(transaction=False)
             for key, value in batch:
-                pipe.set(key, value)
+                if value is None:
+                    pipe.delete(key)
+                else:
+                    pipe.set(key, value)
             pipe.execute()
         except self._error as exc:
-            self._failed("put", exc)
+            has_writes = any(value is not None for _, value in batch)
+            if has_writes and any(value is None for _, value in batch):
+                self.errors["delete"] += 1  # the breaker counts the batch once, as a put
+            self._failed("put" if has_writes else "delete", exc)
             return False
         self._succeeded()
         return True
@@ -231,11 +256,7 @@ class RemoteTier:
         deleted = 0
         try:
             for start in range(0, len(keys), DELETE_BATCH):
-                part = list(keys[start:start + DELETE_BATCH])
-                if self.is_cluster:
-                    deleted += sum(self.client.delete(k) for k in part)
-                else:
-                    deleted += int(self.client.delete(*part))
+                deleted += int(self.client.delete(*keys[start:start + DELETE_BATCH]))  # a cluster's: by slot
         except self._error as exc:
             self._failed("delete", exc)
             raise RemoteUnavailable(f"the remote tier cannot be reached: {exc}") from None
@@ -277,7 +298,7 @@ class RemoteTier:
             log.info("remote tier reachable again")
 
     def close(self) -> None:
-        """Stop the writer thread (queued pages not yet written are let go) and disconnect."""
+        """Stop the writer thread (queued writes and deletions not yet done are let go) and disconnect."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
