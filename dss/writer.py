@@ -22,7 +22,9 @@ the group's transaction is rolled back and applied again without it; the others 
 commits, and updates this process's caches in member order. Writers that arrive
 meanwhile form the next group. No member returns before the transaction that holds its
 change committed; when the transaction fails, every member gets the error and its files are
-deleted, as a lone write's would be.
+deleted, as a lone write's would be. Making a session joins too once this process knows its
+namespace (the first session of a namespace is made with the namespace and its data key in a
+transaction of its own).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from dss.catalog import change as changes
 from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
 from dss.catalog.database import Catalog, Tx, catalog_errors
 from dss.core.crypto import Sealer
-from dss.core.errors import Conflict, DssError, SessionExists, StoreClosed, UnknownSession
+from dss.core.errors import Conflict, DssError, ErasureInProgress, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
-from dss.keys import DataKeys, ensure_namespace
+from dss.keys import DataKeys, Keys, ensure_namespace
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.pages import SEALED, PageStore
@@ -161,6 +163,9 @@ class Writer:
         self.index = index
         self.guard = guard
         self._master = master
+        self._namespaces: dict[tuple[str, str], tuple[int, int]] = {}
+        """``(tenant_id, user_id) -> (tenant_ref, user_ref)`` of namespaces this process made a
+        session in: a later session there is made in a commit group (see :meth:`create`)."""
 
     def apply(self, change: Change, files: Sequence[str] = (), *, alone: bool = False) -> Applied:
         """Write a change's segment files (outside the lock), apply it in one catalog
@@ -338,8 +343,10 @@ class Writer:
 
     def create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> SessionState:
         """The session, made if absent (idempotent for the same owner and layout), in one
-        transaction with its namespace and data key when those are new too."""
-        for _ in range(ATTEMPTS):
+        transaction with its namespace and data key when those are new too. In a namespace
+        this process has made a session in before, the change joins a commit group (the
+        transaction checks that the namespace still exists, unerased)."""
+        for attempt in range(ATTEMPTS):
             with self.guard.reading():
                 try:
                     state = self.mirror.state(session_id, tenant_id)
@@ -350,14 +357,25 @@ class Writer:
                         raise SessionExists(
                             f"session {session_id!r} exists in tenant {tenant_id!r} with another owner or layout")
                     return state
-                made = committed = False
+                known = self._namespaces.get((tenant_id, user_id)) if attempt == 0 else None
+                if known is not None:
+                    try:
+                        change = self._created(session_id, user_id, tenant_id, layout, *known, self.keys.of(known[1]))
+                    except ErasureInProgress:
+                        known = None  # its key is gone: the namespace's own transaction says why, or makes it anew
+            if known is not None:
+                try:
+                    applied = self.apply(change)
+                except Stale:
+                    continue  # made meanwhile, or the namespace was erased: look again
+                return self.state_of(applied)
+            made = committed = False
+            with self.guard.reading():
                 try:
                     with catalog_errors(), self.catalog.write() as tx:
                         tenant_ref, user_ref, made = ensure_namespace(tx.conn, tenant_id, user_id, self._master)
-                        change = versions.create(session_id, self.keys.session_key(session_id),
-                                                 self.keys.of(user_ref, tx.conn), tenant_id=tenant_id,
-                                                 tenant_ref=tenant_ref, user_id=user_id, user_ref=user_ref,
-                                                 layout=layout)
+                        change = self._created(session_id, user_id, tenant_id, layout, tenant_ref, user_ref,
+                                               self.keys.of(user_ref, tx.conn))
                         applied = changes.apply(tx, change)
                     committed = True
                 except Stale:
@@ -365,10 +383,16 @@ class Writer:
                 finally:
                     if made and not committed:
                         self.keys.forget(user_ref)  # its transaction rolled back: that key never existed
+                self._namespaces[(tenant_id, user_id)] = (tenant_ref, user_ref)
                 self._taken(change, applied)
                 state = self.mirror.sessions.get(applied.session_ref)  # type: ignore[arg-type]
                 return state if state is not None else self.state_of(applied)
         raise Conflict(f"session {session_id!r} keeps being created and deleted by other writers; try again")
+
+    def _created(self, session_id: str, user_id: str, tenant_id: str, layout: Layout, tenant_ref: int,
+                 user_ref: int, keys: Keys) -> Change:
+        return versions.create(session_id, self.keys.session_key(session_id), keys, tenant_id=tenant_id,
+                               tenant_ref=tenant_ref, user_id=user_id, user_ref=user_ref, layout=layout)
 
     def state_of(self, applied: Applied) -> SessionState:
         """The state of the session a change wrote (loaded again if another writer moved it on)."""

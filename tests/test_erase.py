@@ -157,6 +157,8 @@ def test_key_goes_first_and_blocks_the_user_until_done(store: dss.Store) -> None
             other.tokens("alice-1", tenant_id="acme")
         with pytest.raises(dss.ErasureInProgress):
             other.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)
+        with pytest.raises(dss.ErasureInProgress):  # this process made sessions there: its commit group checks too
+            store.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)
         assert store.read_pages(refs) == [None] * len(refs)
     finally:
         other.close()

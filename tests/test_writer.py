@@ -223,6 +223,31 @@ def test_many_threads_commit_exactly(open_store: Callable[..., dss.Store], group
     assert store.check() == []
 
 
+def test_sessions_of_a_known_namespace_are_made_in_commit_groups(open_store: Callable[..., dss.Store]) -> None:
+    """The first session of a namespace is made in a transaction of its own (with the
+    namespace and its key); later ones, made by eight threads at once, share transactions, and
+    each is made exactly once; one made again with another layout is refused."""
+    store = open_store()
+    store.create_session("first", user_id="u", layout=LAYOUT)
+    seq, groups = latest_seq(store), store.writer.queue.num_groups
+    names = [f"s{n}-{i}" for n in range(8) for i in range(5)]
+
+    def worker(n: int) -> None:
+        for i in range(5):
+            store.create_session(f"s{n}-{i}", user_id="u", layout=LAYOUT)
+            store.create_session(f"s{n}-{i}", user_id="u", layout=LAYOUT)  # idempotent
+
+    results, errors, threads = run({f"t{n}": (lambda n=n: worker(n)) for n in range(8)})
+    for thread in threads:
+        thread.join()
+    assert errors == {}
+    assert latest_seq(store) - seq <= len(names) and 1 <= store.writer.queue.num_groups - groups <= len(names)
+    assert sorted(s.session_id for s in store.sessions(user_id="u")) == sorted(["first", *names])
+    with pytest.raises(dss.SessionExists):
+        store.create_session("s0-0", user_id="u", layout=dss.Layout(name="other", page_tokens=4, page_bytes=8))
+    assert store.check() == []
+
+
 def test_group_commit_setting() -> None:
     from dss.core.config import load_config
 

@@ -188,8 +188,8 @@ class Applied(NamedTuple):
 def check(tx: Tx, change: Change) -> None:
     """Whether ``change`` can be applied in ``tx`` now; reads only, so a refused change leaves
     the transaction as it was. Raises ``Stale`` when its session moved on since
-    ``change.base_seq`` (or a session it would create exists already), ``UnknownSession``
-    when its session was deleted."""
+    ``change.base_seq`` (or a session it would create exists already, or its namespace is
+    gone or being erased), ``UnknownSession`` when its session was deleted."""
     conn = tx.conn
     if change.session_ref is not None:
         current = sessions.seq_of(conn, change.session_ref)
@@ -197,9 +197,13 @@ def check(tx: Tx, change: Change) -> None:
             raise UnknownSession(f"session {change.session_id!r} was deleted")
         if change.base_seq is not None and current != change.base_seq:
             raise Stale()
-    if change.create is not None and sessions.find_in_tenant(conn, change.create.session_key,
-                                                              change.create.tenant_ref) is not None:
-        raise Stale()  # made meanwhile: the builder decides whether it is the same session
+    if change.create is not None:
+        new = change.create
+        assert change.user_ref is not None
+        if sessions.find_in_tenant(conn, new.session_key, new.tenant_ref) is not None:
+            raise Stale()  # made meanwhile: the builder decides whether it is the same session
+        if not namespaces.is_live(conn, new.tenant_ref, change.user_ref):
+            raise Stale()  # its namespace was erased (or is being) since it was built
 
 
 def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room(), *,

@@ -78,6 +78,16 @@ def wrapped_key(conn: Connection, user_ref: int) -> bytes | None:
     return bytes(value) if value is not None else None
 
 
+def is_live(conn: Connection, tenant_ref: int, user_ref: int) -> bool:
+    """Whether namespace ``user_ref`` of tenant ``tenant_ref`` exists with its data key and no
+    erasure open (a session may be made in it)."""
+    return conn.execute(
+        select(users.c.id).join(user_keys, user_keys.c.user_ref == users.c.id)
+        .where(users.c.id == user_ref, users.c.tenant_ref == tenant_ref,
+               ~select(erasures.c.id).where(erasures.c.user_ref == users.c.id,
+                                            erasures.c.finished_at.is_(None)).exists())).first() is not None
+
+
 def insert_key(conn: Connection, user_ref: int, wrapped: bytes) -> None:
     conn.execute(insert(user_keys).values(user_ref=user_ref, wrapped=wrapped, created_at=now()))
 
