@@ -1,0 +1,294 @@
+"""The open store's parts and what every role of :class:`dss.store.Store` shares: opening
+(every part made and wired, or none left open), closing, the lock, and the helpers the
+methods of several roles use."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Self
+
+from dss import policy
+from dss.catalog import pages
+from dss.catalog.change import Applied
+from dss.catalog.database import catalog_errors, open_catalog
+from dss.compaction import Compactor
+from dss.core.config import StoreConfig
+from dss.core.crypto import read_master_key
+from dss.core.epoch import Epoch
+from dss.core.errors import ConfigError, DssError, ErasureIncomplete, InvalidInput
+from dss.core.types import Layout, Version
+from dss.core.validate import check_flag, check_layout, check_name
+from dss.erase import Eraser
+from dss.folder import adopt_folder, folder_lock
+from dss.keys import DataKeys, adopt_master_key
+from dss.lsh import LshIndex, Settings
+from dss.matcher import Matcher
+from dss.mirror import Mirror
+from dss.mover import Mover
+from dss.nearest import Nearest
+from dss.pageindex import PageIndex
+from dss.pages import PageStore
+from dss.policy import Placement
+from dss.residency import for_catalog as device_tier
+from dss.resume import Rates
+from dss.state import SessionState
+from dss.tiers.disk import DiskTier
+from dss.tiers.host import HostTier
+from dss.tiers.remote import RemoteTier
+from dss.writer import Guard, Writer
+
+log = logging.getLogger("dss.store")
+
+CACHE_PREFIX = "~cache-"
+"""Session ids of the sessions holding pages saved without a session (one per namespace and layout)."""
+
+
+class Base:
+    """An open store's parts, opening and closing; :class:`dss.store.Store` adds its methods by role."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        """Open the store; a refused open (``DssError``) releases what it opened, and leaves
+        no master key file it made."""
+        try:
+            with catalog_errors():
+                self._open(config)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self, config: StoreConfig) -> None:
+        self.config = config
+        home = config.home
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot make the store folder {home}: {exc.strerror or exc}") from None
+        self.remote = None if config.remote_url is None else RemoteTier(  # a bad URL is refused before anything is made
+            config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
+            max_pending_bytes=config.remote_pending_bytes)
+        with folder_lock(home):
+            hex_key = config.master_key.get_secret_value() if config.master_key else None
+            master = read_master_key(config.master_key_file, home, hex_key)
+            sql_url = config.sql_url.get_secret_value() if config.sql_url else None
+            self.catalog = open_catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s,
+                                        sql_url=sql_url)
+            self.catalog.ensure_schema()
+            self._master = adopt_master_key(self.catalog, master, config.master_key_file)
+            self.node = adopt_folder(self.catalog, home, config.node_id)
+            self._epoch = Epoch(home / "epoch")
+        self.listener = None
+        if not self.catalog.is_sqlite:  # (imported here: psycopg is there only with a PostgreSQL catalog)
+            from dss.catalog.listen import FeedListener
+
+            self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
+        self.disk = DiskTier(home, fsync=config.fsync)
+        self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
+        self.host = HostTier(config.host_bytes, choose=self.placement.host_room)
+        self.device = device_tier(_catalog_key(config), config.residency_ttl_s)
+        self.index = PageIndex(self.host, has_remote=self.remote is not None, resident=self.device.held)
+        self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
+        self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
+        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys, node_ref=self.node.ref,
+                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes,
+                               placement=self.placement, tenant_of=self.mirror.tenant_of, remote=self.remote)
+        speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
+        if self.remote is not None:
+            speeds["remote"] = config.remote_read_gbps * 1e9
+        self.rates = Rates(speeds, config.recompute_tokens_per_s)
+        self.matcher = Matcher(self.mirror, self.index, self.rates, self.device)
+        self._near: Nearest | None = None
+        if config.approximate or config.lsh_redis_url is not None:
+            self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
+        self.eraser = Eraser(self.catalog, self.mirror, self.pages)
+        self.guard = Guard(self.mirror, self.pages)
+        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master,
+                             group_commit=config.group_commit)
+        self.mover = Mover(self.guard, self.pages, self.writer, self.catalog, self.placement,
+                           disk_bytes=config.disk_bytes, interval_s=config.mover_interval_s,
+                           batch=config.move_batch_pages)
+        self.pages.filled = self.mover.wake
+        self.compactor = Compactor(self.catalog, self.disk, self.writer.apply, node_ref=self.node.ref,
+                                   dead_share=config.compact_dead_share, segment_bytes=config.segment_bytes)
+        self._compacting = threading.Lock()
+        if config.compact_auto:
+            self.pages.before_full = self._before_full
+        with self.catalog.read() as conn:
+            removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
+        if removed:
+            log.info("removed %d page files left behind by dead writers", len(removed))
+        try:
+            finished = self.eraser.resume_all()
+        except ErasureIncomplete as exc:  # e.g. the remote tier is down: the next open (or forget_user) finishes it
+            log.warning("an erasure a crash had interrupted is still unfinished: %s", exc)
+        else:
+            if finished:
+                log.info("finished %d erasures a crash had interrupted", len(finished))
+        if config.approximate:
+            built = self._nearest_index().build_all()
+            log.info("LSH index: %d namespaces and layouts indexed at open", built)
+        self.mover.record()
+        if config.mover:
+            self.mover.start()
+
+    def close(self) -> None:
+        """Release files and connections. Idempotent; the store is unusable afterwards."""
+        mover = getattr(self, "mover", None)
+        if mover is not None:
+            mover.close()  # outside the lock: its batch in progress takes it
+            if not self.guard.is_closed:
+                try:
+                    mover.record()  # best effort: closing never fails for the statistics table
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("could not record the tier statistics at close: %s", exc)
+        with self.guard.lock:
+            if not self.guard.is_closed:
+                self.guard.is_closed = True
+                self._release()
+
+    def _release(self) -> None:
+        """Close the files and connections opened so far (all of them once open)."""
+        remote = getattr(self, "remote", None)
+        if remote is not None:
+            if not remote.flush(timeout_s=4 * self.config.remote_timeout_s):
+                log.warning("closing with %d bytes not yet written to the remote tier", remote.pending_bytes)
+            remote.close()
+        for part in (getattr(self, "listener", None), getattr(self, "disk", None), getattr(self, "_epoch", None),
+                     getattr(self, "catalog", None)):
+            if part is not None:
+                part.close()
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self.guard.is_closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _auto_compact(self, thinned: Sequence[int] | None = None) -> None:
+        """Compact if some segment (of ``thinned``: those a write just thinned out) is sparse;
+        never fails the write that asked (``compact_auto``)."""
+        if not self.config.compact_auto or not self._compacting.acquire(blocking=False):
+            return
+        try:
+            with catalog_errors():
+                if self.compactor.has_sparse(thinned):
+                    self.compactor.run()
+        except (DssError, OSError) as exc:
+            log.warning("compaction failed (the store is unchanged by it): %s", exc)
+        finally:
+            self._compacting.release()
+
+    def _before_full(self, need: int) -> None:
+        """Before ``need`` bytes of page files are written: if they would not fit the disk tier,
+        compact first, so dead bytes go before live pages are evicted."""
+        with self.catalog.read() as conn:
+            used = pages.tier_bytes(conn, "disk", self.node.ref)
+        if used + need > self.config.disk_bytes:
+            self._auto_compact()
+
+    def _check_open(self) -> None:
+        self.guard.check_open()
+
+    def _reading(self) -> contextlib.AbstractContextManager[None]:
+        return self.guard.reading()
+
+    def _approximate(self, approximate: bool | None) -> bool:
+        if approximate is None:
+            return self.config.approximate
+        check_flag("approximate", approximate)
+        return approximate
+
+    def _nearest_index(self) -> Nearest:
+        """The near-duplicate search, its index made on first use (``ConfigError`` without datasketch)."""
+        if self._near is None:
+            config = self.config
+            settings = Settings(config.lsh_threshold, config.lsh_permutations, config.lsh_shingle_tokens,
+                                config.lsh_window_tokens, config.lsh_max_entries)
+            secret = config.lsh_redis_url or getattr(config, "remote_url", None)  # the remote tier's Redis, if any
+            url = secret.get_secret_value() if secret is not None else None
+            store_tag = hashlib.blake2b(self._master, digest_size=6, person=b"dss-lsh-store").hexdigest()
+            lsh = LshIndex(settings, redis_url=url, redis_prefix=f"{config.lsh_redis_prefix}:{store_tag}")
+            self.mirror.lsh = lsh
+            self._near = Nearest(self.mirror, self.index, lsh, self.rates, config.lsh_min_share)
+        return self._near
+
+    def _scope(self, session_id: str | None, tenant_id: str | None, user_id: str | None,
+               layout: Layout | None) -> tuple[Layout, str, int | None, SessionState | None]:
+        """Layout, tenant, namespace and session a near-duplicate search covers (checked)."""
+        if session_id is not None:
+            if user_id is not None or layout is not None:
+                raise InvalidInput("give a session_id, or user_id and layout, not both")
+            state = self.mirror.state(session_id, tenant_id)
+            return state.layout, state.record.tenant_id, state.user_ref, state
+        if layout is None:
+            raise InvalidInput("without a session_id, a layout is needed")
+        check_layout(layout)
+        tenant = tenant_id if tenant_id is not None else "default"
+        user = user_id if user_id is not None else "anonymous"
+        check_name("tenant_id", tenant)
+        check_name("user_id", user)
+        return layout, tenant, self.mirror.user_ref(tenant, user), None
+
+    def _version(self, applied: Applied, version_id: int | None = None) -> Version:
+        state = self.writer.state_of(applied)
+        with self._reading():
+            return state.version(version_id if version_id is not None else applied.version_id)
+
+    def _create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> SessionState:
+        check_name("user_id", user_id)
+        check_name("tenant_id", tenant_id)
+        check_layout(layout)
+        return self.writer.create(session_id, user_id, tenant_id, layout)
+
+    def _cache_session(self, tenant_id: str, user_id: str, layout: Layout) -> SessionState:
+        """The session holding pages saved without a session, one per namespace and layout
+        (made on first use; the arguments were checked by :func:`sessionless`)."""
+        session_id = f"{CACHE_PREFIX}{layout.digest.hex()[:16]}-{_short(user_id)}"
+        state = self._create(session_id, user_id, tenant_id, layout)
+        return state
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def policy_settings(config: StoreConfig) -> policy.Settings:
+    """The placement policy's settings from a store's configuration."""
+    return policy.Settings(
+        policy=config.policy, weights=config.policy_weights, frequency_half_life_s=config.frequency_half_life_s,
+        recency_half_life_s=config.recency_half_life_s, promote_after=config.promote_after,
+        promote_interval_s=config.promote_interval_s, cooldown_s=config.cooldown_s,
+        host_high=config.host_high_watermark, host_low=config.host_low_watermark,
+        disk_high=config.disk_high_watermark, disk_low=config.disk_low_watermark,
+        host_user_quota=config.host_user_quota, host_tenant_quota=config.host_tenant_quota,
+        disk_user_quota=config.disk_user_quota, disk_tenant_quota=config.disk_tenant_quota,
+        move_batch_pages=config.move_batch_pages, disk_bytes_per_s=config.disk_read_gbps * 1e9,
+        recompute_tokens_per_s=config.recompute_tokens_per_s)
+
+
+def _catalog_key(config: StoreConfig) -> str:
+    """What names a catalog in this process (the residency of engines is shared per catalog)."""
+    return config.catalog_url or f"sqlite:///{(config.home / 'catalog.db').resolve()}"
+
+
+def sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, Layout]:
+    """The namespace and layout of a save without a session, checked."""
+    if tenant_id is None or user_id is None or layout is None:
+        raise InvalidInput("save_pages without a session needs tenant_id, user_id and layout")
+    check_name("user_id", user_id)
+    check_name("tenant_id", tenant_id)
+    return tenant_id, user_id, check_layout(layout)
+
+
+def _short(value: str) -> str:
+    return hashlib.blake2b(value.encode(), digest_size=8).hexdigest()
