@@ -16,12 +16,23 @@ The rules (``policy="dss"``, the default):
     versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
     divided by the highest among the candidates (pages of one layout all score 1).
 
-  The lowest score leaves first; ties go to the least recently used.
-* **New pages** (commits, saves) go to host and disk. A page read from disk for a load the
-  engine waits for (``read_pages``, ``load=True``) is promoted to host at once. Any other read
-  promotes a page from disk to host only after ``promote_after`` accesses within
-  ``promote_interval_s`` (never on a single touch), and not during the ``cooldown_s`` after it
-  was demoted from host (so a page just demoted does not bounce straight back).
+  The lowest score leaves first; ties go to the least recently used. The host's order is
+  computed once and consumed by later evictions; it is computed again when it is older than a
+  quarter of ``recency_half_life_s`` or once more than an eighth as many pages as it ranks
+  have arrived since (pages that arrived after it are in no order, so could not leave).
+* **New pages** (commits, saves) go to host and disk. A written page counts as an access and
+  starts no lower than its user's *activity*: the user's turns (new versions of any of their
+  sessions), decayed like frequency, this one included. A session's next turn reads all of its
+  pages together, so the pages the last turn wrote are as likely to be read again as the older
+  ones every turn has read; by their own count they would have one access, like the pages of a
+  user seen once (a one-off request), and leave first. A user idle for 8 frequency half-lives
+  is forgotten. (Where one ``user_id`` carries everyone's sessions, every written page starts
+  at that one high activity.)
+* **Promotion.** A page read from disk for a load the engine waits for (``read_pages``,
+  ``load=True``) is promoted to host at once. Any other read promotes a page from disk to host
+  only after ``promote_after`` accesses within ``promote_interval_s`` (never on a single
+  touch), and not during the ``cooldown_s`` after it was demoted from host (so a page just
+  demoted does not bounce straight back).
 * **Watermarks.** Each tier has a high and a low mark (``*_high_watermark`` /
   ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
   the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of
