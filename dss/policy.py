@@ -32,7 +32,8 @@ The rules (``policy="dss"``, the default):
   ``load=True``) is promoted to host at once. Any other read promotes a page from disk to host
   only after ``promote_after`` accesses within ``promote_interval_s`` (never on a single
   touch), and not during the ``cooldown_s`` after it was demoted from host (so a page just
-  demoted does not bounce straight back).
+  demoted does not bounce straight back). A page a prefetch moves up counts as just used for
+  recency, not as an access (its frequency is unchanged), so it stays for the turn it is for.
 * **Watermarks.** Each tier has a high and a low mark (``*_high_watermark`` /
   ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
   the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of
@@ -259,11 +260,22 @@ class Placement:
         with self._lock:
             self.counts[tier][name] += n
 
-    def prefetch_issued(self, page_id: PageId) -> None:
-        """A prefetch moved the page up to host."""
+    def prefetch_issued(self, page_id: PageId, now: float | None = None) -> None:
+        """A prefetch moved the page up to host: it counts as just used for recency (not as an
+        access: its decayed frequency stays what it is), so it stays for the turn it is for."""
+        t = self.now() if now is None else now
         with self._lock:
             self.prefetched.add(page_id)
             self.prefetch["issued"] += 1
+            s = self.stats.get(page_id)
+            if s is None:
+                s = self.stats[page_id] = PageStats(t)
+            elif s.last < t:
+                if s.last != -math.inf:
+                    s.freq *= 2.0 ** (-(t - s.last) / self.settings.frequency_half_life_s)
+                s.last = t
+            self._tick += 1
+            s.tick = self._tick
 
     def prefetch_used(self, page_ids: Iterable[PageId]) -> None:
         """These pages were read from host: a prefetched one counts as a prefetch hit."""

@@ -142,6 +142,20 @@ def test_the_eviction_order_is_computed_again_once_an_eighth_of_it_arrived() -> 
     assert put(host, placement, clock, 3, "n2") == ["n0"]
 
 
+def test_a_prefetched_page_counts_as_just_used_not_as_an_access() -> None:
+    # c was read once at t=0; a at t=1. At t=20 a prefetch moves c up to host; at t=21 d
+    # needs room: c, recent by its prefetch, stays and a goes (without the rule, c's last use
+    # is t=0 and c would go). Its frequency is still one access decayed from t=0.
+    host, placement, clock = host_of("dss", pages=2, frequency_half_life_s=20.0)
+    touch(placement, clock, 0, "c")
+    assert put(host, placement, clock, 1, "a") == []
+    clock.t = 20
+    assert host.put(PageId(b"c"), b"x" * 10) == []
+    placement.prefetch_issued(PageId(b"c"))
+    assert placement.stats[PageId(b"c")].freq == 0.5 and placement.stats[PageId(b"c")].last == 20
+    assert put(host, placement, clock, 21, "d") == ["a"]
+
+
 def test_held_pages_are_never_chosen() -> None:
     host, placement, clock = host_of("dss", pages=2)
     assert put(host, placement, clock, 0, "a") == []
