@@ -386,7 +386,7 @@ class PageStore:
                         placement.count("host", "moved_bytes", len(data))
                         placement.count("disk", "moved_bytes", len(data))
                         if prefetch:
-                            placement.prefetch_issued(entry.page_id)
+                            placement.prefetch_issued(entry.page_id, now)
                     if evicted:
                         self.left_host(evicted, inline=True)
                 entry.namespace.bump()

@@ -86,7 +86,8 @@ def test_ties_go_to_the_least_recently_used() -> None:
     assert put(host, placement, clock, 0, "e") == ["b"]
 
 
-def write(host: HostTier, placement: Placement, clock: Clock, t: float, name: str, user: int | None) -> list[str] | None:
+def write(host: HostTier, placement: Placement, clock: Clock, t: float, name: str,
+          user: int | None) -> list[str] | None:
     """At time ``t``, a turn of ``user`` writes a page (``user=None``: no user to inherit
     from) and puts it in host; returns the names of the victims."""
     clock.t = t
