@@ -225,9 +225,10 @@ class PageStore:
         return placement.segment_order(segments, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
 
     def settle(self, applied: Applied, new: Sequence[NewPage], namespace: NamespacePages | None,
-               written: Sequence[WrittenSegment] = ()) -> None:
-        """After the transaction committed: delete dead files, put the payloads in the host
-        tier (a page no durable tier took stays known there while it lasts), and queue the
+               written: Sequence[WrittenSegment] = (), *, user: int | None = None, turn: bool = False) -> None:
+        """After the transaction committed: delete dead files, tell the policy of the write by
+        namespace ``user`` (``turn``: it made a new version of a session), put the payloads in
+        the host tier (a page no durable tier took stays known there while it lasts), queue the
         pages of ``written`` (the change's segment files) for the remote tier, and the deletion
         of the keys of the pages it dropped from every tier."""
         self.disk.remove(applied.dead_files)
@@ -235,7 +236,7 @@ class PageStore:
         entries = self.index.entries
         owner = self.owner(namespace.user_ref) if namespace is not None else None
         now = self.placement.now()
-        self.placement.touch([p.page_id for p in new], now)
+        self.placement.wrote([p.page_id for p in new], user, turn=turn, now=now)
         for page in new:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
                 self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),
@@ -400,7 +401,7 @@ class PageStore:
                         placement.count("host", "moved_bytes", len(data))
                         placement.count("disk", "moved_bytes", len(data))
                         if prefetch:
-                            placement.prefetch_issued(entry.page_id)
+                            placement.prefetch_issued(entry.page_id, now)
                     if evicted:
                         self.left_host(evicted, inline=True)
                 entry.namespace.bump()

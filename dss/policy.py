@@ -16,12 +16,24 @@ The rules (``policy="dss"``, the default):
     versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
     divided by the highest among the candidates (pages of one layout all score 1).
 
-  The lowest score leaves first; ties go to the least recently used.
-* **New pages** (commits, saves) go to host and disk. A page read from disk for a load the
-  engine waits for (``read_pages``, ``load=True``) is promoted to host at once. Any other read
-  promotes a page from disk to host only after ``promote_after`` accesses within
-  ``promote_interval_s`` (never on a single touch), and not during the ``cooldown_s`` after it
-  was demoted from host (so a page just demoted does not bounce straight back).
+  The lowest score leaves first; ties go to the least recently used. The host's order is
+  computed once and consumed by later evictions; it is computed again when it is older than a
+  quarter of ``recency_half_life_s`` or once more than an eighth as many pages as it ranks
+  have arrived since (pages that arrived after it are in no order, so could not leave).
+* **New pages** (commits, saves) go to host and disk. A written page counts as an access and
+  starts no lower than its user's *activity*: the user's turns (new versions of any of their
+  sessions), decayed like frequency, this one included. A session's next turn reads all of its
+  pages together, so the pages the last turn wrote are as likely to be read again as the older
+  ones every turn has read; by their own count they would have one access, like the pages of a
+  user seen once (a one-off request), and leave first. A user idle for 8 frequency half-lives
+  is forgotten. (Where one ``user_id`` carries everyone's sessions, every written page starts
+  at that one high activity.)
+* **Promotion.** A page read from disk for a load the engine waits for (``read_pages``,
+  ``load=True``) is promoted to host at once. Any other read promotes a page from disk to host
+  only after ``promote_after`` accesses within ``promote_interval_s`` (never on a single
+  touch), and not during the ``cooldown_s`` after it was demoted from host (so a page just
+  demoted does not bounce straight back). A page a prefetch moves up counts as just used for
+  recency, not as an access (its frequency is unchanged), so it stays for the turn it is for.
 * **Watermarks.** Each tier has a high and a low mark (``*_high_watermark`` /
   ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
   the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of
@@ -69,6 +81,14 @@ capped at 1: the few pages everyone reads (shared prompts) do not flatten everyo
 HOT_FREQUENCY = 2.0
 """Decayed accesses from which a disk segment's pages count as hot: such segments leave the
 disk after every other, the least frequently used first (the others in the catalog's order)."""
+
+IDLE_ACTIVITY = 1.0 / 256
+"""A user whose activity decayed below this (8 half-lives without a turn) is forgotten by
+:meth:`Placement.prune`: its new pages would inherit nothing worth keeping."""
+
+ARRIVALS = 8
+"""The host's eviction order is computed again once more than ``1/ARRIVALS`` of the pages it
+ranked have arrived since (pages that arrived after it are in no order, so could not leave)."""
 
 TIERS = ("host", "disk")
 """The tiers this process places pages on, fastest first."""
@@ -131,6 +151,9 @@ class Placement:
         self.clock = clock
         self.is_lru = settings.policy == "lru"
         self.stats: dict[PageId, PageStats] = {}
+        self.users: dict[int, tuple[float, float]] = {}
+        """``user_ref -> (activity, when)``: the user's turns (new versions of any of its
+        sessions), decayed like frequency, as of ``when``."""
         self.held: Counter[PageId] = Counter()
         self.counts: dict[str, Counter[str]] = {tier: Counter() for tier in TIERS}
         self.prefetch = Counter({"issued": 0, "hits": 0, "wasted": 0})
@@ -138,6 +161,7 @@ class Placement:
         self._order: list[PageId] = []
         self._order_at = -math.inf
         self._order_tick = 0
+        self._arrived = 0
         self._tick = 0
         self._pos = 0
         self._lock = threading.Lock()
@@ -166,6 +190,32 @@ class Placement:
                 s.window_start, s.window_count = t, 0
             s.window_count += 1
 
+    def wrote(self, page_ids: Sequence[PageId], user: int | None, *, turn: bool,
+              now: float | None = None) -> None:
+        """Record a write of the pages by namespace ``user`` (``turn``: it made a new version of
+        a session). Each page is accessed once and starts no lower than the user's activity
+        (the user's turns, decayed like frequency, this one included)."""
+        t = self.now() if now is None else now
+        self.touch(page_ids, t)
+        if user is None:
+            return
+        activity = self.activity(user, t) + (1.0 if turn else 0.0)
+        if turn:
+            self.users[user] = (activity, t)
+        stats = self.stats
+        for page_id in page_ids:
+            s = stats[page_id]
+            if s.freq < activity:
+                s.freq = activity
+
+    def activity(self, user: int, now: float) -> float:
+        """The user's turns, decayed like frequency, at ``now`` (0 for one never seen)."""
+        got = self.users.get(user)
+        if got is None:
+            return 0.0
+        activity, when = got
+        return activity * 2.0 ** (-max(0.0, now - when) / self.settings.frequency_half_life_s)
+
     def note_tokens(self, page_ids: Iterable[PageId], tokens: int) -> None:
         """The pages hold ``tokens`` tokens each (their layout's page size), for the cost term."""
         t = self.now()
@@ -187,6 +237,9 @@ class Placement:
         evicted from disk, erased); returns how many went."""
         gone = [p for p in self.stats if not known(p)]
         self.forget(gone)
+        t = self.now()
+        for user in [k for k in self.users if self.activity(k, t) < IDLE_ACTIVITY]:
+            del self.users[user]
         return len(gone)
 
     @contextmanager
@@ -207,11 +260,22 @@ class Placement:
         with self._lock:
             self.counts[tier][name] += n
 
-    def prefetch_issued(self, page_id: PageId) -> None:
-        """A prefetch moved the page up to host."""
+    def prefetch_issued(self, page_id: PageId, now: float | None = None) -> None:
+        """A prefetch moved the page up to host: it counts as just used for recency (not as an
+        access: its decayed frequency stays what it is), so it stays for the turn it is for."""
+        t = self.now() if now is None else now
         with self._lock:
             self.prefetched.add(page_id)
             self.prefetch["issued"] += 1
+            s = self.stats.get(page_id)
+            if s is None:
+                s = self.stats[page_id] = PageStats(t)
+            elif s.last < t:
+                if s.last != -math.inf:
+                    s.freq *= 2.0 ** (-(t - s.last) / self.settings.frequency_half_life_s)
+                s.last = t
+            self._tick += 1
+            s.tick = self._tick
 
     def prefetch_used(self, page_ids: Iterable[PageId]) -> None:
         """These pages were read from host: a prefetched one counts as a prefetch hit."""
@@ -315,6 +379,7 @@ class Placement:
         quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
         ``None``: it stays out (over a quota by itself, or held pages fill the room)."""
         s = self.settings
+        self._arrived += 1
         chosen: list[PageId] = []
         taken: set[PageId] = set()
         freed_user = 0
@@ -373,7 +438,7 @@ class Placement:
                     need -= page_size
             return chosen if need <= 0 else None
         now = self.now()
-        if now - self._order_at > self.settings.recency_half_life_s / 4:
+        if now - self._order_at > self.settings.recency_half_life_s / 4 or self._arrived * ARRIVALS > len(self._order):
             self._order = []
         refreshed = False
         stats = self.stats
@@ -385,6 +450,7 @@ class Placement:
                 ids = [c[0] for c in candidates]
                 self._order = [ids[i] for i in self.order(ids, [c[1] for c in candidates], now)]
                 self._order_at, self._order_tick, self._pos, refreshed = now, self._tick, 0, True
+                self._arrived = 0
                 continue
             page_id = self._order[self._pos]
             self._pos += 1

@@ -86,6 +86,77 @@ def test_ties_go_to_the_least_recently_used() -> None:
     assert put(host, placement, clock, 0, "e") == ["b"]
 
 
+def write(host: HostTier, placement: Placement, clock: Clock, t: float, name: str,
+          user: int | None) -> list[str] | None:
+    """At time ``t``, a turn of ``user`` writes a page (``user=None``: no user to inherit
+    from) and puts it in host; returns the names of the victims."""
+    clock.t = t
+    page = PageId(name.encode())
+    placement.wrote([page], user, turn=True)
+    got = host.put(page, b"x" * 10)
+    return None if got is None else [v.decode() for v in got]
+
+
+def test_a_written_page_starts_at_its_users_activity() -> None:
+    # user 1 writes a at t=0; at t=30 reads a and writes b; a one-off (user 2) writes v at t=30.
+    # t=31: another one-off's w needs room. With the rule, b starts at user 1's activity
+    # (2 turns decayed: 1.84, as a, read at every turn) and v, a user seen once, goes; without
+    # a user to inherit from, b and v tie (one access at t=30) and b, put first, goes. LRU:
+    # a, the least recently put.
+    for policy, user_1, user_2, expected in (("dss", 1, 2, ["v"]), ("dss", None, None, ["b"]),
+                                              ("lru", 1, 2, ["a"])):
+        host, placement, clock = host_of(policy, pages=3)
+        assert write(host, placement, clock, 0, "a", user_1) == []
+        touch(placement, clock, 30, "a")
+        assert write(host, placement, clock, 30, "b", user_1) == []
+        assert write(host, placement, clock, 30, "v", user_2) == []
+        assert write(host, placement, clock, 31, "w", 3) == expected, (policy, user_1)
+
+
+def test_a_users_activity_counts_turns_decayed_and_is_forgotten_when_idle() -> None:
+    _, placement, clock = host_of("dss", frequency_half_life_s=120.0)
+    placement.wrote([PageId(b"a")], 7, turn=True, now=0.0)
+    placement.wrote([PageId(b"b")], 7, turn=True, now=120.0)   # a half-life later: 0.5 + 1
+    placement.wrote([PageId(b"c")], 7, turn=False, now=120.0)  # a save, not a turn: no count
+    assert placement.activity(7, 120.0) == 1.5
+    assert placement.activity(7, 240.0) == 0.75
+    assert placement.activity(8, 240.0) == 0.0                 # never seen
+    assert placement.stats[PageId(b"c")].freq == 1.5           # but its pages start at it
+    clock.t = 120.0 + 9 * 120.0                                # 9 half-lives idle: under 1/256
+    placement.prune(lambda p: True)
+    assert 7 not in placement.users
+
+
+def test_the_eviction_order_is_computed_again_once_an_eighth_of_it_arrived() -> None:
+    # eight pages read three times at t=0; one-offs n0, n1, n2 arrive at t=1, 2, 3 (well
+    # within a quarter recency half-life). n0: the order is computed, p0 (a tie, first) goes.
+    # n1: one page arrived since, under an eighth of the eight ranked: p1 goes, next in the
+    # order. n2: two arrived: the order is computed again and n0, read once, goes.
+    host, placement, clock = host_of("dss", pages=8)
+    names = [f"p{i}" for i in range(8)]
+    for t in (0.0, 0.0, 0.0):
+        touch(placement, clock, t, *names)
+    for name in names:
+        host.put(PageId(name.encode()), b"x" * 10)
+    assert put(host, placement, clock, 1, "n0") == ["p0"]
+    assert put(host, placement, clock, 2, "n1") == ["p1"]
+    assert put(host, placement, clock, 3, "n2") == ["n0"]
+
+
+def test_a_prefetched_page_counts_as_just_used_not_as_an_access() -> None:
+    # c was read once at t=0; a at t=1. At t=20 a prefetch moves c up to host; at t=21 d
+    # needs room: c, recent by its prefetch, stays and a goes (without the rule, c's last use
+    # is t=0 and c would go). Its frequency is still one access decayed from t=0.
+    host, placement, clock = host_of("dss", pages=2, frequency_half_life_s=20.0)
+    touch(placement, clock, 0, "c")
+    assert put(host, placement, clock, 1, "a") == []
+    clock.t = 20
+    assert host.put(PageId(b"c"), b"x" * 10) == []
+    placement.prefetch_issued(PageId(b"c"))
+    assert placement.stats[PageId(b"c")].freq == 0.5 and placement.stats[PageId(b"c")].last == 20
+    assert put(host, placement, clock, 21, "d") == ["a"]
+
+
 def test_held_pages_are_never_chosen() -> None:
     host, placement, clock = host_of("dss", pages=2)
     assert put(host, placement, clock, 0, "a") == []
