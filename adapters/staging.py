@@ -112,7 +112,8 @@ class StagingPool:
         self._num_buffers = 0
         self._in_flight: list[Transfer] = []
         """Transfers whose buffer is not back yet, oldest first."""
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        """Guards the lists; notified when a buffer comes back."""
 
     def stage(self, payloads: Sequence[bytes | memoryview | np.ndarray],
               parts: Sequence[tuple[int, int]]) -> Staged:
@@ -142,8 +143,8 @@ class StagingPool:
         """Run ``work(staged)`` — the caller's copies out of ``staged.parts`` into tensors on the
         device, typically ``part.to(device, non_blocking=True)`` and an ``index_copy_`` — on the
         pool's stream (CUDA; ``work`` returns once they are queued) or at once (elsewhere), and
-        return their :class:`Transfer`. The buffer goes back to the pool when it is done (or at
-        once, if ``work`` raises: nothing was queued after the error)."""
+        return their :class:`Transfer`. The buffer goes back to the pool when it is done (if
+        ``work`` raises: once what it queued before the error is done, then the error propagates)."""
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
                 work(staged)
@@ -193,6 +194,9 @@ class StagingPool:
                 if self._free:
                     self._free.pop(0)
                     break
+                if not self._in_flight:  # every buffer staged by another thread, not yet copied
+                    self._lock.wait()
+                    continue
                 oldest = self._in_flight[0]
             oldest.wait()
         try:
@@ -205,6 +209,7 @@ class StagingPool:
     def _give_back(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buffer._base if buffer._base is not None else buffer)
+            self._lock.notify_all()
 
     def _finished(self, transfer: Transfer) -> None:
         """A transfer is done: its buffer is free again (once, whichever thread saw it first)."""
@@ -215,4 +220,5 @@ class StagingPool:
             buffer = transfer._buffer
             assert buffer is not None
             self._free.append(buffer._base if buffer._base is not None else buffer)
+            self._lock.notify_all()
             transfer._pool = transfer._buffer = transfer._event = None

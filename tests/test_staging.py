@@ -8,6 +8,8 @@ not handed out again before its copies are done.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from dss_adapters.staging import StagingPool, Staged
@@ -116,3 +118,16 @@ def test_on_cuda_a_full_pool_hands_out_a_buffer_only_once_its_copies_are_done(de
     assert target.cpu().numpy().tobytes() == b"\x01" * (1 << 20)  # the second staging did not overwrite the buffer under the copy
     pool.copy(again, lambda staged: None).wait()
     pool.wait_all()
+
+
+def test_a_thread_waits_for_a_buffer_another_thread_staged_until_that_one_is_copied() -> None:
+    pool = StagingPool("cpu", max_buffers=1)
+    staged = pool.stage(PAGES, PARTS)
+    got: list[Staged] = []
+    other = threading.Thread(target=lambda: got.append(pool.stage([PAGES[1]], PARTS)))
+    other.start()
+    other.join(0.2)
+    assert other.is_alive() and got == []  # the pool's one buffer is staged, not copied yet
+    pool.copy(staged, lambda staged: None)
+    other.join(10)
+    assert not other.is_alive() and got[0].buffer.data_ptr() == staged.buffer.data_ptr()
