@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dss_adapters.staging import Staged, StagingPool
 
 import dss
 from dss import InvalidInput
@@ -85,20 +86,38 @@ def cache_pages(cache: Any, layout: dss.Layout, *, num_tokens: int | None = None
     return {i: data[i].tobytes() for i in range(count)}
 
 
-def cache_from_pages(payloads: Sequence[bytes], layout: dss.Layout, *, device: str | torch.device = "cpu") -> Any:
-    """A ``DynamicCache`` holding the tokens of ``payloads`` (pages 0, 1, ... in order)."""
+def cache_from_pages(payloads: Sequence[bytes], layout: dss.Layout, *, device: str | torch.device = "cpu",
+                     staging: StagingPool | None = None) -> Any:
+    """A ``DynamicCache`` holding the tokens of ``payloads`` (pages 0, 1, ... in order), on ``device``.
+
+    The pages pass through ``staging`` (made for the call if not given; pass one to reuse its
+    buffers across calls — its device is then the cache's): on CUDA a pinned host buffer,
+    copied to the GPU asynchronously on the pool's stream, one copy per layer's keys or
+    values; elsewhere plain memory. Returns once the copies are complete.
+    """
     from transformers import DynamicCache
 
+    pool = staging if staging is not None else StagingPool(device)
     count = len(payloads)
     dtype = getattr(torch, layout.dtype)
     heads, dim, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
     for i, payload in enumerate(payloads):
         if len(payload) != layout.page_bytes:
             raise InvalidInput(f"page {i} has {len(payload)} bytes; the layout's pages have {layout.page_bytes}")
-    raw = np.frombuffer(b"".join(payloads), dtype=np.uint8).copy()
-    paged = torch.from_numpy(raw).view(dtype).reshape(count, layout.num_layers, 2, heads, pt, dim)
-    kv = paged.permute(1, 2, 3, 0, 4, 5).reshape(layout.num_layers, 2, 1, heads, count * pt, dim).to(device)
-    return DynamicCache([(kv[layer, 0].contiguous(), kv[layer, 1].contiguous()) for layer in range(layout.num_layers)])
+    part = layout.page_bytes // (2 * layout.num_layers)
+    staged = pool.stage(payloads, [(j * part, part) for j in range(2 * layout.num_layers)])
+    moved: list[torch.Tensor] = []
+
+    def copy(staged: Staged) -> None:  # [pages, heads, page_tokens, dim] -> [1, heads, tokens, dim]
+        for host in staged.parts:
+            tensor = host.to(pool.device, non_blocking=True, copy=True).view(dtype).view(count, heads, pt, dim)
+            moved.append(tensor.permute(1, 0, 2, 3).reshape(1, heads, count * pt, dim).contiguous())
+
+    pool.copy(staged, copy).wait()
+    if pool.is_cuda:  # made on the pool's stream, used on the caller's
+        for tensor in moved:
+            tensor.record_stream(torch.cuda.current_stream(pool.device))
+    return DynamicCache([(moved[2 * layer], moved[2 * layer + 1]) for layer in range(layout.num_layers)])
 
 
 def save_cache(store: dss.Store, cache: Any, tokens: Sequence[int], layout: dss.Layout, *,
@@ -114,12 +133,12 @@ def save_cache(store: dss.Store, cache: Any, tokens: Sequence[int], layout: dss.
 
 
 def load_cache(store: dss.Store, result: dss.ResumeResult, layout: dss.Layout, *, limit: int | None = None,
-               device: str | torch.device = "cpu") -> tuple[Any, int]:
+               device: str | torch.device = "cpu", staging: StagingPool | None = None) -> tuple[Any, int]:
     """The cache of the leading pages of a ``resume``/``lookup`` result, and how many tokens it holds.
 
     Reads at most ``limit`` tokens' pages (pass ``len(tokens) - 1`` so the model still has
     a token to compute); stops at the first page the store cannot return. Returns
-    ``(None, 0)`` when nothing could be loaded.
+    ``(None, 0)`` when nothing could be loaded. ``device``, ``staging``: see :func:`cache_from_pages`.
     """
     if result.page_bytes != layout.page_bytes or result.page_tokens != layout.page_tokens:
         raise InvalidInput("the resume result has another page size than the layout")
@@ -134,7 +153,7 @@ def load_cache(store: dss.Store, result: dss.ResumeResult, layout: dss.Layout, *
         good.append(payload)
     if not good:
         return None, 0
-    return cache_from_pages(good, layout, device=device), len(good) * layout.page_tokens
+    return cache_from_pages(good, layout, device=device, staging=staging), len(good) * layout.page_tokens
 
 
 def _tensors(cache: Any, layout: dss.Layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

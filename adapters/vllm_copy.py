@@ -10,18 +10,23 @@ padding vLLM adds to make its blocks as large as an attention layer's.
 
 On the CPU every copy is one memcpy per page and layer through numpy views of the cache
 (measured 6x faster for 255 pages of 256 KiB than torch ``index_copy_`` through a staging
-tensor); on other devices torch ops do it, on a stream of their own on CUDA (so a copy in
-a background thread never waits for, or holds up, the forward pass). The layer-by-layer
-CUDA path of synchronous loads and saves is :mod:`dss_adapters.vllm_cuda`.
+tensor); on other devices torch ops do it. Pages on their way in pass through a
+:class:`~dss_adapters.staging.StagingPool`: on CUDA pinned host buffers, reused, copied with
+``non_blocking=True`` on the pool's stream (so a copy in a background thread never waits
+for, or holds up, the forward pass) and tracked by a CUDA event — :meth:`BlockCopier.start_scatter`
+returns that :class:`~dss_adapters.staging.Transfer` at once, and the asynchronous loader
+reports a load finished when it is done; on a CPU cache the numpy views (or, for a cache
+they cannot take, the same staged path with plain memory) copy at once and the transfer is
+done when it returns. The layer-by-layer CUDA path of synchronous loads and saves is
+:mod:`dss_adapters.vllm_cuda`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
-
 import numpy as np
 import torch
+from dss_adapters.staging import DONE, Staged, StagingPool, Transfer
 from dss_adapters.vllm_meta import NO_BLOCK
 
 from dss import ConfigError
@@ -53,7 +58,8 @@ class BlockCopier:
         """Per layer, ``[num_blocks, layer_sizes[i]]`` uint8 numpy views of the KV cache (CPU only)."""
         if all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers):
             self.host_views = [t.flatten(1).view(torch.uint8).numpy() for t in layers]
-        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self.staging = StagingPool(self.device) if self.host_views is None else None
+        """Host buffers of pages on their way in (pinned on CUDA); ``None`` with numpy views."""
 
     def gather(self, block_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
@@ -71,10 +77,17 @@ class BlockCopier:
             out[:, start:end] = layer.index_select(0, index).reshape(count, -1).view(torch.uint8).cpu().numpy()
         return out
 
-    def scatter(self, payloads: Sequence[bytes], block_ids: Sequence[Sequence[int]]) -> None:
+    def scatter(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> None:
         """Write ``payloads[k]`` (every layer's bytes, in page-layer order) into the blocks
-        ``block_ids[group][k]``; a layer whose block is ``NO_BLOCK`` is skipped. On CUDA
-        the copies run on this copier's stream and are complete when it returns."""
+        ``block_ids[group][k]``; a layer whose block is ``NO_BLOCK`` is skipped. The copies are
+        complete when it returns (:meth:`start_scatter`, then wait)."""
+        self.start_scatter(payloads, block_ids).wait()
+
+    def start_scatter(self, payloads: Sequence[bytes | memoryview],
+                      block_ids: Sequence[Sequence[int]]) -> Transfer:
+        """:meth:`scatter`, returning once the copies are queued: on CUDA they run on the
+        staging pool's stream and are complete when the returned transfer is done; elsewhere
+        they are complete already (the transfer is done)."""
         if self.host_views is not None:
             for k, payload in enumerate(payloads):
                 source = np.frombuffer(payload, dtype=np.uint8)
@@ -82,20 +95,20 @@ class BlockCopier:
                     block = block_ids[self.groups[i]][k]
                     if block != NO_BLOCK:
                         view[block] = source[self.offsets[i]:self.offsets[i] + self.layer_sizes[i]]
-            return
-        staged = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads),
-                                                                                        self.page_bytes)
-        if self.stream is not None:
-            staged = staged.pin_memory()
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            for i, layer in enumerate(self.layers):
-                rows = [k for k, block in enumerate(block_ids[self.groups[i]]) if block != NO_BLOCK]
-                if not rows:
-                    continue
-                index = torch.tensor([block_ids[self.groups[i]][k] for k in rows], dtype=torch.long)
-                start = self.offsets[i]
-                part = staged[rows, start:start + self.layer_sizes[i]].contiguous().to(self.device, non_blocking=True)
-                layer.index_copy_(0, index.to(self.device), part.view(layer.dtype).reshape(len(rows),
-                                                                                           *layer.shape[1:]))
-        if self.stream is not None:
-            self.stream.synchronize()
+            return DONE
+        assert self.staging is not None
+        staged = self.staging.stage(payloads, list(zip(self.offsets, self.layer_sizes)))
+        return self.staging.copy(staged, lambda staged: self._copy_in(staged, block_ids))
+
+    def _copy_in(self, staged: Staged, block_ids: Sequence[Sequence[int]]) -> None:
+        """Each layer's part of the staged pages to the device in one copy, then into its blocks."""
+        for i, layer in enumerate(self.layers):
+            blocks = block_ids[self.groups[i]]
+            rows = [k for k, block in enumerate(blocks) if block != NO_BLOCK]
+            if not rows:
+                continue
+            part = staged.parts[i].to(self.device, non_blocking=True)
+            if len(rows) < staged.num_pages:
+                part = part[torch.tensor(rows).to(self.device, non_blocking=True)]
+            index = torch.tensor([blocks[k] for k in rows], dtype=torch.long).to(self.device, non_blocking=True)
+            layer.index_copy_(0, index, part.view(layer.dtype).reshape(len(rows), *layer.shape[1:]))

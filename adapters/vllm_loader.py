@@ -9,7 +9,10 @@ not read.
 order they came; it reads the pages through a :class:`PageReader` child process, so that the
 checksum and decryption work never competes for the GIL with the forward pass. The blocks it writes belong to requests vLLM keeps waiting
 (``WAITING_FOR_REMOTE_KVS``) until the job is reported done, so the running batch never
-reads them; vLLM also keeps the blocks of a request aborted meanwhile until then. A
+reads them; vLLM also keeps the blocks of a request aborted meanwhile until then. A job is
+done when its copies are: on CUDA they run asynchronously from pinned staging buffers
+(:meth:`BlockCopier.start_scatter`), so the thread reads the next job's pages while they
+move, and the job is reported once their CUDA event completed; elsewhere at once. A
 failure that is not a ``DssError`` is a bug: it stops the thread and is raised again in the
 engine's thread by the next :meth:`PageLoader.put` or :meth:`PageLoader.take_done`
 (:mod:`dss_adapters.vllm_jobs`).
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dss_adapters.staging import DONE, Transfer
 from dss_adapters.vllm_copy import BlockCopier
 from dss_adapters.vllm_jobs import JobThread
 from dss_adapters.vllm_meta import NO_BLOCK, LoadJob
@@ -74,16 +78,26 @@ def read_pages(store: PageSource, page_ids: Sequence[bytes], block_ids: Sequence
 
 def load_pages(store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes],
                block_ids: Sequence[Sequence[int]], req_id: str) -> LoadOutcome:
-    """Copy the pages ``page_ids[k]`` into the blocks ``block_ids[group][k]`` (see the module docstring)."""
-    start = time.perf_counter()
-    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
-    if rows:
-        copier.scatter(payloads, [[group[k] for k in rows] for group in block_ids])
-    outcome.seconds = time.perf_counter() - start
+    """Copy the pages ``page_ids[k]`` into the blocks ``block_ids[group][k]`` (see the module
+    docstring); the copies are complete when it returns."""
+    outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id)
+    transfer.wait()
     return outcome
 
 
-class PageLoader(JobThread[LoadJob, LoadOutcome]):
+def start_load_pages(store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes],
+                     block_ids: Sequence[Sequence[int]], req_id: str) -> tuple[LoadOutcome, Transfer]:
+    """:func:`load_pages`, returning once the copies are queued, with their transfer."""
+    start = time.perf_counter()
+    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
+    transfer = DONE
+    if rows:
+        transfer = copier.start_scatter(payloads, [[group[k] for k in rows] for group in block_ids])
+    outcome.seconds = time.perf_counter() - start
+    return outcome, transfer
+
+
+class PageLoader(JobThread[LoadJob, tuple[LoadOutcome, Transfer]]):
     """One thread doing asynchronous load jobs for one worker, reading through a
     :class:`PageReader` process (see the module docstring), at a lower CPU priority."""
 
@@ -94,30 +108,59 @@ class PageLoader(JobThread[LoadJob, LoadOutcome]):
         self.copier = copier
         self.shard = shard
         self._done: list[tuple[LoadJob, LoadOutcome]] = []
+        self._copying: list[tuple[LoadJob, LoadOutcome, Transfer]] = []
+        """Jobs whose pages were read and whose copies are queued, oldest first."""
         reader.start()
         super().__init__("dss-page-loader")
 
     def close(self) -> None:
+        """Finish the queued jobs and their copies, then stop the thread and the reader."""
         super().close()
+        for _, _, transfer in self._copying:
+            transfer.wait()
         self.reader.close()
 
+    def wait_idle(self) -> None:
+        """Wait until every job put so far has finished, its copies included."""
+        super().wait_idle()
+        with self._cond:
+            copying = list(self._copying)
+        for _, _, transfer in copying:
+            transfer.wait()
+
     def take_done(self) -> list[tuple[LoadJob, LoadOutcome]]:
-        """Jobs finished since the last call, in the order they finished."""
+        """Jobs finished (copies complete) since the last call, in the order they finished."""
         with self._cond:
             self._check()
+            self._reap()
             done, self._done = self._done, []
             return done
 
     def wait_done(self, timeout: float) -> None:
-        """Wait until a job has finished since the last :meth:`take_done`, no job is queued, or
-        ``timeout`` seconds have passed."""
+        """Wait until a job has finished since the last :meth:`take_done`, no job is queued or
+        copying, or ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            self._cond.wait_for(lambda: self._done or not self._jobs or self._error is not None, timeout)
+            self._cond.wait_for(lambda: self._done or self._copying or not self._jobs or self._error is not None,
+                                timeout)
+            self._reap()
+            oldest = self._copying[0][2] if self._copying and not self._done else None
+        if oldest is not None:
+            oldest.wait(max(0.0, deadline - time.monotonic()))
 
-    def _do(self, job: LoadJob) -> LoadOutcome:
+    def _reap(self) -> None:
+        """Move the jobs whose copies are complete to the done list (under the lock). The copies
+        run on one stream, so they complete in the order they were queued."""
+        while self._copying and self._copying[0][2].is_done():
+            job, outcome, _ = self._copying.pop(0)
+            self._done.append((job, outcome))
+
+    def _do(self, job: LoadJob) -> tuple[LoadOutcome, Transfer]:
         if job.fail:
-            return LoadOutcome(job.req_id, failed_pages=list(range(len(job.page_ids[self.shard]))))
-        return load_pages(self.reader, self.copier, job.page_ids[self.shard], job.block_ids, job.req_id)
+            return LoadOutcome(job.req_id, failed_pages=list(range(len(job.page_ids[self.shard])))), DONE
+        return start_load_pages(self.reader, self.copier, job.page_ids[self.shard], job.block_ids, job.req_id)
 
-    def _finish(self, job: LoadJob, result: LoadOutcome) -> None:
-        self._done.append((job, result))
+    def _finish(self, job: LoadJob, result: tuple[LoadOutcome, Transfer]) -> None:
+        outcome, transfer = result
+        self._copying.append((job, outcome, transfer))
+        self._reap()

@@ -66,7 +66,8 @@ def records(count: int, size: int, flags: int = 0) -> list[tuple[PageId, int, by
 
 
 def test_pages_move_sixteen_per_io(tmp_path: Path) -> None:
-    """A segment of 40 records goes out in 3 writes (16, 16, 8); reading big records back takes
+    """A segment of 40 records goes out in 3 writes (8, 16, 16: the first one short, so the disk
+    starts while the next records are produced); reading big records back takes
     16 per pread, small ones as many as fit 4 MiB; the result is the same either way."""
     disk = DiskTier(tmp_path)
     for size, reads in ((512 << 10, 3), (1024, 1)):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from dss_adapters.vllm_copy import BlockCopier
 from dss_adapters.vllm_cuda import LayerwiseCopier
+from dss_adapters.vllm_jobs import JobThread
 from dss_adapters.vllm_layout import PageLayer
 from dss_adapters.vllm_meta import NO_BLOCK, DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob
 from dss_adapters.vllm_settings import Scope, Settings
@@ -107,10 +108,15 @@ def test_blocks_saved_as_pages_load_back_into_other_blocks(worker: WorkerSide, s
     assert worker.take_worker_meta() == DssWorkerMetadata({}, {}, {0: ids})  # read pages are in its host tier
 
 
-def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(worker: WorkerSide,
-                                                                         store: dss.Store) -> None:
-    caches = kv_caches("cpu")
+@pytest.mark.parametrize(("layout", "device"), [("cpu", "cpu"), ("flash", "cpu"),
+                                                 pytest.param("flash", "cuda", marks=CUDA.marks)])
+def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(worker: WorkerSide, store: dss.Store,
+                                                                         layout: str, device: str) -> None:
+    """Numpy views, or (``flash``) the staged torch path: plain memory on the CPU; on CUDA
+    pinned buffers and asynchronous copies, a load reported done once its event completed."""
+    caches = kv_caches(layout, device)
     worker.register(caches)
+    assert worker.copier is not None and (worker.copier.staging is None) == (layout == "cpu")
     worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:64], 0, [[5, 2]])]))
     worker.writer.flush()
     ids = stored_ids(store, 2)
@@ -125,6 +131,30 @@ def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(worker
     for name, tensor in caches.items():
         assert [block_bytes(tensor, b) for b in (7, 3, 4)] == [block_bytes(before[name], b) for b in (5, 2, 5)]
         assert block_bytes(tensor, 6) == block_bytes(before[name], 6)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_on_cuda_an_asynchronous_load_is_done_when_its_copies_are(worker: WorkerSide, store: dss.Store,
+                                                                  device: str) -> None:
+    """The staging pool's stream is kept busy (``torch.cuda._sleep``, seconds of GPU time)
+    before the load: the loader thread reads the pages and queues their copies behind it,
+    and the load is not reported until the copies' event completed."""
+    caches = kv_caches("flash", device)
+    worker.register(caches)
+    worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:64], 0, [[5, 2]])]))
+    worker.writer.flush()
+    ids = stored_ids(store, 2)
+    before = {name: tensor.clone() for name, tensor in caches.items()}
+    assert worker.copier is not None and worker.copier.staging is not None and worker.loader is not None
+    with torch.cuda.stream(worker.copier.staging.stream):
+        torch.cuda._sleep(5_000_000_000)
+    worker.start_load(DssConnectorMetadata(loads=[LoadJob("r2", [ids], [[7, 3]], is_async=True)]))
+    JobThread.wait_idle(worker.loader)  # the job left the queue: its copies are queued
+    assert worker.transfer_results(set()) == (set(), set())
+    worker.loader.wait_idle()  # and done
+    assert worker.transfer_results(set()) == ({"r2"}, set())
+    for name, tensor in caches.items():
+        assert [block_bytes(tensor, b) for b in (7, 3)] == [block_bytes(before[name], b) for b in (5, 2)]
 
 
 def test_groups_use_their_own_blocks_and_skip_those_outside_the_window(store: dss.Store, tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ COALESCE_GAP = 256 << 10
 """Records closer than this are read with one ``pread``."""
 IO_PAGES = 16
 """Records per ``writev`` and (at most, unless they are small) per ``pread``."""
+FIRST_IO_PAGES = IO_PAGES // 2
+"""Records of a segment's first ``writev``: fewer, so the disk starts sooner while the records
+after them are still being produced (sealed); see :meth:`DiskTier.write`."""
 IO_BYTES = 4 << 20
 """A ``pread`` of small records may hold more than :data:`IO_PAGES` of them, up to this many bytes."""
 SEALED_FLAG = 1
@@ -132,7 +135,7 @@ class DiskTier(DurableTier):
                 locations.append(Located(name, offset, length))
                 offset += length
                 count += 1
-                if count == IO_PAGES:
+                if count == (IO_PAGES if written else FIRST_IO_PAGES):
                     if pending is not None:
                         pending.result()
                     pending = self._io().submit(self._write_parts, fd, parts, count, written, offset - written)
