@@ -10,14 +10,10 @@ A write's pages take three steps around its catalog transaction:
 3. :meth:`PageStore.settle` after the commit — delete the files the transaction left without a
    page, put the payloads in the host tier; or :meth:`PageStore.abort` if it rolled back.
 
-With a remote tier (:mod:`dss.tiers.remote`), step 3 also queues the pages the transaction
-recorded for the remote tier, sealed exactly as on disk: they reach it asynchronously, after
-they are durable here; and the deletion of the keys of pages it removed from every tier (a
-deleted session's, quarantined ones). Pages a full disk evicted keep their keys, for Redis's
-own eviction to take. Reads look in the host tier, then this node's disk, then — for the
-pages the catalog holds on another node's disk only — the remote tier, in one round trip;
-what comes back is verified (format, checksum, authentication under the owner's key) and
-promoted to host; anything else is a miss.
+With a remote tier, step 3 also queues the pages the transaction recorded for it, and the
+deletion of the keys of pages it removed from every tier (:mod:`dss.copies`). Reads look in
+the host tier, then this node's disk, then — for the pages the catalog holds on another node's
+disk only — the remote tier, in one round trip; what comes back verified is promoted to host.
 
 Files are deleted only after the transaction that stopped referring to them committed. A
 file written by a process that died before its commit is an orphan; the next opener removes
@@ -38,21 +34,20 @@ from dss.policy import Placement
 from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
-from dss.catalog.feed import Event, PagesDropped
+from dss.copies import RemoteCopies
 from dss.core.crypto import OVERHEAD, Sealer, SealError
 from dss.core.hashing import checksum
-from dss.core.errors import ErasureInProgress
 from dss.core.types import PageId
-from dss.keys import DataKeys, remote_tag
+from dss.keys import DataKeys
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
 from dss.tiers.base import ReadFailure, ReadRequest
-from dss.tiers.disk import HEADER_BYTES, IO_PAGES, RECORD, DiskTier
+from dss.tiers.disk import HEADER_BYTES, IO_PAGES, RECORD, SEALED_FLAG, DiskTier
 from dss.tiers.host import HostTier
-from dss.tiers.remote import RemoteTier, key_of, pack_value, unpack_value
+from dss.tiers.remote import RemoteTier
 
 log = logging.getLogger("dss.pages")
 
-SEALED = 1
+SEALED = SEALED_FLAG
 """Record flag: the payload on disk is sealed under the owner's data key."""
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -100,6 +95,7 @@ class PageStore:
         self.catalog = catalog
         self.node_ref = node_ref
         self.remote = remote
+        self.copies = RemoteCopies(remote, keys, index) if remote is not None else None
         self.disk = disk
         self.host = host
         self.index = index
@@ -250,41 +246,11 @@ class PageStore:
                 self.left_host(evicted, inline=True)
         if namespace is not None:
             namespace.bump()
-        if self.remote is not None and applied.stored:
-            self._write_through(applied, written)
-        if self.remote is not None and applied.dropped:
-            self._drop_remote(applied.events)
+        if self.copies is not None and applied.stored:
+            self.copies.write_through(applied, written)
+        if self.copies is not None and applied.dropped:
+            self.copies.drop(applied.events)
         self._check_fill()
-
-    def _write_through(self, applied: Applied, written: Sequence[WrittenSegment]) -> None:
-        """Queue the pages the transaction recorded for the remote tier, sealed as on disk
-        (the written segments' pages carry their stored bytes: see :func:`_records`)."""
-        assert self.remote is not None
-        owner = {r.page_id: r.user_ref for r in applied.stored}
-        tags = {user_ref: self._tag(user_ref) for user_ref in set(owner.values())}
-        items = []
-        for page in (p for segment in written for p, _, _ in segment.pages):
-            tag = tags.get(owner.get(page.page_id, -1))
-            if tag is not None and page.stored:
-                items.append((key_of(self.remote.prefix, tag, page.page_id),
-                              pack_value(page.checksum, page.flags, page.stored)))
-        self.remote.put(items)
-
-    def _drop_remote(self, events: Sequence[Event]) -> None:
-        """Queue the deletion of the remote keys of the pages ``events`` say are gone from every tier."""
-        assert self.remote is not None
-        keys = []
-        for event in events:
-            if isinstance(event, PagesDropped) and (tag := self._tag(event.user_ref)) is not None:
-                keys += [key_of(self.remote.prefix, tag, page_id) for page_id in event.page_ids]
-        self.remote.drop(keys)
-
-    def _tag(self, user_ref: int) -> bytes | None:
-        """The remote tier's tag of a namespace (``None`` once its key is destroyed)."""
-        try:
-            return remote_tag(self.keys.of(user_ref).hash_key)
-        except ErasureInProgress:
-            return None
 
     def _check_fill(self) -> None:
         high, _ = policy.watermarks(self.placement.settings, "host", self.host.capacity_bytes)
@@ -410,7 +376,7 @@ class PageStore:
             placement.count("host", "misses", len(ids) - len(hits))
             placement.count("disk", "hits", served)
             placement.count("disk", "misses", sum(v is None for v in out))
-        if self.remote is not None:
+        if self.copies is not None:
             self._read_remote(ids, out)
         self._check_fill()
         bad = []
@@ -423,28 +389,10 @@ class PageStore:
         return Read(out, bad)
 
     def _read_remote(self, ids: Sequence[PageId], out: list[bytes | None]) -> None:
-        """Fill ``out`` from the remote tier for the pages the catalog holds on another node's
-        disk only: one round trip, each value verified, the good ones promoted to host."""
-        assert self.remote is not None
-        entries = self.index.entries
-        wanted = []
-        for i, value in enumerate(out):
-            entry = entries.get(ids[i]) if value is None else None
-            if entry is not None and entry.disk is None and entry.is_durable:
-                tag = self._tag(entry.namespace.user_ref)
-                if tag is not None:
-                    wanted.append((i, entry, key_of(self.remote.prefix, tag, entry.page_id)))
-        if not wanted:
-            return
-        values = self.remote.get([key for _, _, key in wanted])
-        for (i, entry, _), raw in zip(wanted, values):
-            if raw is None:
-                continue
-            data = self._opened(entry, raw)
-            if data is None:
-                self.remote.count_error("verify")
-                log.warning("a remote-tier record failed verification: treated as a miss")
-                continue
+        """Fill ``out`` from the remote tier (:meth:`dss.copies.RemoteCopies.fetch`) and promote
+        what came back to host."""
+        assert self.copies is not None
+        for i, entry, data in self.copies.fetch(ids, out):
             out[i] = data
             evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref))
             if evicted is not None:
@@ -453,25 +401,6 @@ class PageStore:
             if evicted:
                 self.left_host(evicted, inline=True)
             entry.namespace.bump()
-
-    def _opened(self, entry: PageEntry, raw: bytes) -> bytes | None:
-        """The payload of a remote record if it is the page's (format, checksum, authentication)."""
-        parts = unpack_value(raw)
-        if parts is None:
-            return None
-        stored_sum, flags, stored = parts
-        if stored_sum != entry.checksum or checksum(stored) != stored_sum:
-            return None
-        if not flags & SEALED:
-            return stored if len(stored) == entry.size else None
-        sealer = self.keys.sealer_of(entry.namespace.user_ref)
-        if sealer is None:
-            return None
-        try:
-            data = sealer.open(stored, entry.page_id)
-        except SealError:
-            return None
-        return data if len(data) == entry.size else None
 
     def owners(self, ids: Sequence[PageId]) -> list[int | None]:
         """For each page id, the namespace holding it as far as this process knows (``None``: unknown)."""

@@ -18,7 +18,7 @@ FLOORS = [
     {"routing"},
     {"catalog", "tiers", "trie"},
     {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "residency"},
-    {"state"},
+    {"state", "copies"},
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},
     {"erase", "integrity", "writer", "nearest"},
