@@ -23,7 +23,6 @@ import argparse
 import random
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dss  # noqa: E402
-from progress import wait  # noqa: E402
+from progress import run_until  # noqa: E402
 from service_load import fresh_schema, percentile  # noqa: E402
 
 LAYOUT = dss.Layout(name="group-commit", page_tokens=16, page_bytes=1024, model="synthetic")
@@ -80,14 +79,8 @@ def run(mode: str, threads: int, duration: float, catalog: str | None) -> Run:
                     acked[i].append((session_id, version.version_id, tokens))
                     history = tokens
 
-        workers = [threading.Thread(target=chat, args=(i,)) for i in range(threads)]
-        start = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        wait(deadline - time.monotonic(), f"{threads} threads committing, group commit {mode}")
-        for worker in workers:
-            worker.join()
-        elapsed = time.perf_counter() - start
+        elapsed = run_until([lambda i=i: chat(i) for i in range(threads)], deadline,
+                            f"{threads} threads committing, group commit {mode}")
         transactions = int(store.sql("SELECT seq FROM catalog_seq").rows[0][0]) - seq_before
         store.close()
         with dss.open(home, catalog_url=url) as again:

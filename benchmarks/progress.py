@@ -9,8 +9,9 @@ tables a benchmark prints stay clean.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from dss.cli.progress import bar
@@ -35,3 +36,16 @@ def wait(seconds: float, label: str) -> None:
             time.sleep(min(1.0, left))
             steps.advance(round(seconds - max(0.0, deadline - time.monotonic())) - steps.done)
         steps.finish()
+
+
+def run_until(targets: Sequence[Callable[[], object]], deadline: float, label: str) -> float:
+    """Run each target in a thread of its own, show a bar until ``deadline`` (``time.monotonic``),
+    join them all; return the seconds from their start to the last one's end."""
+    threads = [threading.Thread(target=target) for target in targets]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    wait(deadline - time.monotonic(), label)
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start

@@ -28,7 +28,6 @@ import hashlib
 import random
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from pathlib import Path
 import dss
 from dss.service.process import ServiceProcess
 from dss.core.tokens import pack
-from progress import wait
+from progress import run_until
 
 ENDPOINTS = ("create_session", "resume", "commit", "rollback", "branch")
 
@@ -189,14 +188,8 @@ def run_load(args: argparse.Namespace, mode: str) -> Run:
         deadline = time.monotonic() + args.duration
         workers = [ChatClient(i, clients[i], layout, deadline, args.seed) for i in range(args.clients)]
         tallies: list[Tally] = []
-        threads = [threading.Thread(target=lambda w=w: tallies.append(w.run())) for w in workers]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        wait(deadline - time.monotonic(), f"{args.clients} clients chatting, group commit {mode}")
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
+        elapsed = run_until([lambda w=w: tallies.append(w.run()) for w in workers], deadline,
+                            f"{args.clients} clients chatting, group commit {mode}")
         for client in clients:
             client.close()
         status = service.stop()
