@@ -47,9 +47,6 @@ from dss.tiers.remote import RemoteTier
 
 log = logging.getLogger("dss.pages")
 
-SEALED = SEALED_FLAG
-"""Record flag: the payload on disk is sealed under the owner's data key."""
-
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 """Write errors that mean no room: the write's pages stay in host only, its catalog rows commit."""
 
@@ -68,7 +65,7 @@ def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageI
         if entry is not None and (entry.disk is not None or entry.is_durable):
             out.append(NewPage(page_id, i, payload, None, 0, 0))
         elif seal:
-            out.append(NewPage(page_id, i, payload, payload, 0, SEALED))
+            out.append(NewPage(page_id, i, payload, payload, 0, SEALED_FLAG))
         else:
             out.append(NewPage(page_id, i, payload, payload, checksum(payload), 0))
     return tuple(out)
@@ -119,7 +116,7 @@ class PageStore:
         fresh = [p for p in new if p.stored is not None]
         if not fresh or _segment_size(fresh) > self.disk_bytes:
             return []
-        if any(p.flags & SEALED for p in fresh) and sealer is None:
+        if any(p.flags & SEALED_FLAG for p in fresh) and sealer is None:
             raise ValueError("sealed pages need their namespace's sealer")
         if self.before_full is not None:
             self.before_full(_segment_size(fresh))
@@ -342,7 +339,7 @@ class PageStore:
             failures.extend(chunk.failures)
             for j, record in chunk.records:
                 i, entry = wanted[j]
-                sealed = bool(record.flags & SEALED)
+                sealed = bool(record.flags & SEALED_FLAG)
                 if len(record.payload) != entry.size + (OVERHEAD if sealed else 0):  # a flipped flag, say
                     failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
                                                    "has the wrong length for its flags"))
@@ -425,7 +422,7 @@ def _segment_size(fresh: Sequence[NewPage]) -> int:
 def _record_size(page: NewPage) -> int:
     """Bytes a page's record takes in a segment (sealed ones grow by the nonce and tag)."""
     assert page.stored is not None
-    return RECORD.size + len(page.stored) + (OVERHEAD if page.flags & SEALED else 0)
+    return RECORD.size + len(page.stored) + (OVERHEAD if page.flags & SEALED_FLAG else 0)
 
 
 class SealRing:
@@ -455,7 +452,7 @@ def _records(batch: Sequence[NewPage], sealer: Sealer | None, ring: SealRing | N
     for page in batch:
         stored = page.stored
         assert stored is not None
-        if page.flags & SEALED:
+        if page.flags & SEALED_FLAG:
             assert sealer is not None
             stored = ring.seal(sealer, page.payload, page.page_id) if ring is not None else \
                 sealer.seal_into(page.payload, page.page_id)

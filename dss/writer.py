@@ -46,8 +46,9 @@ from dss.core.types import Layout
 from dss.keys import DataKeys, Keys, ensure_namespace
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
-from dss.pages import SEALED, PageStore
+from dss.pages import PageStore
 from dss.state import SessionState
+from dss.tiers.disk import SEALED_FLAG
 
 ATTEMPTS = 16
 """How many times a write is built again when other writers keep moving its session on."""
@@ -178,7 +179,8 @@ class Writer:
         docstring); ``alone`` applies it in a transaction of its own (a caller that holds
         the lock must: a leader needs it; so does a change with ``files``)."""
         sealer = None
-        if change.user_ref is not None and any(p.flags & SEALED and p.stored is not None for p in change.pages):
+        if change.user_ref is not None and any(p.flags & SEALED_FLAG and p.stored is not None
+                                               for p in change.pages):
             with self.guard.lock:
                 sealer = self.keys.of(change.user_ref).sealer
         if self.group_commit and not alone and not files and not self.guard.lock._is_owned():  # type: ignore[attr-defined]
