@@ -184,7 +184,7 @@ class Placement:
             if s is None:
                 s = stats[page_id] = PageStats(t)
             s.tick = tick
-            s.freq = s.freq * 2.0 ** (-(t - s.last) / h) + 1.0 if t >= s.last else s.freq + 1.0
+            s.freq = (decayed(s.freq, t - s.last, h) if t >= s.last else s.freq) + 1.0
             s.last = max(t, s.last)
             if t - s.window_start > window:
                 s.window_start, s.window_count = t, 0
@@ -214,7 +214,7 @@ class Placement:
         if got is None:
             return 0.0
         activity, when = got
-        return activity * 2.0 ** (-max(0.0, now - when) / self.settings.frequency_half_life_s)
+        return decayed(activity, max(0.0, now - when), self.settings.frequency_half_life_s)
 
     def note_tokens(self, page_ids: Iterable[PageId], tokens: int) -> None:
         """The pages hold ``tokens`` tokens each (their layout's page size), for the cost term."""
@@ -272,7 +272,7 @@ class Placement:
                 s = self.stats[page_id] = PageStats(t)
             elif s.last < t:
                 if s.last != -math.inf:
-                    s.freq *= 2.0 ** (-(t - s.last) / self.settings.frequency_half_life_s)
+                    s.freq = decayed(s.freq, t - s.last, self.settings.frequency_half_life_s)
                 s.last = t
             self._tick += 1
             s.tick = self._tick
@@ -333,8 +333,8 @@ class Placement:
                 recs.append(0.0)
             else:
                 age = max(0.0, t - s.last)
-                freqs.append(s.freq * 2.0 ** (-age / h_f))
-                recs.append(2.0 ** (-age / h_r))
+                freqs.append(decayed(s.freq, age, h_f))
+                recs.append(decayed(1.0, age, h_r))
             tokens = s.tokens if s is not None and s.tokens else 0
             # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
             values.append(tokens / (size * per_byte) if tokens and size else 0.0)
@@ -479,10 +479,15 @@ class Placement:
             for p in pages_of(segment.ref):
                 s = stats.get(p)
                 if s is not None and s.last != -math.inf:
-                    worth = max(worth, s.freq * 2.0 ** (-max(0.0, t - s.last) / h_f))
+                    worth = max(worth, decayed(s.freq, max(0.0, t - s.last), h_f))
             best.append(worth)
         hot = HOT_FREQUENCY
         return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, i))]
+
+
+def decayed(value: float, age: float, half_life: float) -> float:
+    """``value`` after ``age`` seconds of exponential decay that halves it every ``half_life``."""
+    return value * 2.0 ** (-age / half_life)
 
 
 def watermarks(settings: Settings, tier: str, capacity: int) -> tuple[int, int]:
