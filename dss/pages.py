@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dss import policy
@@ -35,13 +34,14 @@ from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
 from dss.copies import RemoteCopies
+from dss.records import SealRing, batches, records, segment_size
 from dss.core.crypto import OVERHEAD, Sealer, SealError
 from dss.core.hashing import checksum
 from dss.core.types import PageId
 from dss.keys import DataKeys
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
 from dss.tiers.base import ReadFailure, ReadRequest
-from dss.tiers.disk import HEADER_BYTES, IO_PAGES, RECORD, SEALED_FLAG, DiskTier
+from dss.tiers.disk import SEALED_FLAG, DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.remote import RemoteTier
 
@@ -114,19 +114,19 @@ class PageStore:
         ``publish=False``: the files' names are not yet durable; :meth:`publish` them before
         the transaction that records them."""
         fresh = [p for p in new if p.stored is not None]
-        if not fresh or _segment_size(fresh) > self.disk_bytes:
+        if not fresh or segment_size(fresh) > self.disk_bytes:
             return []
         if any(p.flags & SEALED_FLAG for p in fresh) and sealer is None:
             raise ValueError("sealed pages need their namespace's sealer")
         if self.before_full is not None:
-            self.before_full(_segment_size(fresh))
+            self.before_full(segment_size(fresh))
         out: list[WrittenSegment] = []
         ring = self._ring if self._ring.lock.acquire(blocking=False) else None
         keep = self.remote is not None
         try:
-            for batch in self._batches(fresh):
+            for batch in batches(fresh, self.segment_bytes):
                 done: list[NewPage] = []
-                name, size, located = self.disk.write(_records(batch, sealer, ring, done, keep), publish=publish)
+                name, size, located = self.disk.write(records(batch, sealer, ring, done, keep), publish=publish)
                 out.append(WrittenSegment(name, size, self.node_ref, tuple((p, where.offset, where.length)
                                                             for p, where in zip(done, located))))
         except OSError as exc:
@@ -293,19 +293,6 @@ class PageStore:
         """Delete the files of a write whose transaction did not commit."""
         self.disk.remove([w.name for w in written])
 
-    def _batches(self, fresh: list[NewPage]) -> list[list[NewPage]]:
-        """Split pages into batches whose segment stays within ``segment_bytes``."""
-        batches: list[list[NewPage]] = [[]]
-        size = HEADER_BYTES
-        for page in fresh:
-            grow = _record_size(page)
-            if batches[-1] and size + grow > self.segment_bytes:
-                batches.append([])
-                size = HEADER_BYTES
-            batches[-1].append(page)
-            size += grow
-        return [b for b in batches if b]
-
     # -- reading ---------------------------------------------------------------------------
 
     def read(self, ids: Sequence[PageId], *, load: bool = True, prefetch: bool = False) -> Read:
@@ -413,49 +400,3 @@ class PageStore:
             found = pages.pages_by_id(conn, page_ids, self.node_ref)
         for record in found:
             self.index.apply(self.index.namespace(record.user_ref), [record])
-
-
-def _segment_size(fresh: Sequence[NewPage]) -> int:
-    return HEADER_BYTES + sum(_record_size(p) for p in fresh)
-
-
-def _record_size(page: NewPage) -> int:
-    """Bytes a page's record takes in a segment (sealed ones grow by the nonce and tag)."""
-    assert page.stored is not None
-    return RECORD.size + len(page.stored) + (OVERHEAD if page.flags & SEALED_FLAG else 0)
-
-
-class SealRing:
-    """Buffers pages are sealed into on their way to disk, reused round-robin so their memory
-    is not faulted in afresh for every page. :meth:`DiskTier.write` has at most two batches of
-    :data:`IO_PAGES` records in hand (one being written, one being filled), so a ring of twice
-    that many never hands out a buffer still in use. One write at a time holds the ring."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._buffers: list[bytearray | None] = [None] * (2 * IO_PAGES)
-        self._next = 0
-
-    def seal(self, sealer: Sealer, payload: bytes, aad: bytes) -> bytearray:
-        k = self._next
-        self._next = (k + 1) % len(self._buffers)
-        blob = self._buffers[k] = sealer.seal_into(payload, aad, self._buffers[k])
-        return blob
-
-
-def _records(batch: Sequence[NewPage], sealer: Sealer | None, ring: SealRing | None,
-             done: list[NewPage], keep: bool = False) -> Iterator[tuple[PageId, int, Any, int]]:
-    """The records of ``batch`` for :meth:`DiskTier.write`, sealed one by one as the tier asks
-    for them (into ``ring``'s buffers if given); each page, with its checksum, is appended to
-    ``done`` (its sealed bytes are on disk once the write returned: ``stored`` is emptied,
-    unless ``keep``, when it is a copy of them — for the remote tier's write-through)."""
-    for page in batch:
-        stored = page.stored
-        assert stored is not None
-        if page.flags & SEALED_FLAG:
-            assert sealer is not None
-            stored = ring.seal(sealer, page.payload, page.page_id) if ring is not None else \
-                sealer.seal_into(page.payload, page.page_id)
-            page = page._replace(stored=bytes(stored) if keep else b"", checksum=checksum(stored))
-        done.append(page)
-        yield page.page_id, page.checksum, stored, page.flags

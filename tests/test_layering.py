@@ -17,7 +17,7 @@ FLOORS = [
     {"core"},
     {"routing"},
     {"catalog", "tiers", "trie"},
-    {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "residency"},
+    {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "residency", "records"},
     {"state", "copies"},
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},
