@@ -30,6 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
+import dss
+
 from tests.engines import prompt
 from tests.servers import free_port
 from tests.test_vllm_openai_server import (
@@ -101,6 +103,14 @@ def test_the_router_follows_the_kv_and_fails_over(model: Path, tmp_path: Path) -
                 time.sleep(0.2)
 
         def kill_the_first(turns: list[tuple[Any, httpx.Headers]]) -> None:
+            # the engine's pages reach the store after its answer (a background writer): wait
+            # for turn 2's five pages, so the kill tests fail-over, not a save still in flight
+            with dss.open(store) as seen:
+                head = seen.tokens(SESSION["session_id"], tenant_id=SESSION["tenant_id"])
+                give_up = time.monotonic() + 60
+                while seen.resume(SESSION["session_id"], head, tenant_id=SESSION["tenant_id"]).matched_tokens < 160:
+                    assert time.monotonic() < give_up, "turn 2's pages never reached the store"
+                    time.sleep(0.1)
             process = servers[turns[0][1]["x-dss-node"]][0]
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
