@@ -5,8 +5,10 @@ One :class:`Mover` per store. Its thread (``mover=True``, the default) wakes eve
 ``mover_interval_s``, and at once when a put takes a tier past its high mark; it then runs
 :meth:`Mover.run`, which does, per tier, what :mod:`dss.policy` decides:
 
-* host past its high mark: demote the lowest-scored pages (drop the host copy; disk holds
-  them) in batches of ``move_batch_pages`` until host is at its low mark;
+* host past its high mark: demote the lowest-scored pages in batches of ``move_batch_pages``
+  until host's active pages are at its low mark. Disk holds every such page, so a demoted page
+  needs no I/O: it stays in host, *inactive* (readable; the first to go when a put needs room,
+  see :mod:`dss.tiers.host`);
 * disk past its high mark: drop the lowest-ordered unpinned segments (one catalog transaction
   per batch of at most ``move_batch_pages`` pages, files deleted after it committed) until disk
   is at its low mark.
@@ -162,19 +164,21 @@ class Mover:
         high, low = policy.watermarks(placement.settings, "host", host.capacity_bytes)
         with self.guard.lock:
             self.guard.check_open()
-            if host.used_bytes <= high:
+            if host.active_bytes <= high:
                 return 0
-            order = placement.host_victims(host.candidates(), host.used_bytes - low)
+            active = [c for c in host.candidates() if not host.is_inactive(c[0])]
+            order = placement.host_victims(active, host.active_bytes - low)
         moved = 0
         for start in range(0, len(order), self.batch):
             with self.guard.lock:
                 self.guard.check_open()
-                if host.used_bytes <= low:
+                if host.active_bytes <= low:
                     break
-                batch = [p for p in order[start:start + self.batch] if p in host and p not in placement.held]
+                batch = [p for p in order[start:start + self.batch]
+                         if p in host and not host.is_inactive(p) and p not in placement.held]
                 sizes = [host.size_of(p) for p in batch]
-                host.discard(batch)
-                self.pages.left_host(batch, sizes=sizes)
+                host.demote(batch)
+                self.pages.demoted(batch, sizes=sizes)
                 moved += len(batch)
         return moved
 

@@ -42,7 +42,7 @@ from dss.keys import DataKeys
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
 from dss.tiers.base import ReadFailure, ReadRequest
 from dss.tiers.disk import SEALED_FLAG, DiskTier
-from dss.tiers.host import HostTier
+from dss.tiers.host import HostTier, Victims
 from dss.tiers.remote import RemoteTier
 
 log = logging.getLogger("dss.pages")
@@ -234,13 +234,15 @@ class PageStore:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
                 self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),
                                          checksum(page.payload), None, is_durable=False))
-            evicted = self.host.put(page.page_id, page.payload, owner)
+            # a durable page competes for room; one only host holds goes in whatever it is worth
+            evicted = self.host.put(page.page_id, page.payload, owner,
+                                    compete=entries.get(page.page_id) is not None and entries[page.page_id].is_durable)
             if evicted is None:
                 entry = entries.get(page.page_id)
                 if entry is not None and entry.disk is None and not entry.is_durable:
                     self.index.forget([page.page_id])
-            elif evicted:
-                self.left_host(evicted, inline=True)
+            else:
+                self.made_room(evicted)
         if namespace is not None:
             namespace.bump()
         if self.copies is not None and applied.stored:
@@ -251,7 +253,7 @@ class PageStore:
 
     def _check_fill(self) -> None:
         high, _ = policy.watermarks(self.placement.settings, "host", self.host.capacity_bytes)
-        if self.host.used_bytes > high:
+        if self.host.active_bytes > high:
             self.filled()
 
     def owner(self, user_ref: int) -> tuple[str, int]:
@@ -261,24 +263,44 @@ class PageStore:
     def left_host(self, evicted: Sequence[PageId], *, inline: bool = False, sizes: Sequence[int] = ()) -> None:
         """Count pages that just left host (demoted: disk still holds them; evicted: no tier
         does) and update the index."""
+        self.demoted(evicted, inline=inline, sizes=sizes)
+        self.dropped(evicted)
+
+    def demoted(self, page_ids: Sequence[PageId], *, inline: bool = False, sizes: Sequence[int] = ()) -> None:
+        """Count pages that left host as the policy sees it: a demotion when disk holds the page,
+        else an eviction (the mover's demoted pages stay in host, inactive, until dropped)."""
         entries = self.index.entries
         placement = self.placement
         demoted = moved = evictions = 0
-        for i, page_id in enumerate(evicted):
+        for i, page_id in enumerate(page_ids):
             entry = entries.get(page_id)
             if entry is not None and entry.disk is not None:
                 demoted += 1
                 moved += sizes[i] if sizes else entry.size
             else:
                 evictions += 1
-            placement.prefetch_left(page_id)
-        placement.demoted(evicted)
+        placement.demoted(page_ids)
         placement.count("host", "demotions", demoted)
         placement.count("host", "moved_bytes", moved)
         placement.count("host", "evictions", evictions)
         if inline:
-            placement.count("host", "inline_evictions", len(evicted))
-        self.index.left_host(evicted)
+            placement.count("host", "inline_evictions", len(page_ids))
+
+    def dropped(self, page_ids: Sequence[PageId]) -> None:
+        """These pages are no longer in host: a prefetched one nobody read was wasted; the
+        index forgets pages no tier holds."""
+        for page_id in page_ids:
+            self.placement.prefetch_left(page_id)
+        self.index.left_host(page_ids)
+
+    def made_room(self, victims: Victims | None) -> None:
+        """A put into host dropped ``victims``: inactive ones were counted when the mover
+        demoted them; the others were evicted inline."""
+        if not victims:
+            return
+        self.dropped(victims[:victims.reclaimed])
+        if victims.reclaimed < len(victims):
+            self.left_host(victims[victims.reclaimed:], inline=True)
 
     def sweep(self) -> list[str]:
         """Delete this node's page files the catalog no longer records (see :meth:`DiskTier.sweep`)."""
@@ -345,15 +367,15 @@ class PageStore:
                     data = bytes(record.payload)
                 out[i] = data
                 if prefetch or placement.should_promote(entry.page_id, load=load, now=now):
-                    evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref))
+                    evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref),
+                                            compete=not prefetch)
                     if evicted is not None:
                         placement.count("host", "promotions")
                         placement.count("host", "moved_bytes", len(data))
                         placement.count("disk", "moved_bytes", len(data))
                         if prefetch:
                             placement.prefetch_issued(entry.page_id, now)
-                    if evicted:
-                        self.left_host(evicted, inline=True)
+                    self.made_room(evicted)
                 entry.namespace.bump()
         if not prefetch:
             served = sum(1 for i, _ in wanted if out[i] is not None)
@@ -382,8 +404,7 @@ class PageStore:
             if evicted is not None:
                 self.placement.count("host", "promotions")
                 self.placement.count("host", "moved_bytes", len(data))
-            if evicted:
-                self.left_host(evicted, inline=True)
+            self.made_room(evicted)
             entry.namespace.bump()
 
     def owners(self, ids: Sequence[PageId]) -> list[int | None]:

@@ -10,8 +10,15 @@ The rules (``policy="dss"``, the default):
   - *frequency* — accesses with exponential decay: each access adds 1, the sum halves every
     ``frequency_half_life_s``; on a log scale, ``min(1, log(1 + f) / log(1 + f_90))`` where
     ``f_90`` is the 90th percentile among the candidates (so a shared prompt everyone reads
-    does not flatten every other page's frequency to 0);
-  - *recency* — ``2 ** (-age / recency_half_life_s)``, age since the last access;
+    does not flatten every other page's frequency to 0). A page not read for ``OVERDUE`` (4)
+    times its user's *rhythm* (below) is overdue — the conversation most likely ended — and
+    from then on its frequency also halves every rhythm, so a busy user's finished
+    conversation does not outlast the live ones of quieter users;
+  - *recency* — ``2 ** (-age / h)``, age since the last access, ``h`` twice the rhythm of the
+    user who wrote the page, within ``[recency_half_life_s / 8, recency_half_life_s]``
+    (``recency_half_life_s`` for a page of an unknown user): a page is stale after a few of
+    its own user's gaps, not everyone's. A user's *rhythm* is its typical time between turns
+    (an exponentially weighted mean of the gaps, starting at ``recency_half_life_s``);
   - *cost* — the seconds to bring the page back (its bytes over the disk's read bandwidth)
     versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
     divided by the highest among the candidates (pages of one layout all score 1).
@@ -20,16 +27,21 @@ The rules (``policy="dss"``, the default):
   computed once and consumed by later evictions; it is computed again when it is older than a
   quarter of ``recency_half_life_s`` or once more than an eighth as many pages as it ranks
   have arrived since (pages that arrived after it are in no order, so could not leave).
-* **New pages** (commits, saves) go to host and disk. A written page counts as an access and
-  starts no lower than its user's *activity*: the user's turns (new versions of any of their
-  sessions), decayed like frequency, this one included. A session's next turn reads all of its
-  pages together, so the pages the last turn wrote are as likely to be read again as the older
-  ones every turn has read; by their own count they would have one access, like the pages of a
-  user seen once (a one-off request), and leave first. A user idle for 8 frequency half-lives
-  is forgotten. (Where one ``user_id`` carries everyone's sessions, every written page starts
-  at that one high activity.)
+* **Admission.** A page competes for room in a full host: a write or a promotion goes in only
+  if it scores at least as high as every page it would displace (scored alike, now), so a
+  one-off request's pages do not push out a live conversation's. A prefetch, and a page no
+  durable tier holds, go in whatever they are worth; LRU admits every page.
+* **New pages** (commits, saves) go to disk, and to host if admitted. A written page counts
+  as an access and starts no lower than its user's *activity*: the user's turns (new versions
+  of any of their sessions), decayed like frequency, this one included. A session's next turn
+  reads all of its pages together, so the pages the last turn wrote are as likely to be read
+  again as the older ones every turn has read; by their own count they would have one access,
+  like the pages of a user seen once (a one-off request), and leave first. A user idle for 8
+  frequency half-lives is forgotten. (Where one ``user_id`` carries everyone's sessions, every
+  written page starts at that one high activity, and that user's rhythm is short: recency then
+  counts with the shortest half-life, an eighth of ``recency_half_life_s``.)
 * **Promotion.** A page read from disk for a load the engine waits for (``read_pages``,
-  ``load=True``) is promoted to host at once. Any other read promotes a page from disk to host
+  ``load=True``) is promoted to host at once, if admitted. Any other read promotes a page from disk to host
   only after ``promote_after`` accesses within ``promote_interval_s`` (never on a single
   touch), and not during the ``cooldown_s`` after it was demoted from host (so a page just
   demoted does not bounce straight back). A page a prefetch moves up counts as just used for
@@ -38,7 +50,10 @@ The rules (``policy="dss"``, the default):
   ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
   the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of
   ``move_batch_pages`` (8–16) until it is at its low mark, so foreground writes rarely evict
-  inline. Demoting from host drops the host copy (disk holds the page); demoting from disk, the
+  inline. Demoting from host costs no I/O (disk holds the page): the page stays in host,
+  *inactive* — readable, active again when read, and the first to go (in the order demoted)
+  when a put needs room — so the room below the low mark is not left empty (the host's
+  watermarks measure its active bytes; see :mod:`dss.tiers.host`). Demoting from disk, the
   last tier, drops whole segments: first those whose pages are not hot (decayed frequency
   below ``HOT_FREQUENCY``), oldest first by the newest version holding them (so pages only old
   versions hold go first), then the hot ones, least frequently used first.
@@ -90,6 +105,18 @@ ARRIVALS = 8
 """The host's eviction order is computed again once more than ``1/ARRIVALS`` of the pages it
 ranked have arrived since (pages that arrived after it are in no order, so could not leave)."""
 
+RHYTHM_WEIGHT = 0.3
+"""A user's *rhythm* (typical seconds between its turns) moves this share of the way to each
+new gap between two of its turns (an exponentially weighted mean)."""
+
+RHYTHM_RECENCY = 2.0
+"""The recency half-life of a user's pages is this many times its rhythm, between an eighth of
+``recency_half_life_s`` and ``recency_half_life_s``."""
+
+OVERDUE = 4.0
+"""A page not read for this many times its user's rhythm is *overdue* (the conversation most
+likely ended): from then on its frequency also halves every rhythm."""
+
 TIERS = ("host", "disk")
 """The tiers this process places pages on, fastest first."""
 
@@ -121,10 +148,34 @@ Owner = tuple[str, int]
 """``(tenant_id, user_ref)`` of a page."""
 
 
+class UserStats:
+    """What the policy remembers of one user (namespace)."""
+
+    __slots__ = ("activity", "when", "rhythm")
+
+    def __init__(self, activity: float, when: float, rhythm: float) -> None:
+        self.activity = activity
+        """The user's turns (new versions of any of its sessions), decayed like frequency, as
+        of ``when``."""
+        self.when = when
+        """When the user's last turn was."""
+        self.rhythm = rhythm
+        """Typical seconds between the user's turns (starts at ``recency_half_life_s``)."""
+
+
+class Scale(NamedTuple):
+    """How one ranking scaled the frequency and ``1/cost`` terms of its candidates."""
+
+    top_f: float
+    """``log(1 + f_90)``: the frequency term is ``min(1, log(1 + f) / top_f)``."""
+    top_v: float
+    """The highest ``1/cost``: the cost term is ``(1/cost) / top_v`` (1 when 0)."""
+
+
 class PageStats:
     """What the policy remembers of one page."""
 
-    __slots__ = ("freq", "last", "window_start", "window_count", "demoted_at", "tokens", "tick")
+    __slots__ = ("freq", "last", "window_start", "window_count", "demoted_at", "tokens", "tick", "user")
 
     def __init__(self, now: float) -> None:
         self.freq = 0.0
@@ -134,6 +185,8 @@ class PageStats:
         self.demoted_at = -math.inf
         self.tokens = 0
         self.tick = 0
+        self.user: int | None = None
+        """The namespace that wrote the page (``None``: written by another process)."""
 
 
 COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "inline_evictions")
@@ -151,15 +204,15 @@ class Placement:
         self.clock = clock
         self.is_lru = settings.policy == "lru"
         self.stats: dict[PageId, PageStats] = {}
-        self.users: dict[int, tuple[float, float]] = {}
-        """``user_ref -> (activity, when)``: the user's turns (new versions of any of its
-        sessions), decayed like frequency, as of ``when``."""
+        self.users: dict[int, UserStats] = {}
+        """What the policy remembers of each user (namespace) that wrote here."""
         self.held: Counter[PageId] = Counter()
         self.counts: dict[str, Counter[str]] = {tier: Counter() for tier in TIERS}
         self.prefetch = Counter({"issued": 0, "hits": 0, "wasted": 0})
         self.prefetched: set[PageId] = set()
         self._order: list[PageId] = []
         self._order_at = -math.inf
+        self._scale = Scale(1.0, 0.0)
         self._order_tick = 0
         self._arrived = 0
         self._tick = 0
@@ -194,17 +247,24 @@ class Placement:
               now: float | None = None) -> None:
         """Record a write of the pages by namespace ``user`` (``turn``: it made a new version of
         a session). Each page is accessed once and starts no lower than the user's activity
-        (the user's turns, decayed like frequency, this one included)."""
+        (the user's turns, decayed like frequency, this one included); a turn also moves the
+        user's rhythm towards the time since its last turn."""
         t = self.now() if now is None else now
         self.touch(page_ids, t)
         if user is None:
             return
         activity = self.activity(user, t) + (1.0 if turn else 0.0)
         if turn:
-            self.users[user] = (activity, t)
+            got = self.users.get(user)
+            if got is None:
+                self.users[user] = UserStats(activity, t, self.settings.recency_half_life_s)
+            else:
+                got.rhythm += RHYTHM_WEIGHT * (max(0.0, t - got.when) - got.rhythm)
+                got.activity, got.when = activity, max(t, got.when)
         stats = self.stats
         for page_id in page_ids:
             s = stats[page_id]
+            s.user = user
             if s.freq < activity:
                 s.freq = activity
 
@@ -213,8 +273,7 @@ class Placement:
         got = self.users.get(user)
         if got is None:
             return 0.0
-        activity, when = got
-        return decayed(activity, max(0.0, now - when), self.settings.frequency_half_life_s)
+        return decayed(got.activity, max(0.0, now - got.when), self.settings.frequency_half_life_s)
 
     def note_tokens(self, page_ids: Iterable[PageId], tokens: int) -> None:
         """The pages hold ``tokens`` tokens each (their layout's page size), for the cost term."""
@@ -318,34 +377,54 @@ class Placement:
 
     def scores(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[float]:
         """The score of each page among these candidates (see the module docstring)."""
+        return self.scored(page_ids, sizes, now)[0]
+
+    def scored(self, page_ids: Sequence[PageId], sizes: Sequence[int],
+               now: float | None = None) -> tuple[list[float], Scale]:
+        """The score of each page among these candidates, and the scale they were scored on
+        (to score other pages alike with :meth:`score`)."""
         t = self.now() if now is None else now
-        stats = self.stats
         if self.is_lru:
-            return [(s.last if (s := stats.get(p)) is not None else -math.inf) for p in page_ids]
-        w_f, w_r, w_c = self.settings.weights
-        h_f, h_r = self.settings.frequency_half_life_s, self.settings.recency_half_life_s
-        freqs, recs, values = [], [], []
+            stats = self.stats
+            return [(s.last if (s := stats.get(p)) is not None else -math.inf) for p in page_ids], Scale(1.0, 0.0)
+        terms = [self._terms(p, size, t) for p, size in zip(page_ids, sizes)]
+        ranked = sorted(f for f, _, _ in terms)
+        scale = Scale(math.log1p(ranked[int(len(ranked) * FREQUENCY_QUANTILE)] if ranked else 0.0) or 1.0,
+                      max((v for _, _, v in terms), default=0.0))
+        return [self._combine(term, scale) for term in terms], scale
+
+    def score(self, page_id: PageId, size: int, scale: Scale, now: float) -> float:
+        """One page's score at ``now`` on the ``scale`` of an earlier ranking."""
+        if self.is_lru:
+            s = self.stats.get(page_id)
+            return s.last if s is not None else -math.inf
+        return self._combine(self._terms(page_id, size, now), scale)
+
+    def _terms(self, page_id: PageId, size: int, t: float) -> tuple[float, float, float]:
+        """``(decayed frequency, recency, 1/cost)`` of a page at ``t``, before scaling."""
+        s = self.stats.get(page_id)
+        if s is None or s.last == -math.inf:
+            f = r = 0.0
+        else:
+            age = max(0.0, t - s.last)
+            f = decayed(s.freq, age, self.settings.frequency_half_life_s)
+            h_r = self.settings.recency_half_life_s
+            user = self.users.get(s.user) if s.user is not None else None
+            if user is not None:
+                rhythm = max(user.rhythm, h_r / 8)
+                h_r = min(h_r, RHYTHM_RECENCY * rhythm)
+                if age > OVERDUE * rhythm:
+                    f = decayed(f, age - OVERDUE * rhythm, rhythm)
+            r = decayed(1.0, age, h_r)
+        tokens = s.tokens if s is not None and s.tokens else 0
+        # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
         per_byte = self.settings.recompute_tokens_per_s / self.settings.disk_bytes_per_s
-        for p, size in zip(page_ids, sizes):
-            s = stats.get(p)
-            if s is None or s.last == -math.inf:
-                freqs.append(0.0)
-                recs.append(0.0)
-            else:
-                age = max(0.0, t - s.last)
-                freqs.append(decayed(s.freq, age, h_f))
-                recs.append(decayed(1.0, age, h_r))
-            tokens = s.tokens if s is not None and s.tokens else 0
-            # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
-            values.append(tokens / (size * per_byte) if tokens and size else 0.0)
-        ranked = sorted(freqs)
-        top_f = math.log1p(ranked[int(len(ranked) * FREQUENCY_QUANTILE)] if ranked else 0.0) or 1.0
-        top_v = max(values, default=0.0)
-        out = []
-        for f, r, v in zip(freqs, recs, values):
-            c = v / top_v if top_v else 1.0
-            out.append(w_f * min(1.0, math.log1p(f) / top_f) + w_r * r + w_c * c)
-        return out
+        return f, r, (tokens / (size * per_byte) if tokens and size else 0.0)
+
+    def _combine(self, terms: tuple[float, float, float], scale: Scale) -> float:
+        f, r, v = terms
+        w_f, w_r, w_c = self.settings.weights
+        return w_f * min(1.0, math.log1p(f) / scale.top_f) + w_r * r + w_c * (v / scale.top_v if scale.top_v else 1.0)
 
     def order(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[int]:
         """Indexes of the candidates, the first to leave first (lowest score, then the
@@ -373,11 +452,13 @@ class Placement:
             freed += sizes[i]
         return chosen
 
-    def host_room(self, host: HostTier, page_id: PageId, size: int, owner: Owner | None) -> list[PageId] | None:
+    def host_room(self, host: HostTier, page_id: PageId, size: int, owner: Owner | None,
+                  compete: bool = False) -> list[PageId] | None:
         """The pages to drop so page ``page_id`` of ``size`` bytes of ``owner`` fits the host
         tier: first the owner's own pages while the user (then the tenant) would exceed its
         quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
-        ``None``: it stays out (over a quota by itself, or held pages fill the room)."""
+        ``None``: it stays out (over a quota by itself, held pages fill the room, or, with
+        ``compete``, it scores lower than a page it would displace for room)."""
         s = self.settings
         self._arrived += 1
         chosen: list[PageId] = []
@@ -413,12 +494,28 @@ class Placement:
                     return None
         freed = sum(host.size_of(p) for p in chosen)
         need = host.used_bytes - freed + size - host.capacity_bytes
+        if need <= 0:
+            return chosen
+        room: list[PageId] = []  # for the tier's capacity: inactive pages first, then the order's
+        for victim, victim_size in host.inactive():
+            if need <= 0:
+                break
+            if victim not in taken and victim not in self.held:
+                room.append(victim)
+                need -= victim_size
+        pos, order = self._pos, self._order
         if need > 0:
-            got = self.next_victims(host, need, taken)
+            got = self.next_victims(host, need, taken.union(room))
             if got is None:
                 return None
-            chosen.extend(got)
-        return chosen
+            room.extend(got)
+        if compete and not self.is_lru and room:
+            now = self.now()
+            best = max(self.score(p, host.size_of(p), self._scale, now) for p in room)
+            if self.score(page_id, size, self._scale, now) < best:
+                self._pos = pos if self._order is order else 0  # they stay next in line
+                return None
+        return chosen + room
 
     def next_victims(self, host: HostTier, need: int, exclude: set[PageId] = frozenset()) -> list[PageId] | None:
         """The pages that leave host next, to free ``need`` bytes (``None``: held pages fill it).
@@ -442,15 +539,18 @@ class Placement:
             self._order = []
         refreshed = False
         stats = self.stats
+        wanted = need
         while need > 0:
             if self._pos >= len(self._order):
                 if refreshed:
                     return None
                 candidates = host.candidates()
                 ids = [c[0] for c in candidates]
-                self._order = [ids[i] for i in self.order(ids, [c[1] for c in candidates], now)]
+                scores, self._scale = self.scored(ids, [c[1] for c in candidates], now)
+                self._order = [ids[i] for i in sorted(range(len(ids)), key=lambda i: (scores[i], i))]
                 self._order_at, self._order_tick, self._pos, refreshed = now, self._tick, 0, True
                 self._arrived = 0
+                need, chosen = wanted, []  # the new order ranks them again
                 continue
             page_id = self._order[self._pos]
             self._pos += 1

@@ -258,12 +258,26 @@ def test_the_mover_demotes_to_the_low_mark_in_batches(open_store) -> None:
         clock.t = n
         store.commit(f"s{n}", toks(n), pages(toks(n)))
     assert store.stats()["host"]["inline_evictions"] == 0
-    assert store.run_mover() == {"host": 18, "disk": 0}  # 88 -> 70 pages (the low mark)
+    assert store.run_mover() == {"host": 18, "disk": 0}  # 88 -> 70 active pages (the low mark)
     stats = store.stats()["host"]
-    assert stats["bytes"] == 70 * 1024 == stats["low_watermark"]
+    assert stats["bytes"] - stats["inactive_bytes"] == 70 * 1024 == stats["low_watermark"]
+    assert stats["bytes"] == 88 * 1024 and stats["inactive_bytes"] == 18 * 1024
     assert stats["demotions"] == 18 and stats["moved_bytes"] == 18 * 1024 and stats["evictions"] == 0
-    # the oldest sessions left host, all four pages of each of s0..s3, two of s4
-    assert [store.resume(f"s{n}", toks(n)).tiers for n in (0, 3, 5)] == [{"disk": 16}, {"disk": 16}, {"host": 16}]
+    # demoted (the oldest: all four pages of each of s0..s3, two of s4), but still readable
+    assert [store.resume(f"s{n}", toks(n)).tiers for n in (0, 3, 5)] == [{"host": 16}] * 3
+    assert store.run_mover() == {"host": 0, "disk": 0}  # the active pages are at the low mark
+    store.read_pages(store.resume("s1", toks(1)).pages)  # read: s1's pages are active again
+    assert store.stats()["host"]["inactive_bytes"] == 14 * 1024
+    for n in range(22, 28):                             # 24 more pages: 12 fit, 12 take inactive room
+        store.create_session(f"s{n}", layout=LAYOUT)
+        clock.t = n
+        store.commit(f"s{n}", toks(n), pages(toks(n)))
+    stats = store.stats()["host"]
+    assert stats["bytes"] == 100 * 1024 and stats["inactive_bytes"] == 2 * 1024
+    assert stats["inline_evictions"] == 0 and stats["demotions"] == 18  # the room was made before
+    # the inactive pages left in the order demoted (s0, s2, s3); s4's two are still inactive
+    assert [store.resume(f"s{n}", toks(n)).tiers for n in (0, 1, 2, 3, 4)] == [
+        {"disk": 16}, {"host": 16}, {"disk": 16}, {"disk": 16}, {"host": 16}]
     assert store.check() == []
 
 
@@ -304,9 +318,10 @@ def test_the_mover_thread_runs_by_itself_and_stops_on_close(tmp_path) -> None:
     t = toks(1, 80)                                     # 20 pages: a full host, past its high mark
     store.commit("s", t, pages(t))
     deadline = time.monotonic() + 10
-    while store.host.used_bytes > 14 * 1024 and time.monotonic() < deadline:
+    while store.host.active_bytes > 14 * 1024 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert store.host.used_bytes == 14 * 1024           # the low mark, reached without run_mover
+    assert store.host.active_bytes == 14 * 1024         # the low mark, reached without run_mover
+    assert store.host.inactive_bytes == 6 * 1024       # demoted, still readable
     thread = store.mover._thread
     assert thread is not None and thread.is_alive()
     store.close()
@@ -329,3 +344,65 @@ def test_nonsense_settings_are_a_config_error_naming_them(tmp_path, options, nam
     with pytest.raises(dss.ConfigError, match=named):
         dss.open(tmp_path / "s", **options)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_page_worth_less_than_what_it_would_displace_stays_out_of_a_full_host() -> None:
+    for policy in ("dss", "lru"):
+        host, placement, clock = host_of(policy, pages=2)
+        for t in range(5):                              # a at t = 0..4, b at t = 5..9
+            touch(placement, clock, t, "a")
+            touch(placement, clock, t + 5, "b")
+        host.put(PageId(b"a"), b"x" * 10)
+        host.put(PageId(b"b"), b"x" * 10)
+        # t=10: a page read once competes for room: dss keeps it out, lru takes it (drops a)
+        touch(placement, clock, 10, "once")
+        got = host.put(PageId(b"once"), b"x" * 10, compete=True)
+        assert (got is None) if policy == "dss" else (got == [PageId(b"a")]), policy
+        if policy == "dss":
+            assert host.ids() == [PageId(b"a"), PageId(b"b")]
+            # without competing (a prefetch, a page no durable tier holds) it goes in: a leaves
+            assert host.put(PageId(b"once"), b"x" * 10) == [PageId(b"a")]
+            # t=11: a page read six times outscores the lowest (once): it goes in, once leaves
+            for _ in range(6):
+                touch(placement, clock, 11, "hot")
+            assert host.put(PageId(b"hot"), b"x" * 10, compete=True) == [PageId(b"once")]
+        assert host.check() == []
+
+
+def wrote(placement: Placement, clock: Clock, t: float, user: int, *names: str) -> None:
+    """At time ``t``, ``user`` takes a turn that writes the pages ``names``."""
+    clock.t = t
+    placement.wrote([PageId(n.encode()) for n in names], user, turn=True)
+
+
+def test_the_recency_of_a_users_pages_follows_how_often_it_comes_back() -> None:
+    # recency alone (weights 0/1/0): a user back every 5 s, one back every 60 s
+    host, placement, clock = host_of("dss", pages=2, weights=(0.0, 1.0, 0.0))
+    for t in (-20, 40):
+        wrote(placement, clock, t, 2)                   # slow: its rhythm stays 60 s
+    for t in range(60, 100, 5):
+        wrote(placement, clock, t, 1)                   # fast: rhythm 60 -> about 8 s
+    wrote(placement, clock, 100, 2, "slow")
+    host.put(PageId(b"slow"), b"x" * 10)
+    wrote(placement, clock, 100, 1, "fast")
+    host.put(PageId(b"fast"), b"x" * 10)
+    assert placement.users[1].rhythm == pytest.approx(5 + 55 * 0.7 ** 8)
+    # t=130: both last used at t=100; the fast user's page is the staler (half-life 2 x 8 s
+    # against 60 s), so it leaves, though it was put last (plain recency would drop slow)
+    assert put(host, placement, clock, 130, "x") == ["fast"]
+
+
+def test_an_overdue_page_loses_its_frequency() -> None:
+    host, placement, clock = host_of("dss", pages=2)
+    for t in range(60, 100, 5):
+        wrote(placement, clock, t, 1)                   # a user back every ~8 s: high activity
+    wrote(placement, clock, 100, 1, "busy")
+    host.put(PageId(b"busy"), b"x" * 10)
+    wrote(placement, clock, 100, 2, "new")              # a new user: activity 1
+    host.put(PageId(b"new"), b"x" * 10)
+    assert placement.stats[PageId(b"busy")].freq > 7 and placement.stats[PageId(b"new")].freq == 1
+    # t=110: busy (not yet overdue: 4 rhythms = 33 s) outscores new, which leaves
+    assert put(host, placement, clock, 110, "x") == ["new"]
+    # t=180: busy was not read for 80 s, about 10 of its user's rhythms: overdue, its
+    # frequency halved every rhythm since 33 s; x (one access at 110) now outscores it
+    assert put(host, placement, clock, 180, "y") == ["busy"]

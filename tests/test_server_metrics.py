@@ -106,6 +106,7 @@ def test_store_gauges_sessions_pages_and_bytes_per_tier(service: Service) -> Non
     assert m[("dss_tier_bytes", (("tier", "host"),))] == 2 * LAYOUT.page_bytes
     assert m[("dss_tier_bytes", (("tier", "disk"),))] == service.store.stats()["disk"]["bytes"]
     assert m[("dss_tier_capacity_bytes", (("tier", "host"),))] == 1 << 30
+    assert m[("dss_tier_inactive_bytes", (("tier", "host"),))] == 0  # nothing demoted yet
 
 
 def test_no_label_names_a_tenant_user_or_session(service: Service) -> None:

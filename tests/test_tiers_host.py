@@ -34,3 +34,23 @@ def test_eviction_frees_enough_and_oversize_is_refused() -> None:
     assert host.put(PageId(b"big"), b"4" * 21) is None
     assert host.discard([c, c, PageId(b"nope")]) == 15
     assert host.used_bytes == 5 and host.check() == []
+
+
+def test_demoted_pages_stay_readable_and_leave_first_in_the_order_demoted() -> None:
+    host = HostTier(40)
+    a, b, c, d, e = ids("a", "b", "c", "d", "e")
+    for page in (a, b, c, d):
+        assert host.put(page, b"x" * 10) == []
+    assert host.demote([c, a, PageId(b"nope")]) == 20 and host.demote([c]) == 0  # once only
+    assert (host.used_bytes, host.inactive_bytes, host.active_bytes) == (40, 20, 20)
+    assert list(host.inactive()) == [(c, 10), (a, 10)]
+    got = host.put(e, b"y" * 10)                     # full: the first demoted goes, not the LRU b
+    assert got == [c] and got.reclaimed == 1
+    assert host.get_many([a]) == [b"x" * 10]        # still readable; active again
+    assert host.inactive_bytes == 0 and not host.is_inactive(a)
+    host.demote([d])
+    got = host.put(PageId(b"f"), b"z" * 20)          # d (inactive), then b (least recently used)
+    assert got == [d, b] and got.reclaimed == 1
+    host.demote([e])
+    assert host.discard([e]) == 10 and host.inactive_bytes == 0
+    assert host.check() == []

@@ -153,8 +153,10 @@ def check(ctx: Context, as_json: bool) -> None:
 def stats(ctx: Context, as_json: bool) -> None:
     """Show how full each tier is against its watermarks, and what the placement policy did.
 
-    One row per tier (``fill``: bytes over capacity; ``high``/``low``: the watermarks as shares
-    of the capacity), then a ``prefetch`` row and the MinHash-LSH index's size. Counters are
+    One row per tier (``fill``: active bytes over capacity, what the watermarks measure;
+    ``inactive``: bytes of host pages the mover demoted, still readable until their room is
+    needed; ``high``/``low``: the watermarks as shares of the capacity), then a ``prefetch``
+    row and the MinHash-LSH index's size. Counters are
     this process's: run it against a service (``dss stats`` of ``dss serve`` is
     ``GET /v1/stats``) for a live store's.
     """
@@ -164,7 +166,8 @@ def stats(ctx: Context, as_json: bool) -> None:
     for tier in ("host", "disk"):
         values = data[tier]
         capacity = values["capacity"] or 1
-        rows.append({"tier": tier, "fill": round(values["bytes"] / capacity, 4),
+        inactive = values.get("inactive_bytes", 0)
+        rows.append({"tier": tier, "fill": round((values["bytes"] - inactive) / capacity, 4), "inactive": inactive,
                      "high": round(values["high_watermark"] / capacity, 4),
                      "low": round(values["low_watermark"] / capacity, 4), **values})
     rows.append({"tier": "prefetch", **data["prefetch"]})
@@ -172,7 +175,7 @@ def stats(ctx: Context, as_json: bool) -> None:
     if as_json:
         _emit([*rows, {"tier": "lsh", **lsh}], True)
         return
-    columns = ("tier", "pages", "bytes", "capacity", "fill", "high", "low", "hits", "misses", "promotions",
+    columns = ("tier", "pages", "bytes", "capacity", "fill", "inactive", "high", "low", "hits", "misses", "promotions",
                "demotions", "evictions", "moved_bytes")
     table = [{**row, "fill": f"{row['fill']:.0%}" + (" (over high)" if row["fill"] > row["high"] else ""),
               "high": f"{row['high']:.0%}", "low": f"{row['low']:.0%}"} for row in rows[:2]]

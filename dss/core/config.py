@@ -114,7 +114,9 @@ class StoreConfig(BaseModel):
     frequency_half_life_s: float = Field(120.0, gt=0, allow_inf_nan=False,
                                          description="Half-life of a page's access frequency, seconds.")
     recency_half_life_s: float = Field(60.0, gt=0, allow_inf_nan=False,
-                                       description="Age at which a page's recency term halves, seconds.")
+                                       description="Longest age at which a page's recency term halves, "
+                                                   "seconds (a user's own: twice its time between turns, "
+                                                   "at least an eighth of this).")
     promote_after: int = Field(2, ge=1, description="Accesses within promote_interval_s before a read "
                                                     "promotes a page from disk to host (engine loads always do).")
     promote_interval_s: float = Field(300.0, gt=0, allow_inf_nan=False,
@@ -122,7 +124,8 @@ class StoreConfig(BaseModel):
     cooldown_s: float = Field(30.0, ge=0, allow_inf_nan=False,
                               description="After a demotion, seconds before a read may promote the page again.")
     host_high_watermark: float = Field(0.85, gt=0, le=1, allow_inf_nan=False,
-                                       description="Host fill (share of host_bytes) at which the mover starts.")
+                                       description="Host fill (share of host_bytes, active pages) at which "
+                                                   "the mover starts.")
     host_low_watermark: float = Field(0.70, ge=0, le=1, allow_inf_nan=False,
                                       description="Host fill the mover demotes down to.")
     disk_high_watermark: float = Field(0.85, gt=0, le=1, allow_inf_nan=False,

@@ -17,7 +17,8 @@ Counters and histograms (updated as requests run):
   (dry runs not counted).
 
 Gauges read from the store when scraped: ``dss_sessions``, ``dss_tier_pages{tier}``,
-``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``,
+``dss_tier_bytes{tier}``, ``dss_tier_capacity_bytes{tier}``, ``dss_tier_inactive_bytes{tier}``
+(of those bytes, the pages the mover demoted, still readable: the watermarks measure the rest),
 ``dss_tier_high_watermark_bytes{tier}``, ``dss_tier_low_watermark_bytes{tier}``,
 ``dss_erasures_open`` (erasure jobs not finished, every process of the catalog),
 ``dss_erasure_oldest_open_seconds`` (age of the oldest of them; 0 when none — an alert fires
@@ -138,6 +139,8 @@ class StoreCollector(Collector):
         pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
         size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
         capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
+        inactive = GaugeMetricFamily("dss_tier_inactive_bytes", "Bytes of pages the mover demoted that a tier still "
+                                     "holds, readable until their room is needed (host).", labels=["tier"])
         open_erasures = GaugeMetricFamily("dss_erasures_open", "Erasure jobs not finished (every process).")
         oldest = GaugeMetricFamily("dss_erasure_oldest_open_seconds",
                                    "Seconds since the oldest unfinished erasure job started (0 when none).")
@@ -166,6 +169,7 @@ class StoreCollector(Collector):
                 pages.add_metric([tier], stats[tier]["pages"])
                 size.add_metric([tier], stats[tier]["bytes"])
                 capacity.add_metric([tier], stats[tier]["capacity"])
+                inactive.add_metric([tier], stats[tier].get("inactive_bytes", 0))
                 if "high_watermark" in stats[tier]:
                     high.add_metric([tier], stats[tier]["high_watermark"])
                     low.add_metric([tier], stats[tier]["low_watermark"])
@@ -174,7 +178,7 @@ class StoreCollector(Collector):
         prefetch = stats.get("prefetch", {})
         prefetch_hits.add_metric([], prefetch.get("hits", 0))
         prefetch_wasted.add_metric([], prefetch.get("wasted", 0))
-        yield from (sessions, pages, size, capacity, high, low, *moves.values(), prefetch_hits, prefetch_wasted,
+        yield from (sessions, pages, size, capacity, inactive, high, low, *moves.values(), prefetch_hits, prefetch_wasted,
                     open_erasures, oldest)
         remote = self.store.remote
         if remote is not None:

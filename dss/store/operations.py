@@ -146,7 +146,8 @@ class Operations(Base):
         oldest = min((job.started_at for job in open_jobs), default=None)
         settings = self.placement.settings
         out: dict[str, Any] = {
-            "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes},
+            "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes,
+                     "inactive_bytes": self.host.inactive_bytes},
             "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
             "erasures": {"open": len(open_jobs),
                          "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},

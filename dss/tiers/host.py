@@ -5,17 +5,32 @@ evicted right after. Which pages leave when a put needs room is the placement po
 (``choose``, see :mod:`dss.policy`); without one the least recently used leave first. Every
 page may carry an owner ``(tenant_id, user_ref)``; the tier counts bytes per owner and per
 tenant for the policy's quotas. Thread safety is the caller's (the store serialises access).
+
+A page the mover demotes (:meth:`HostTier.demote`: disk holds it) becomes *inactive*: it
+stays readable, and a read makes it active again, but it leaves before any active page when a
+put needs room, in the order demoted, with no choice to make (``choose`` is asked for what
+the inactive pages do not cover). So the room the mover makes below the low watermark is not
+left empty, and a foreground put still finds its room ready. :attr:`active_bytes` is what
+the watermarks measure.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 
 from dss.core.types import PageId
 from dss.tiers.base import CacheTier
 
 Owner = tuple[str, int]
+
+
+class Victims(list[PageId]):
+    """The pages a put dropped, in the order they left; the first :attr:`reclaimed` of them
+    were inactive (demoted before, so they were already counted as leaving)."""
+
+    reclaimed: int = 0
 
 
 class HostTier(CacheTier):
@@ -24,14 +39,19 @@ class HostTier(CacheTier):
     name = "host"
 
     def __init__(self, capacity_bytes: int,
-                 choose: Callable[[HostTier, PageId, int, Owner | None], list[PageId] | None] | None = None) -> None:
+                 choose: Callable[[HostTier, PageId, int, Owner | None, bool], list[PageId] | None] | None = None,
+                 ) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.choose = choose
-        """``choose(tier, page_id, size, owner)``: the pages to drop so page ``page_id`` of
-        ``size`` bytes of ``owner`` fits (``None``: it may not go in)."""
+        """``choose(tier, page_id, size, owner, compete)``: the pages to drop so page ``page_id``
+        of ``size`` bytes of ``owner`` fits (``None``: it may not go in; with ``compete``, not
+        when it is worth less than what it would displace)."""
         self._pages: OrderedDict[PageId, bytes] = OrderedDict()
         self._owner: dict[PageId, Owner] = {}
+        self._inactive: OrderedDict[PageId, int] = OrderedDict()
+        """Demoted pages still held, ``page_id -> size``, in the order demoted."""
+        self.inactive_bytes = 0
         self.owner_bytes: Counter[Owner] = Counter()
         self.tenant_bytes: Counter[str] = Counter()
 
@@ -41,43 +61,85 @@ class HostTier(CacheTier):
     def __len__(self) -> int:
         return len(self._pages)
 
+    @property
+    def active_bytes(self) -> int:
+        """Bytes held less the inactive pages' (what the watermarks measure)."""
+        return self.used_bytes - self.inactive_bytes
+
     def get_many(self, page_ids: Sequence[PageId]) -> list[bytes | None]:
-        """Payloads in order, ``None`` where absent; found ones become most recently used."""
+        """Payloads in order, ``None`` where absent; found ones become most recently used
+        (and active again)."""
         pages = self._pages
         out: list[bytes | None] = []
         for page_id in page_ids:
             payload = pages.get(page_id)
             if payload is not None:
                 pages.move_to_end(page_id)
+                if self._inactive:
+                    self._activate(page_id)
             out.append(payload)
         return out
 
-    def put(self, page_id: PageId, payload: bytes, owner: Owner | None = None) -> list[PageId] | None:
+    def demote(self, page_ids: Iterable[PageId]) -> int:
+        """Make these held pages inactive, in this order after those before (see the module
+        docstring); returns the bytes that became inactive."""
+        moved = 0
+        for page_id in page_ids:
+            payload = self._pages.get(page_id)
+            if payload is not None and page_id not in self._inactive:
+                self._inactive[page_id] = len(payload)
+                moved += len(payload)
+        self.inactive_bytes += moved
+        return moved
+
+    def is_inactive(self, page_id: PageId) -> bool:
+        return page_id in self._inactive
+
+    def inactive(self) -> Iterator[tuple[PageId, int]]:
+        """``(page_id, size)`` of the inactive pages, first demoted first, lazily (do not change
+        the tier while iterating)."""
+        yield from self._inactive.items()
+
+    def _activate(self, page_id: PageId) -> None:
+        size = self._inactive.pop(page_id, None)
+        if size is not None:
+            self.inactive_bytes -= size
+
+    def put(self, page_id: PageId, payload: bytes, owner: Owner | None = None, *,
+            compete: bool = False) -> Victims | None:
         """Store ``payload``; return the ids evicted for it (in the order they left).
 
         Returns ``None`` and changes nothing when the page is larger than the tier, or the
-        policy keeps it out. Putting a page already present only refreshes its recency.
+        policy keeps it out (with ``compete``, also when it is worth less than the pages it
+        would displace). Putting a page already present only refreshes its recency (and makes
+        it active again). Without a policy, inactive pages leave first, then the least
+        recently used.
         """
         if page_id in self._pages:
             self._pages.move_to_end(page_id)
-            return []
+            self._activate(page_id)
+            return Victims()
         size = len(payload)
         if size > self.capacity_bytes:
             return None
-        victims: list[PageId] | None
+        chosen: list[PageId] | None
         if self.choose is not None:
-            victims = self.choose(self, page_id, size, owner)
-            if victims is None:
+            chosen = self.choose(self, page_id, size, owner, compete)
+            if chosen is None:
                 return None
         else:
             need = self.used_bytes + size - self.capacity_bytes
-            victims = []
+            chosen = []
             if need > 0:
-                for victim, data in self._pages.items():
-                    victims.append(victim)
-                    need -= len(data)
+                for victim, data in chain(self.inactive(), self.oldest()):
                     if need <= 0:
                         break
+                    if victim not in chosen:
+                        chosen.append(victim)
+                        need -= data
+        inactive = [p for p in chosen if p in self._inactive]
+        victims = Victims(inactive + [p for p in chosen if p not in self._inactive])
+        victims.reclaimed = len(inactive)
         self.discard(victims)
         self._pages[page_id] = payload
         self.used_bytes += size
@@ -94,6 +156,7 @@ class HostTier(CacheTier):
             payload = self._pages.pop(page_id, None)
             if payload is not None:
                 freed += len(payload)
+                self._activate(page_id)
                 owner = self._owner.pop(page_id, None)
                 if owner is not None:
                     self.owner_bytes[owner] -= len(payload)
@@ -133,6 +196,9 @@ class HostTier(CacheTier):
             problems.append(f"host tier counts {self.used_bytes} bytes but holds {actual}")
         if self.used_bytes > self.capacity_bytes:
             problems.append(f"host tier holds {self.used_bytes} bytes, over its capacity {self.capacity_bytes}")
+        if (any(p not in self._pages for p in self._inactive)
+                or sum(self._inactive.values()) != self.inactive_bytes):
+            problems.append("host tier's inactive pages do not add up")
         owned: Counter[Owner] = Counter()
         for page_id, owner in self._owner.items():
             owned[owner] += len(self._pages[page_id])
