@@ -6,9 +6,10 @@ One :class:`Mover` per store. Its thread (``mover=True``, the default) wakes eve
 :meth:`Mover.run`, which does, per tier, what :mod:`dss.policy` decides:
 
 * host past its high mark: demote the lowest-scored pages in batches of ``move_batch_pages``
-  until host's active pages are at its low mark. Disk holds every such page, so a demoted page
-  needs no I/O: it stays in host, *inactive* (readable; the first to go when a put needs room,
-  see :mod:`dss.tiers.host`);
+  until host's active pages are at its low mark. A demotion needs no I/O (disk holds the page;
+  the page of a write the full disk could not take has no other copy either way): the page
+  stays in host, *inactive* (readable; the first to go when a put needs room, see
+  :mod:`dss.tiers.host`);
 * disk past its high mark: drop the lowest-ordered unpinned segments (one catalog transaction
   per batch of at most ``move_batch_pages`` pages, files deleted after it committed) until disk
   is at its low mark.

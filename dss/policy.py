@@ -41,11 +41,12 @@ The rules (``policy="dss"``, the default):
   written page starts at that one high activity, and that user's rhythm is short: recency then
   counts with the shortest half-life, an eighth of ``recency_half_life_s``.)
 * **Promotion.** A page read from disk for a load the engine waits for (``read_pages``,
-  ``load=True``) is promoted to host at once, if admitted. Any other read promotes a page from disk to host
-  only after ``promote_after`` accesses within ``promote_interval_s`` (never on a single
-  touch), and not during the ``cooldown_s`` after it was demoted from host (so a page just
-  demoted does not bounce straight back). A page a prefetch moves up counts as just used for
-  recency, not as an access (its frequency is unchanged), so it stays for the turn it is for.
+  ``load=True``) is promoted to host at once, if admitted. Any other read promotes a page from
+  disk to host only after ``promote_after`` accesses within ``promote_interval_s`` (never on a
+  single touch), and not during the ``cooldown_s`` after it was demoted from host (so a page
+  just demoted does not bounce straight back). A page a prefetch moves up counts as just used
+  for recency, not as an access (its frequency is unchanged), so it stays for the turn it is
+  for.
 * **Watermarks.** Each tier has a high and a low mark (``*_high_watermark`` /
   ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
   the mover (:mod:`dss.mover`) demotes its lowest-scored pages in batches of

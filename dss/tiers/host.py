@@ -6,7 +6,7 @@ evicted right after. Which pages leave when a put needs room is the placement po
 page may carry an owner ``(tenant_id, user_ref)``; the tier counts bytes per owner and per
 tenant for the policy's quotas. Thread safety is the caller's (the store serialises access).
 
-A page the mover demotes (:meth:`HostTier.demote`: disk holds it) becomes *inactive*: it
+A page the mover demotes (:meth:`HostTier.demote`; disk holds a copy) becomes *inactive*: it
 stays readable, and a read makes it active again, but it leaves before any active page when a
 put needs room, in the order demoted, with no choice to make (``choose`` is asked for what
 the inactive pages do not cover). So the room the mover makes below the low watermark is not
