@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     {"core"},
     {"routing"},
-    {"catalog", "tiers", "trie"},
+    {"catalog", "tiers", "trie", "pagestats"},
     {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "residency", "records"},
     {"state", "copies"},
     {"mirror", "pages", "resume"},
