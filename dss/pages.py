@@ -235,10 +235,10 @@ class PageStore:
                 self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),
                                          checksum(page.payload), None, is_durable=False))
             # a durable page competes for room; one only host holds goes in whatever it is worth
+            entry = entries.get(page.page_id)
             evicted = self.host.put(page.page_id, page.payload, owner,
-                                    compete=entries.get(page.page_id) is not None and entries[page.page_id].is_durable)
+                                    compete=entry is not None and entry.is_durable)
             if evicted is None:
-                entry = entries.get(page.page_id)
                 if entry is not None and entry.disk is None and not entry.is_durable:
                     self.index.forget([page.page_id])
             else:
@@ -259,12 +259,6 @@ class PageStore:
     def owner(self, user_ref: int) -> tuple[str, int]:
         """``(tenant_id, user_ref)`` of a namespace, for the host tier's quotas."""
         return (self.tenant_of(user_ref) or "", user_ref)
-
-    def left_host(self, evicted: Sequence[PageId], *, inline: bool = False, sizes: Sequence[int] = ()) -> None:
-        """Count pages that just left host (demoted: disk still holds them; evicted: no tier
-        does) and update the index."""
-        self.demoted(evicted, inline=inline, sizes=sizes)
-        self.dropped(evicted)
 
     def demoted(self, page_ids: Sequence[PageId], *, inline: bool = False, sizes: Sequence[int] = ()) -> None:
         """Count pages that left host as the policy sees it: a demotion when disk holds the page,
@@ -298,9 +292,10 @@ class PageStore:
         demoted them; the others were evicted inline."""
         if not victims:
             return
-        self.dropped(victims[:victims.reclaimed])
-        if victims.reclaimed < len(victims):
-            self.left_host(victims[victims.reclaimed:], inline=True)
+        evicted = victims[victims.reclaimed:]
+        if evicted:
+            self.demoted(evicted, inline=True)  # while the index still knows their disk copies
+        self.dropped(victims)
 
     def sweep(self) -> list[str]:
         """Delete this node's page files the catalog no longer records (see :meth:`DiskTier.sweep`)."""

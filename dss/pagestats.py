@@ -190,10 +190,6 @@ class Statistics:
             del self.users[user]
         return len(gone)
 
-    def scores(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[float]:
-        """The score of each page among these candidates (see the module docstring)."""
-        return self.scored(page_ids, sizes, now)[0]
-
     def scored(self, page_ids: Sequence[PageId], sizes: Sequence[int],
                now: float | None = None) -> tuple[list[float], Scale]:
         """The score of each page among these candidates, and the scale they were scored on
@@ -241,11 +237,13 @@ class Statistics:
         w_f, w_r, w_c = self.settings.weights
         return w_f * min(1.0, math.log1p(f) / scale.top_f) + w_r * r + w_c * (v / scale.top_v if scale.top_v else 1.0)
 
-    def order(self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None) -> list[int]:
+    def order(self, page_ids: Sequence[PageId], sizes: Sequence[int],
+              now: float | None = None) -> tuple[list[int], Scale]:
         """Indexes of the candidates, the first to leave first (lowest score, then the
-        earliest given — callers list candidates least recently used first)."""
-        scores = self.scores(page_ids, sizes, now)
-        return sorted(range(len(page_ids)), key=lambda i: (scores[i], i))
+        earliest given — callers list candidates least recently used first), and the scale
+        they were scored on."""
+        scores, scale = self.scored(page_ids, sizes, now)
+        return sorted(range(len(page_ids)), key=lambda i: (scores[i], i)), scale
 
 
 def decayed(value: float, age: float, half_life: float) -> float:

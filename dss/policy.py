@@ -229,7 +229,7 @@ class Placement(Statistics):
         sizes = [c[1] for c in pool]
         chosen: list[PageId] = []
         freed = 0
-        for i in self.order(ids, sizes, now):
+        for i in self.order(ids, sizes, now)[0]:
             if freed >= to_free:
                 break
             chosen.append(ids[i])
@@ -330,8 +330,8 @@ class Placement(Statistics):
                     return None
                 candidates = host.candidates()
                 ids = [c[0] for c in candidates]
-                scores, self._scale = self.scored(ids, [c[1] for c in candidates], now)
-                self._order = [ids[i] for i in sorted(range(len(ids)), key=lambda i: (scores[i], i))]
+                ranked, self._scale = self.order(ids, [c[1] for c in candidates], now)
+                self._order = [ids[i] for i in ranked]
                 self._order_at, self._order_tick, self._pos, refreshed = now, self._tick, 0, True
                 self._arrived = 0
                 need, chosen = wanted, []  # the new order ranks them again
