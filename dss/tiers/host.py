@@ -8,10 +8,10 @@ tenant for the policy's quotas. Thread safety is the caller's (the store seriali
 
 A page the mover demotes (:meth:`HostTier.demote`; disk holds a copy) becomes *inactive*: it
 stays readable, and a read makes it active again, but it leaves before any active page when a
-put needs room, in the order demoted, with no choice to make (``choose`` is asked for what
-the inactive pages do not cover). So the room the mover makes below the low watermark is not
-left empty, and a foreground put still finds its room ready. :attr:`active_bytes` is what
-the watermarks measure.
+put needs room, in the order demoted, with no ranking to do (``choose`` takes the inactive
+pages before it ranks the rest; without ``choose`` the tier does the same). So the room the
+mover makes below the low watermark is not left empty, and a foreground put still finds its
+room ready. :attr:`active_bytes` is what the watermarks measure.
 """
 
 from __future__ import annotations
