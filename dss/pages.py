@@ -218,9 +218,11 @@ class PageStore:
         return placement.segment_order(segments, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
 
     def settle(self, applied: Applied, new: Sequence[NewPage], namespace: NamespacePages | None,
-               written: Sequence[WrittenSegment] = (), *, user: int | None = None, turn: bool = False) -> None:
+               written: Sequence[WrittenSegment] = (), *, user: int | None = None, turn: bool = False,
+               started: bool = False) -> None:
         """After the transaction committed: delete dead files, tell the policy of the write by
-        namespace ``user`` (``turn``: it made a new version of a session), put the payloads in
+        namespace ``user`` (``turn``: it made a new version of a session; ``started``: the
+        session's first, a version without a parent), put the payloads in
         the host tier (a page no durable tier took stays known there while it lasts), queue the
         pages of ``written`` (the change's segment files) for the remote tier, and the deletion
         of the keys of the pages it dropped from every tier."""
@@ -229,7 +231,7 @@ class PageStore:
         entries = self.index.entries
         owner = self.owner(namespace.user_ref) if namespace is not None else None
         now = self.placement.now()
-        self.placement.wrote([p.page_id for p in new], user, turn=turn, now=now)
+        self.placement.wrote([p.page_id for p in new], user, turn=turn, started=started, now=now)
         for page in new:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
                 self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),

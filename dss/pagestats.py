@@ -26,9 +26,10 @@ RHYTHM_WEIGHT = 0.3
 """A user's *rhythm* (typical seconds between its turns) moves this share of the way to each
 new gap between two of its turns (an exponentially weighted mean)."""
 
-RHYTHM_RECENCY = 2.0
-"""The recency half-life of a user's pages is this many times its rhythm, between an eighth of
-``recency_half_life_s`` and ``recency_half_life_s``."""
+ENDING_PRIOR = 8.0
+"""A user's *ending* (the chance that a turn is its conversation's last) is its share of turns
+that started a session, drawn towards the share among all users as if it had this many turns
+more at that share: a user seen once is not judged on one turn."""
 
 OVERDUE = 4.0
 """A page not read for this many times its user's rhythm is *overdue* (the conversation most
@@ -61,7 +62,7 @@ class Settings(NamedTuple):
 class UserStats:
     """What the policy remembers of one user (namespace)."""
 
-    __slots__ = ("activity", "when", "rhythm")
+    __slots__ = ("activity", "when", "rhythm", "turns", "starts")
 
     def __init__(self, activity: float, when: float, rhythm: float) -> None:
         self.activity = activity
@@ -71,6 +72,10 @@ class UserStats:
         """When the user's last turn was."""
         self.rhythm = rhythm
         """Typical seconds between the user's turns (starts at ``recency_half_life_s``)."""
+        self.turns = 0
+        """The user's turns seen by this process."""
+        self.starts = 0
+        """Of ``turns``, those that started a session (its first version)."""
 
 
 class Scale(NamedTuple):
@@ -109,6 +114,10 @@ class Statistics:
         self.stats: dict[PageId, PageStats] = {}
         self.users: dict[int, UserStats] = {}
         """What the policy remembers of each user (namespace) that wrote here."""
+        self.turns = 0
+        """Turns of every user seen by this process."""
+        self.starts = 0
+        """Of ``turns``, those that started a session."""
         self._tick = 0
 
     def now(self) -> float:
@@ -133,12 +142,13 @@ class Statistics:
                 s.window_start, s.window_count = t, 0
             s.window_count += 1
 
-    def wrote(self, page_ids: Sequence[PageId], user: int | None, *, turn: bool,
+    def wrote(self, page_ids: Sequence[PageId], user: int | None, *, turn: bool, started: bool = False,
               now: float | None = None) -> None:
         """Record a write of the pages by namespace ``user`` (``turn``: it made a new version of
-        a session). Each page is accessed once and starts no lower than the user's activity
-        (the user's turns, decayed like frequency, this one included); a turn also moves the
-        user's rhythm towards the time since its last turn."""
+        a session; ``started``: the session's first). Each page is accessed once and starts no
+        lower than the user's activity (the user's turns, decayed like frequency, this one
+        included); a turn also moves the user's rhythm towards the time since its last turn,
+        and counts towards its ending."""
         t = self.now() if now is None else now
         self.touch(page_ids, t)
         if user is None:
@@ -147,16 +157,29 @@ class Statistics:
         if turn:
             got = self.users.get(user)
             if got is None:
-                self.users[user] = UserStats(activity, t, self.settings.recency_half_life_s)
+                got = self.users[user] = UserStats(activity, t, self.settings.recency_half_life_s)
             else:
                 got.rhythm += RHYTHM_WEIGHT * (max(0.0, t - got.when) - got.rhythm)
                 got.activity, got.when = activity, max(t, got.when)
+            got.turns += 1
+            self.turns += 1
+            if started:
+                got.starts += 1
+                self.starts += 1
         stats = self.stats
         for page_id in page_ids:
             s = stats[page_id]
             s.user = user
             if s.freq < activity:
                 s.freq = activity
+
+    def ending(self, user: UserStats) -> float:
+        """The chance that a turn of ``user`` is its conversation's last, within [0.01, 0.99]:
+        each conversation starts once, so the share of a user's turns that started a session
+        is about one over the length of its conversations (see ``ENDING_PRIOR``)."""
+        share = self.starts / self.turns if self.turns else 0.5
+        ending = (user.starts + ENDING_PRIOR * share) / (user.turns + ENDING_PRIOR)
+        return min(0.99, max(0.01, ending))
 
     def activity(self, user: int, now: float) -> float:
         """The user's turns, decayed like frequency, at ``now`` (0 for one never seen)."""
@@ -221,12 +244,15 @@ class Statistics:
             f = decayed(s.freq, age, self.settings.frequency_half_life_s)
             h_r = self.settings.recency_half_life_s
             user = self.users.get(s.user) if s.user is not None else None
-            if user is not None:
+            if user is None:
+                r = decayed(1.0, age, h_r)
+            else:
                 rhythm = max(user.rhythm, h_r / 8)
-                h_r = min(h_r, RHYTHM_RECENCY * rhythm)
                 if age > OVERDUE * rhythm:
                     f = decayed(f, age - OVERDUE * rhythm, rhythm)
-            r = decayed(1.0, age, h_r)
+                # the chance the conversation goes on, after ``age`` without the next turn
+                going, waiting = 1.0 - self.ending(user), math.exp(-age / rhythm)
+                r = going * waiting / (1.0 - going + going * waiting)
         tokens = s.tokens if s is not None and s.tokens else 0
         # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
         per_byte = self.settings.recompute_tokens_per_s / self.settings.disk_bytes_per_s

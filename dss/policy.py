@@ -14,11 +14,14 @@ The rules (``policy="dss"``, the default):
     times its user's *rhythm* (below) is overdue — the conversation most likely ended — and
     from then on its frequency also halves every rhythm, so a busy user's finished
     conversation does not outlast the live ones of quieter users;
-  - *recency* — ``2 ** (-age / h)``, age since the last access, ``h`` twice the rhythm of the
-    user who wrote the page, within ``[recency_half_life_s / 8, recency_half_life_s]``
-    (``recency_half_life_s`` for a page of an unknown user): a page is stale after a few of
-    its own user's gaps, not everyone's. A user's *rhythm* is its typical time between turns
-    (an exponentially weighted mean of the gaps, starting at ``recency_half_life_s``);
+  - *recency* — the chance that the page's conversation goes on after ``age`` (since its last
+    access) without the next turn: ``g·w / (1 − g + g·w)``, ``g = 1 − ending``,
+    ``w = exp(−age / rhythm)`` of the page's user (``2 ** (-age / recency_half_life_s)`` for a
+    page of an unknown user). A user's *rhythm* is its typical time between turns (a weighted
+    mean of the gaps, from ``recency_half_life_s``, at least an eighth of it); its *ending*, the
+    chance that a turn is its conversation's last, is the share of its turns that started a
+    session (each conversation starts once), drawn towards everyone's (``ENDING_PRIOR``). A
+    page goes stale after a few of its own user's gaps, a one-off request's within about one;
   - *cost* — the seconds to bring the page back (its bytes over the disk's read bandwidth)
     versus the recompute seconds it saves (its tokens over the prefill speed); ``1/cost`` is
     divided by the highest among the candidates (pages of one layout all score 1).
@@ -39,7 +42,7 @@ The rules (``policy="dss"``, the default):
   like the pages of a user seen once (a one-off request), and leave first. A user idle for 8
   frequency half-lives is forgotten. (Where one ``user_id`` carries everyone's sessions, every
   written page starts at that one high activity, and that user's rhythm is short: recency then
-  counts with the shortest half-life, an eighth of ``recency_half_life_s``.)
+  fades within about an eighth of ``recency_half_life_s``.)
 * **Promotion.** A page read from disk for a load the engine waits for (``read_pages``,
   ``load=True``) is promoted to host at once, if admitted. Any other read promotes a page from
   disk to host only after ``promote_after`` accesses within ``promote_interval_s`` (never on a
@@ -72,8 +75,8 @@ The rules (``policy="dss"``, the default):
 All policy time comes from the injectable clock (``clock=`` in :func:`dss.open`), so traces
 replay fast. Pure decisions over plain values and this object's own bookkeeping; nothing here
 reads or writes files or the catalog. The page and user statistics and the score live in
-:mod:`dss.pagestats` (with the constants ``FREQUENCY_QUANTILE``, ``RHYTHM_*`` and ``OVERDUE``);
-the decisions here.
+:mod:`dss.pagestats` (with the constants ``FREQUENCY_QUANTILE``, ``RHYTHM_WEIGHT``,
+``ENDING_PRIOR`` and ``OVERDUE``); the decisions here.
 """
 
 from __future__ import annotations

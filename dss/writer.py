@@ -297,8 +297,9 @@ class Writer:
         tier its ``written`` pages)."""
         self.mirror.apply(applied.events)
         namespace = self.index.namespaces.get(change.user_ref) if change.user_ref is not None else None
+        version = change.version
         self.pages.settle(applied, change.pages, namespace, written, user=change.user_ref,
-                          turn=change.version is not None)
+                          turn=version is not None, started=version is not None and version.parent_id is None)
 
     def write(self, session_id: str, tenant_id: str | None, build: Callable[..., Change], *args: Any) -> Applied:
         """Build a session's change with ``build(state, context, *args)`` (a :mod:`dss.versions`

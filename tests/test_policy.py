@@ -7,6 +7,7 @@ Policy time comes from a fake clock (``clock=``): every step says what time it i
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -369,10 +370,11 @@ def test_a_page_worth_less_than_what_it_would_displace_stays_out_of_a_full_host(
         assert host.check() == []
 
 
-def wrote(placement: Placement, clock: Clock, t: float, user: int, *names: str) -> None:
-    """At time ``t``, ``user`` takes a turn that writes the pages ``names``."""
+def wrote(placement: Placement, clock: Clock, t: float, user: int, *names: str, started: bool = False) -> None:
+    """At time ``t``, ``user`` takes a turn that writes the pages ``names`` (``started``: the
+    turn is a session's first)."""
     clock.t = t
-    placement.wrote([PageId(n.encode()) for n in names], user, turn=True)
+    placement.wrote([PageId(n.encode()) for n in names], user, turn=True, started=started)
 
 
 def test_the_recency_of_a_users_pages_follows_how_often_it_comes_back() -> None:
@@ -387,9 +389,50 @@ def test_the_recency_of_a_users_pages_follows_how_often_it_comes_back() -> None:
     wrote(placement, clock, 100, 1, "fast")
     host.put(PageId(b"fast"), b"x" * 10)
     assert placement.users[1].rhythm == pytest.approx(5 + 55 * 0.7 ** 8)
-    # t=130: both last used at t=100; the fast user's page is the staler (half-life 2 x 8 s
-    # against 60 s), so it leaves, though it was put last (plain recency would drop slow)
+    # t=130: both last used at t=100, 30 s ago: about 4 of the fast user's rhythms without its
+    # next turn, half of the slow user's; the fast user's page is the staler, so it leaves,
+    # though it was put last (plain recency would drop slow)
     assert put(host, placement, clock, 130, "x") == ["fast"]
+
+
+def test_a_page_of_a_user_whose_turns_start_sessions_goes_stale_first() -> None:
+    # recency alone: two users with the same rhythm, a turn every 10 s; "oneoff" starts a new
+    # session with every turn (one-off requests), "chat" keeps one conversation going
+    host, placement, clock = host_of("dss", pages=2, weights=(0.0, 1.0, 0.0))
+    for t in range(0, 40, 10):
+        wrote(placement, clock, t, 1, started=True)
+        wrote(placement, clock, t, 2, started=t == 0)
+    wrote(placement, clock, 40, 2, "chat")
+    host.put(PageId(b"chat"), b"x" * 10)
+    wrote(placement, clock, 40, 1, "oneoff", started=True)
+    host.put(PageId(b"oneoff"), b"x" * 10)
+    one, chat = placement.users[1], placement.users[2]
+    assert (one.turns, one.starts, chat.turns, chat.starts) == (5, 5, 5, 1)
+    assert one.rhythm == chat.rhythm == pytest.approx(10 + 50 * 0.7 ** 4)
+    # everyone's share of turns that started a session: 6 of 10; each user's own, drawn
+    # towards it as if from 8 turns more
+    assert placement.ending(one) == pytest.approx((5 + 8 * 0.6) / 13)
+    assert placement.ending(chat) == pytest.approx((1 + 8 * 0.6) / 13)
+    # t=60: 20 s without either's next turn; a conversation of "chat" more likely goes on,
+    # so the one-off's page leaves, though it was put last
+    assert put(host, placement, clock, 60, "x") == ["oneoff"]
+    g, w = 1 - placement.ending(chat), math.exp(-20 / chat.rhythm)
+    terms = placement._terms(PageId(b"chat"), 10, 60.0)
+    assert terms[1] == pytest.approx(g * w / (1 - g + g * w))
+
+
+def test_the_store_counts_each_users_turns_and_the_sessions_they_started(open_store) -> None:
+    store = open_store(host_bytes=20 * 1024)
+    store.create_session("a", user_id="u", layout=LAYOUT)
+    first = store.commit("a", toks(1), pages(toks(1)))   # a session's first version: a start
+    store.commit("a", toks(1, 24))                       # the conversation goes on
+    store.branch("a", first.version_id, "b")             # a branch goes on from a version
+    store.create_session("c", user_id="u", layout=LAYOUT)
+    store.commit("c", toks(2))                           # another conversation starts
+    store.save_pages("c", toks(2, 20), {4: b"s" * 1024})  # a save is not a turn
+    (user,) = store.placement.users.values()
+    assert (user.turns, user.starts) == (4, 2)
+    assert (store.placement.turns, store.placement.starts) == (4, 2)
 
 
 def test_an_overdue_page_loses_its_frequency() -> None:
