@@ -16,7 +16,8 @@ default) and plain (``encrypt=False``) — it measures:
   by each ``writev`` of a segment (host -> disk, a demotion).
 
 Contenders run interleaved, repeated (each kind of write by the two stores back to back, in the
-order A B B A, so neither goes first more often); the figures are medians of per-round ratios
+order A B B A, so neither goes first more often; the kinds in an order rotated by round, so none
+always follows the most writes); the figures are medians of per-round ratios
 (this is a shared machine). The bars of issue 10: read >= 60 % of the direct read, write >= 70 % of the
 direct write + fsync, sealing < 10 % of either, 8-16 pages per I/O. Rerun with::
 
@@ -94,8 +95,9 @@ def segment_bytes(store: dss.Store) -> int:
 
 def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[str, float]:
     """One round of writes: each kind of write (a turn committed in one call, saved 64 or 32
-    pages a call) by the sealed and the plain store back to back, twice, in the order A B B A
-    (A alternating by round and by kind), each followed by the direct write of the same bytes;
+    pages a call; the kinds in an order rotated by round) by the sealed and the plain store back
+    to back, twice, in the order A B B A (A alternating by round and by kind), each followed by
+    the direct write of the same bytes;
     a store's figure is the sum of its two. The two stores being close in time, and each going
     first as often as second, keeps their ratio (the sealing cost) out of this shared machine's
     swings and out of whatever going first costs."""
@@ -104,7 +106,9 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
                                           0.0)
     order = list(stores.items())
     sessions: list[tuple[dss.Store, str]] = []
-    for k, kind in enumerate(("commit", *SAVE_CHUNKS)):
+    kinds = ("commit", *SAVE_CHUNKS)
+    turn = tag % len(kinds)  # each kind goes first, second and last in turn: none always follows the most writes
+    for k, kind in ((k, kinds[k]) for k in (*range(turn, len(kinds)), *range(turn))):
         seed = tag + 1000 * k
         tokens = tokens_of(seed, TURN_TOKENS)
         first, second = order if (tag + k) % 2 == 0 else order[::-1]
