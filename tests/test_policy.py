@@ -416,9 +416,10 @@ def test_a_page_of_a_user_whose_turns_start_sessions_goes_stale_first() -> None:
     # t=60: 20 s without either's next turn; a conversation of "chat" more likely goes on,
     # so the one-off's page leaves, though it was put last
     assert put(host, placement, clock, 60, "x") == ["oneoff"]
+    # its score is its recency alone (weights 0/1/0): the chance its conversation goes on
     g, w = 1 - placement.ending(chat), math.exp(-20 / chat.rhythm)
-    terms = placement._terms(PageId(b"chat"), 10, 60.0)
-    assert terms[1] == pytest.approx(g * w / (1 - g + g * w))
+    (score,), _ = placement.scored([PageId(b"chat")], [10], 60.0)
+    assert score == pytest.approx(g * w / (1 - g + g * w))
 
 
 def test_the_store_counts_each_users_turns_and_the_sessions_they_started(open_store) -> None:
