@@ -100,8 +100,12 @@ class TierMachine(RuleBasedStateMachine):
             return
         head = self.store.session(session).head_id
         tokens = self.tokens[session]
-        if self.store.resume(session, tokens).matched_tokens != len(tokens) // 2 * 2:
-            return  # pin only a version whose pages are all still stored
+        refs = self.store.resume(session, tokens).pages
+        if len(refs) != len(tokens) // 2 or len(self.store.page_sizes([r.page_id for r in refs])) != len(refs):
+            # pin only a version whose pages are all still stored, on disk: a pin keeps disk
+            # eviction off a version's pages; it does not write a page only host holds (the
+            # disk was full when it was written) to disk
+            return
         self.store.pin(session, head)
         self.pinned[session] = tokens
 
