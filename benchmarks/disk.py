@@ -107,8 +107,8 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
     order = list(stores.items())
     sessions: list[tuple[dss.Store, str]] = []
     kinds = ("commit", *SAVE_CHUNKS)
-    turn = tag % len(kinds)  # each kind goes first, second and last in turn: none always follows the most writes
-    for k, kind in ((k, kinds[k]) for k in (*range(turn, len(kinds)), *range(turn))):
+    for k in ((tag + i) % len(kinds) for i in range(len(kinds))):  # each kind first, second, last in turn
+        kind = kinds[k]
         seed = tag + 1000 * k
         tokens = tokens_of(seed, TURN_TOKENS)
         first, second = order if (tag + k) % 2 == 0 else order[::-1]

@@ -177,7 +177,7 @@ class Statistics:
         """The chance that a turn of ``user`` is its conversation's last, within [0.01, 0.99]:
         each conversation starts once, so the share of a user's turns that started a session
         is about one over the length of its conversations (see ``ENDING_PRIOR``)."""
-        share = self.starts / self.turns if self.turns else 0.5
+        share = self.starts / self.turns  # a known user took a turn: turns >= 1
         ending = (user.starts + ENDING_PRIOR * share) / (user.turns + ENDING_PRIOR)
         return min(0.99, max(0.01, ending))
 
