@@ -64,6 +64,22 @@ def test_sql_and_its_refusals(home: str) -> None:
     assert out == "error: ReadOnlyViolation: sql() runs read-only queries only: not authorized\n"
 
 
+def test_sql_says_when_max_rows_cut_the_result(home: str) -> None:
+    """Three pages, ``--max-rows 2``: two rows on stdout and one line on stderr; with ``--json``
+    stdout keeps its shape (a list of rows) and stderr says the same as a JSON object. A result
+    that fits, even exactly, says nothing."""
+    query = "SELECT page_index FROM pages ORDER BY page_index"
+    result = CliRunner().invoke(main, ["--home", home, "sql", query, "--max-rows", "2"])
+    assert (result.exit_code, result.stdout, result.stderr) == (
+        0, "page_index\n0\n1\n", "dss sql: the result was cut at 2 rows (--max-rows 2); the query returns more\n")
+    result = CliRunner().invoke(main, ["--home", home, "sql", query, "--max-rows", "2", "--json"])
+    assert (result.exit_code, json.loads(result.stdout), json.loads(result.stderr)) == (
+        0, [{"page_index": 0}, {"page_index": 1}], {"truncated": True, "max_rows": 2})
+    for extra in ([], ["--json"]):
+        result = CliRunner().invoke(main, ["--home", home, "sql", query, "--max-rows", "3", *extra])
+        assert (result.exit_code, result.stderr) == (0, "")
+
+
 def test_unknown_session_message(home: str) -> None:
     assert run("--home", home, "versions", "nope") == (1, "error: UnknownSession: no session 'nope'\n")
 

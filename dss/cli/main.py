@@ -117,14 +117,20 @@ def versions(ctx: Context, session_id: str, tenant: str | None, as_json: bool) -
 @main.command()
 @click.argument("query")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--max-rows", default=10_000, show_default=True, help="Stop after this many rows.")
+@click.option("--max-rows", default=10_000, show_default=True, type=click.IntRange(min=1),
+              help="Stop after this many rows (standard error says when the result was cut).")
 @pass_ctx
 @_guard
 def sql(ctx: Context, query: str, as_json: bool, max_rows: int) -> None:
     """Run a read-only SQL query on the catalog (views: session_summary, user_summary, tier_usage, ...)."""
     with ctx.open() as store:
-        result = store.sql(query, max_rows=max_rows)
-    _emit([dict(zip(result.columns, row)) for row in result.rows], as_json, columns=result.columns)
+        result = store.sql(query, max_rows=max_rows + 1)  # one more row tells whether there are more
+    rows = result.rows[:max_rows]
+    _emit([dict(zip(result.columns, row)) for row in rows], as_json, columns=result.columns)
+    if len(result.rows) > max_rows:
+        click.echo(json.dumps({"truncated": True, "max_rows": max_rows}) if as_json else
+                   f"dss sql: the result was cut at {max_rows} rows (--max-rows {max_rows}); the query returns more",
+                   err=True)
 
 
 @main.command()
