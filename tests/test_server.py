@@ -498,6 +498,21 @@ def test_sql_needs_an_admin_key_and_refuses_writes(service: Service) -> None:
     assert len(service.store.sessions()) == 1
 
 
+def test_sql_checks_the_key_before_it_reads_the_body(service: Service) -> None:
+    """A non-admin key learns nothing from the body it sent: garbage, a wrong shape or a valid
+    query all get the same 403; the admin key gets the body's own error."""
+    garbage = {"content": b"{not json", "headers": {"content-type": "application/json"}}
+    for body in (garbage, {"content": b"\xff\xfe", "headers": {"content-type": "text/plain"}},
+                 {"json": {"query": 5}}, {"json": ["SELECT 1"]}, {"json": {"query": "SELECT 1"}}):
+        expect_problem(service.call("POST", "/v1/sql", "t1", **body), "Forbidden", 403, "SQL needs an admin API key")
+    broken = service.call("POST", "/v1/sql", "admin", **garbage)
+    expect_problem(broken, "InvalidInput", 400, "invalid request: body.1: JSON decode error")
+    shape = service.call("POST", "/v1/sql", "admin", json={"query": 5})
+    assert (shape.status_code, shape.json()["kind"]) == (400, "InvalidInput")
+    assert service.ok("POST", "/v1/sql", "admin", json={"query": "SELECT 1 AS one"}) == {"columns": ["one"],
+                                                                                       "rows": [[1]]}
+
+
 def test_sql_cells_json_cannot_carry_are_tagged(service: Service) -> None:
     out = service.ok("POST", "/v1/sql", "admin", json={
         "query": "SELECT x'00ff' AS b, 1e999 AS f, 1.5 AS g, NULL AS n, :p AS p, :q AS q",

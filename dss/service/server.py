@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
@@ -23,6 +23,7 @@ import anyio.to_thread
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -79,6 +80,24 @@ def _admin(what: str) -> Any:
         TenantScope(request.scope[PRINCIPAL]).require_admin(what)
 
     return Depends(require_admin)
+
+
+def _admin_first(what: str) -> type[APIRoute]:
+    """A route class whose handler checks for an admin key (``Forbidden`` otherwise) before it reads
+    the request body: FastAPI parses a declared body before any dependency runs, so with
+    :func:`_admin` alone a non-admin key would learn how its body was refused."""
+
+    class AdminFirst(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handle = super().get_route_handler()
+
+            async def admin_first(request: Request) -> Response:
+                TenantScope(request.scope[PRINCIPAL]).require_admin(what)
+                return await handle(request)
+
+            return admin_first
+
+    return AdminFirst
 
 
 def _tokens(call: Call, tokens: list[int]) -> list[int]:
@@ -361,10 +380,12 @@ def _add_routes(app: FastAPI) -> None:
             return call.store.audit()
         return call.store.audit(tenant_id=call.scope.reading(tenant_id))
 
-    @app.post("/v1/sql", response_model=m.SqlOut, tags=["admin"], dependencies=[_admin("SQL")], **v1)
     def sql(body: m.SqlIn, call: Call = call_dep) -> dict[str, Any]:
         """Run one read-only SQL statement on the catalog (admin key)."""
         return m.sql_out(call.store.sql(body.query, body.params, max_rows=body.max_rows))
+
+    app.router.add_api_route("/v1/sql", sql, methods=["POST"], response_model=m.SqlOut, tags=["admin"],
+                             route_class_override=_admin_first("SQL"), **v1)
 
     @app.get("/v1/check", response_model=m.CheckOut, tags=["admin"], dependencies=[_admin("check")], **v1)
     def check(call: Call = call_dep) -> dict[str, Any]:
