@@ -11,6 +11,7 @@ shared by all tests of the module.
 from __future__ import annotations
 
 import array
+import inspect
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import dss
+from dss.service.client import Client
 from dss.service.process import ServiceProcess
 from tests.conftest import _pg_schema
 
@@ -397,3 +399,137 @@ def test_nearest_explain_and_approximate_resume(api: Any, tenant: str) -> None:
                                                                        "6038,6039,7,6041")
     assert (why.resync_prompt, why.resync_stored, why.num_shared_after) == (41, 41, 259)
     assert why.recurring[0] == (40, 2)
+
+
+# -- the two surfaces --------------------------------------------------------------------------
+
+EMBEDDED_ONLY: dict[str, str] = {}
+"""Public ``dss.Store`` methods a client does not have, with the reason for each. None today:
+every method has an endpoint (engines' residency, compaction, the mover and shared prefixes
+included), so code written against ``dss.open`` runs against ``dss.connect`` unchanged."""
+
+CLIENT_DEFAULTS = {"tenant_id"}
+"""Parameters whose default differs on purpose: the client's ``tenant_id`` defaults to the API
+key's tenant (``None``), the store's to ``"default"`` or every tenant."""
+
+
+def public_members(cls: type) -> dict[str, Any]:
+    return {name: inspect.getattr_static(cls, name) for name in dir(cls) if not name.startswith("_")}
+
+
+def test_the_client_has_every_public_method_of_the_store_with_the_same_parameters() -> None:
+    """Every public method (and property) of ``dss.Store`` is on the client, with the store's
+    parameters in the same order, of the same kinds and with the same defaults (``tenant_id``
+    excepted); the client may add keyword-only parameters with defaults (``all_tenants``)."""
+    store, client = public_members(dss.Store), public_members(Client)
+    assert sorted(set(store) - set(client)) == sorted(EMBEDDED_ONLY)
+    mismatched = {}
+    for name, member in store.items():
+        if name in EMBEDDED_ONLY:
+            continue
+        theirs = client[name]
+        if isinstance(member, property):
+            if not isinstance(theirs, property):
+                mismatched[name] = "a property on the store, not on the client"
+            continue
+        ours = list(inspect.signature(member).parameters.values())
+        other = list(inspect.signature(theirs).parameters.values())
+        wanted = [(p.name, p.kind, p.default if p.name not in CLIENT_DEFAULTS else None) for p in ours]
+        got = [(p.name, p.kind, p.default if p.name not in CLIENT_DEFAULTS else None) for p in other[:len(ours)]]
+        extra = [p for p in other[len(ours):] if p.kind is not p.KEYWORD_ONLY or p.default is p.empty]
+        if got != wanted or extra:
+            mismatched[name] = f"store {[p.name for p in ours]}, client {[p.name for p in other]}"
+    assert mismatched == {}
+
+
+# -- shared prefixes, engines' residency, compaction, the mover ---------------------------------
+
+
+def test_register_prefix_shares_its_pages_with_every_session_of_the_tenant(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    shared = api.register_prefix(T[:8], {0: page(7), 1: page(8)}, layout=LAYOUT, tenant_id=tenant, label="system")
+    assert isinstance(shared, dss.Version)
+    assert (shared.parent_id, shared.num_tokens, shared.label, shared.is_head, shared.is_pinned) == (
+        None, 8, "system", True, True)
+    assert api.shared_prefixes(tenant_id=tenant) == [shared]
+    r = api.resume("s", T)
+    assert (r.matched_tokens, r.version_id, r.tiers) == (8, None, {"host": 8})
+    assert api.read_pages(r.pages) == [page(7), page(8)]
+    with pytest.raises(dss.InvalidTokens, match="a shared prefix needs at least one token"):
+        api.register_prefix([], {}, layout=LAYOUT, tenant_id=tenant)
+    with pytest.raises(dss.InvalidPage, match="page 0 has 5 bytes; layout 'parity' pages have 32"):
+        api.register_prefix(T[:8], {0: b"short"}, layout=LAYOUT, tenant_id=tenant)
+    assert api.shared_prefixes(tenant_id=tenant) == [shared]
+    assert api.check() == []
+
+
+def test_engines_residency_steers_a_session_to_the_engine_holding_its_pages(api: Any, tenant: str) -> None:
+    engine = f"engine-{tenant}"  # the service's engines outlive a test: one of its own
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    ids = [ref.page_id for ref in api.resume("s", T).pages]
+    assert api.residency("s") == {}
+    assert api.mark_resident(engine, ids) is None
+    assert api.residency("s") == {engine: 2}
+    assert api.resume("s", T).tiers == {"device": 8}
+    assert api.evicted(engine, ids[:1]) is None
+    assert api.residency("s", tenant_id=tenant) == {engine: 1}
+    assert api.forget_engine(engine) == 1
+    assert api.forget_engine(engine) == 0
+    assert api.residency("s") == {}
+    with pytest.raises(dss.UnknownSession, match="no session 'nope'"):
+        api.residency("nope")
+    with pytest.raises(dss.InvalidInput, match="engine_id must be a printable string of 1 to 256 characters"):
+        api.mark_resident("", ids)
+    with pytest.raises(dss.InvalidInput, match="page 0 must be a PageRef or a 16-byte page id, got 7"):
+        api.evicted(engine, [7])
+
+
+def test_page_sizes_and_reads_of_one_tenant(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    refs = api.resume("s", T).pages
+    ids = [ref.page_id for ref in refs]
+    assert api.page_sizes([*ids, bytes(16)], tenant_id=tenant) == {ids[0]: 32, ids[1]: 32}
+    assert api.page_sizes(ids, tenant_id=f"{tenant}-other") == {}
+    assert api.read_pages(refs, tenant_id=tenant, load=False) == [page(1), page(2)]
+    assert api.read_pages(refs, tenant_id=f"{tenant}-other") == [None, None]
+    with pytest.raises(dss.InvalidInput, match="load must be True or False, not str"):
+        api.read_pages(refs, load="no")
+
+
+def test_prefetch_waits_when_asked(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    assert api.prefetch("s", wait=True) == 0  # host holds both pages already
+    with pytest.raises(dss.InvalidInput, match="wait must be True or False, not str"):
+        api.prefetch("s", wait="yes")
+
+
+def test_prefetch_candidates_name_the_pages_a_near_duplicate_lets_a_prompt_reuse(api: Any, tenant: str) -> None:
+    tokens = list(range(6000, 6300))
+    make(api, tenant)
+    api.commit("s", tokens, {k: page(k + 1) for k in range(len(tokens) // 4)})
+    stored = [ref.page_id for ref in api.resume("s", tokens).pages]
+    prompt = tokens[:40] + [7] + tokens[41:]
+    make(api, tenant, "fresh")
+    assert api.prefetch_candidates(prompt, session_id="fresh") == stored[:10]
+    assert api.prefetch_candidates(prompt, user_id="u", layout=LAYOUT, tenant_id=tenant, promote=False) == stored[:10]
+    assert api.prefetch_candidates(prompt, user_id="nobody", layout=LAYOUT, tenant_id=tenant) == []
+
+
+def test_compact_count_sessions_and_the_mover(api: Any, tenant: str) -> None:
+    before = api.count_sessions()
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    assert api.count_sessions() == before + 1
+    done = api.compact()
+    assert isinstance(done, dss.Compaction) and done.dry_run is False
+    assert api.compact(dry_run=True) == dss.Compaction(True, 0, 0, 0, done.bytes_after, done.bytes_after, 0)
+    with pytest.raises(dss.InvalidInput, match="dry_run must be True or False, not str"):
+        api.compact(dry_run="yes")
+    assert api.run_mover() == {"host": 0, "disk": 0}  # both tiers far below their high marks
+    assert api.check() == []
+    assert api.is_closed is False
+    api.close()
+    assert api.is_closed is True

@@ -109,11 +109,51 @@ def test_openapi_lists_every_endpoint_with_its_error_responses(service: Service)
         ("/v1/resume", "post"), ("/v1/lookup", "post"), ("/v1/nearest", "post"), ("/v1/explain", "post"), ("/v1/rollback", "post"), ("/v1/branch", "post"),
         ("/v1/pin", "post"), ("/v1/sql", "post"), ("/v1/check", "get"), ("/v1/stats", "get"),
         ("/v1/forget_user", "post"), ("/v1/audit", "get"), ("/v1/prefetch", "post"),
+        ("/v1/pages/sizes", "post"), ("/v1/prefixes", "post"), ("/v1/prefixes", "get"),
+        ("/v1/prefetch_candidates", "post"), ("/v1/residency", "get"), ("/v1/engines/resident", "post"),
+        ("/v1/engines/evicted", "post"), ("/v1/engines/forget", "post"), ("/v1/sessions/count", "get"),
+        ("/v1/compact", "post"), ("/v1/mover", "post"),
     }
     for path, item in doc["paths"].items():
         if path.startswith("/v1/"):
             for operation in item.values():
                 assert {"400", "401", "403", "404", "409", "413", "503"} <= set(operation["responses"]), path
+
+
+def test_openapi_declares_the_bearer_key_on_every_protected_route(service: Service) -> None:
+    """The document names the bearer scheme, so /docs' "Authorize" and "Try it out" send the key:
+    every /v1 route and /metrics require it; /healthz, which needs no key, does not."""
+    doc = service.ok("GET", "/openapi.json", who=None)
+    assert doc["components"]["securitySchemes"] == {"bearer": {
+        "type": "http", "scheme": "bearer",
+        "description": "An API key of `dss keys add`, sent as `Authorization: Bearer <key>`."}}
+    security = {(path, method): operation.get("security") for path, item in doc["paths"].items()
+                for method, operation in item.items()}
+    assert security.pop(("/healthz", "get")) is None
+    assert {route: value for route, value in security.items() if value != [{"bearer": []}]} == {}
+    assert all(path.startswith("/v1/") or path == "/metrics" for path, _ in security)
+
+
+def test_docs_pages_load_only_assets_the_service_serves_itself(service: Service) -> None:
+    """/docs and /redoc work offline: every script, style sheet and icon they reference is a path of
+    this service, answered 200 with the right type and the real asset, and no key is needed."""
+    expected = {".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
+    for page, marker in (("/docs", "SwaggerUIBundle("), ("/redoc", "<redoc spec-url=")):
+        answer = service.call("GET", page, who=None)
+        assert (answer.status_code, answer.headers["content-type"]) == (200, "text/html; charset=utf-8")
+        assert marker in answer.text and "/openapi.json" in answer.text
+        urls = re.findall(r'(?:src|href)="([^"]+)"', answer.text)
+        assert urls and all(url.startswith("/docs/assets/") for url in urls), urls
+        assert "http://" not in answer.text and "https://" not in answer.text
+        for url in urls:
+            asset = service.call("GET", url, who=None)
+            kind = expected[url[url.rindex("."):]]
+            assert (asset.status_code, asset.headers["content-type"].split(";")[0]) == (200, kind), url
+            assert len(asset.content) > 1000
+    assert service.call("GET", "/docs/assets/swagger-ui-bundle.js", who=None).text.find("SwaggerUIBundle") > 0
+    assert service.call("GET", "/docs/assets/swagger-ui.css", who=None).text.startswith(".swagger-ui{")
+    expect_problem(service.call("GET", "/docs/assets/nope.js", who=None), "NotFound", 404,
+                   "no endpoint GET /docs/assets/nope.js")
 
 
 def test_info_names_the_key_its_tenant_and_the_limits(service: Service) -> None:

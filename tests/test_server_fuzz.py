@@ -61,7 +61,10 @@ OPERATIONS = [
     ("POST", "/v1/commit"), ("POST", "/v1/pages"), ("POST", "/v1/pages/read"), ("POST", "/v1/resume"),
     ("POST", "/v1/lookup"), ("POST", "/v1/nearest"), ("POST", "/v1/explain"), ("POST", "/v1/rollback"), ("POST", "/v1/branch"), ("POST", "/v1/pin"),
     ("POST", "/v1/sql"), ("GET", "/v1/check"), ("GET", "/v1/stats"), ("POST", "/v1/forget_user"), ("GET", "/v1/audit"),
-    ("POST", "/v1/prefetch"),
+    ("POST", "/v1/prefetch"), ("POST", "/v1/pages/sizes"), ("POST", "/v1/prefixes"), ("GET", "/v1/prefixes"),
+    ("POST", "/v1/prefetch_candidates"), ("GET", "/v1/residency"), ("POST", "/v1/engines/resident"),
+    ("POST", "/v1/engines/evicted"), ("POST", "/v1/engines/forget"), ("GET", "/v1/sessions/count"),
+    ("POST", "/v1/compact"), ("POST", "/v1/mover"),
 ]
 
 

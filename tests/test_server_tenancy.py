@@ -50,6 +50,8 @@ SESSION_REQUESTS: dict[str, Request] = {
                                                             "new_session_id": "fork"}}),
     "pin": lambda s, v: ("POST", "/v1/pin", {"json": {"session_id": s, "version_id": v}}),
     "delete": lambda s, v: ("DELETE", "/v1/session", {"params": {"session_id": s}}),
+    "residency": lambda s, v: ("GET", "/v1/residency", {"params": {"session_id": s}}),
+    "prefetch_candidates": lambda s, v: ("POST", "/v1/prefetch_candidates", {"json": {"session_id": s, "tokens": T}}),
 }
 
 
@@ -173,3 +175,22 @@ def test_forgetting_a_user_in_one_tenant_leaves_the_same_user_id_in_the_other(tw
     assert twins.ok("POST", "/v1/resume", "t1", json={"session_id": "chat", "tokens": T + X})["matched_tokens"] == 12
     assert twins.ok("GET", "/v1/audit", "t1") == []
     assert twins.store.check() == []
+
+
+def test_shared_prefixes_and_page_sizes_stay_in_the_tenant(twins: Service) -> None:
+    """t1's shared prefix is listed for t1 only; t2 sees none of t1's page sizes, and may not name t1."""
+    shared = twins.ok("POST", "/v1/prefixes", "t1", status=201,
+                      json={"tokens": X, "pages": {"0": b64(page(9))}, "layout": LAYOUT_JSON})
+    assert [v["version_id"] for v in twins.ok("GET", "/v1/prefixes", "t1")] == [shared["version_id"]]
+    assert twins.ok("GET", "/v1/prefixes", "t2") == []
+    ids = [p["page_id"] for p in twins.ok("POST", "/v1/resume", "t1", json={"session_id": "only1", "tokens": T})["pages"]]
+    assert twins.ok("POST", "/v1/pages/sizes", "t1", json={"page_ids": ids}) == {"sizes": {i: 16 for i in ids}}
+    assert twins.ok("POST", "/v1/pages/sizes", "t2", json={"page_ids": ids}) == {"sizes": {}}  # t2's own ids differ
+    answer = twins.call("POST", "/v1/pages/sizes", "t2", json={"page_ids": ids, "tenant_id": "t1"})
+    assert (answer.status_code, answer.json()["detail"]) == (403, "this API key may read only its own tenant 't2'")
+    assert twins.ok("POST", "/v1/prefixes", "admin", status=201, json={
+        "tokens": X, "pages": {}, "layout": LAYOUT_JSON})["num_tokens"] == 4
+    refused = twins.call("POST", "/v1/prefixes", "admin", json={"tokens": X, "pages": {}, "layout": LAYOUT_JSON,
+                                                                "tenant_id": "t2"})
+    assert (refused.status_code, refused.json()["detail"]) == (403, "writes go to the API key's own tenant 't1', "
+                                                                    "not 't2'")

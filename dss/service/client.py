@@ -10,7 +10,9 @@ differences are those of a shared service:
 
 * Every call acts in the API key's tenant; ``tenant_id`` defaults to it (``create_session``
   and ``sessions`` included). An admin key may name another tenant to read it.
-* ``sql``, ``check`` and ``stats`` need an admin key (else ``Forbidden``).
+* ``sql``, ``check``, ``stats``, ``count_sessions``, ``compact``, ``run_mover`` and
+  the engines' reports (``mark_resident``, ``evicted``, ``forget_engine``: an engine serves every
+  tenant) need an admin key (else ``Forbidden``).
 * Transport failures raise :class:`~dss.service.problems.Unavailable` (status 503). A timed-out
   write may or may not have happened; nothing is retried once a request was sent.
 * A request carries at most the service's ``max_tokens`` tokens and ``max_body_bytes``
@@ -28,6 +30,7 @@ from typing import Any, Self
 
 import httpx
 
+from dss.compaction import Compaction
 from dss.core.version import VERSION
 from dss.service import models as m
 from dss.core.errors import InvalidPage
@@ -67,8 +70,13 @@ class Client:
         return f"Client({self.url!r})"
 
     def close(self) -> None:
-        """Close the connection pool. Idempotent."""
+        """Close the connection pool. Idempotent; the service and its store stay up."""
         self._http.close()
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._http.is_closed
 
     def __enter__(self) -> Self:
         return self
@@ -104,6 +112,10 @@ class Client:
         """The key's tenant's sessions (``all_tenants``: every tenant's, admin key), oldest first."""
         params = _params(tenant_id=tenant_id, user_id=user_id, all_tenants="true" if all_tenants else None)
         return [m.session_from(s) for s in self._call("GET", "/v1/sessions", params=params)]
+
+    def count_sessions(self) -> int:
+        """:meth:`dss.Store.count_sessions`: every tenant's sessions (admin key)."""
+        return int(self._call("GET", "/v1/sessions/count")["num_sessions"])
 
     def delete_session(self, session_id: str, *, tenant_id: str | None = None) -> int:
         """:meth:`dss.Store.delete_session`: the number of pages released."""
@@ -192,11 +204,60 @@ class Client:
             why = replace(why, prompt_text=decode(why.prompt_window), stored_text=decode(why.stored_window))
         return why
 
-    def read_pages(self, pages: Sequence[PageRef | bytes]) -> list[bytes | None]:
-        """:meth:`dss.Store.read_pages`; ``None`` also for a page of another tenant."""
+    def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None,
+                   load: bool = True) -> list[bytes | None]:
+        """:meth:`dss.Store.read_pages`; ``None`` also for a page the key may not read (another tenant's)."""
         ids = [page_id.hex() for page_id in check_page_ids(pages)]
-        out = self._call("POST", "/v1/pages/read", json={"page_ids": ids})["pages"]
-        return [m.decode_pages({0: p})[0] if p is not None else None for p in out]
+        check_flag("load", load)
+        out = self._call("POST", "/v1/pages/read", json={"page_ids": ids, "tenant_id": tenant_id, "load": load})
+        return [m.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
+
+    def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:
+        """:meth:`dss.Store.page_sizes` of the pages the key may read (a non-admin key: its tenant's)."""
+        ids = [page_id.hex() for page_id in check_page_ids(page_ids)]
+        sizes = self._call("POST", "/v1/pages/sizes", json={"page_ids": ids, "tenant_id": tenant_id})["sizes"]
+        return {bytes.fromhex(page_id): int(size) for page_id, size in sizes.items()}
+
+    def prefetch_candidates(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
+                            user_id: str | None = None, layout: Layout | None = None,
+                            promote: bool = True) -> list[bytes]:
+        """:meth:`dss.Store.prefetch_candidates` (``promote`` reads the pages into the service's host tier)."""
+        check_flag("promote", promote)
+        body = {"tokens": _token_list(tokens), "session_id": session_id, "tenant_id": tenant_id, "user_id": user_id,
+                "layout": _layout(layout) if layout is not None else None, "promote": promote}
+        return [bytes.fromhex(p) for p in self._call("POST", "/v1/prefetch_candidates", json=body)["page_ids"]]
+
+    def register_prefix(self, tokens: TokenInput, pages: Mapping[int, bytes], *, layout: Layout,
+                        tenant_id: str | None = None, label: str | None = None) -> Version:
+        """:meth:`dss.Store.register_prefix` in the key's tenant: the pinned version of the shared prefix."""
+        body = {"tokens": _token_list(tokens), "pages": _encode_pages(pages) or {}, "layout": _layout(layout),
+                "label": label, "tenant_id": tenant_id}
+        return m.version_from(self._call("POST", "/v1/prefixes", json=body))
+
+    def shared_prefixes(self, *, tenant_id: str | None = None) -> list[Version]:
+        """:meth:`dss.Store.shared_prefixes` of the key's tenant, oldest first."""
+        return [m.version_from(v) for v in self._call("GET", "/v1/prefixes", params=_params(tenant_id=tenant_id))]
+
+    # -- engines: the device tier (admin key, but residency) ----------------------------------
+
+    def mark_resident(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
+        """:meth:`dss.Store.mark_resident` in the service's store (admin key)."""
+        body = {"engine_id": engine_id, "page_ids": [page_id.hex() for page_id in check_page_ids(page_ids)]}
+        self._call("POST", "/v1/engines/resident", json=body)
+
+    def evicted(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
+        """:meth:`dss.Store.evicted` in the service's store (admin key)."""
+        body = {"engine_id": engine_id, "page_ids": [page_id.hex() for page_id in check_page_ids(page_ids)]}
+        self._call("POST", "/v1/engines/evicted", json=body)
+
+    def forget_engine(self, engine_id: str) -> int:
+        """:meth:`dss.Store.forget_engine` (admin key): how many pages the engine held."""
+        return int(self._call("POST", "/v1/engines/forget", json={"engine_id": engine_id})["num_pages"])
+
+    def residency(self, session_id: str, *, tenant_id: str | None = None) -> dict[str, int]:
+        """:meth:`dss.Store.residency`: ``{engine_id: pages}`` of the session's head."""
+        out = self._call("GET", "/v1/residency", params=_params(session_id=session_id, tenant_id=tenant_id))
+        return {engine: int(n) for engine, n in out["engines"].items()}
 
     # -- erasure ---------------------------------------------------------------------------
 
@@ -229,10 +290,21 @@ class Client:
         """:meth:`dss.Store.check` (admin key)."""
         return list(self._call("GET", "/v1/check")["problems"])
 
-    def prefetch(self, session_id: str, *, tenant_id: str | None = None) -> int:
-        """:meth:`dss.Store.prefetch`: pages of the head moving up to host (the service does not wait)."""
-        body = {"session_id": session_id, "tenant_id": tenant_id}
+    def prefetch(self, session_id: str, *, tenant_id: str | None = None, wait: bool = False) -> int:
+        """:meth:`dss.Store.prefetch`: pages of the head moving up to host (``wait``: the service answers
+        once they moved)."""
+        check_flag("wait", wait)
+        body = {"session_id": session_id, "tenant_id": tenant_id, "wait": wait}
         return int(self._call("POST", "/v1/prefetch", json=body)["num_pages"])
+
+    def compact(self, *, dry_run: bool = False) -> Compaction:
+        """:meth:`dss.Store.compact` of the service's disk tier (admin key)."""
+        check_flag("dry_run", dry_run)
+        return m.compaction_from(self._call("POST", "/v1/compact", json={"dry_run": dry_run}))
+
+    def run_mover(self) -> dict[str, int]:
+        """:meth:`dss.Store.run_mover` in the service (admin key): pages moved per tier."""
+        return {tier: int(n) for tier, n in self._call("POST", "/v1/mover").items()}
 
     def stats(self) -> dict[str, Any]:
         """:meth:`dss.Store.stats` of the service's store (admin key)."""

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from dss.compaction import Compaction
 from dss.core.errors import InvalidPage
 from dss.nearest import Explanation
 from dss.resume import Candidate, Rates, ResumeResult
@@ -176,6 +177,34 @@ class PinIn(_Model):
 class PrefetchIn(_Model):
     session_id: str
     tenant_id: TenantField = None
+    wait: StrictBool = Field(False, description="Answer once the pages moved, not at once.")
+
+
+class PrefetchCandidatesIn(_ScopeIn):
+    """The pages the nearest near-duplicates let a prompt reuse."""
+
+    promote: StrictBool = Field(True, description="Read them now, bringing disk pages into the host tier.")
+
+
+class RegisterPrefixIn(_Model):
+    tokens: Tokens
+    pages: dict[int, PageData] = Field(description="Page index -> payload; only full pages.")
+    layout: LayoutModel
+    label: str | None = None
+    tenant_id: TenantField = None
+
+
+class EnginePagesIn(_Model):
+    engine_id: str
+    page_ids: list[PageIdHex]
+
+
+class EngineIn(_Model):
+    engine_id: str
+
+
+class CompactIn(_Model):
+    dry_run: StrictBool = False
 
 
 class PrefetchOut(_Model):
@@ -192,6 +221,14 @@ class ForgetUserIn(_Model):
 
 class ReadPagesIn(_Model):
     page_ids: list[PageIdHex]
+    tenant_id: TenantField = None
+    load: StrictBool = Field(True, description="An engine waits for these pages: promote them to host (else only "
+                                               "as the placement policy allows).")
+
+
+class PageSizesIn(_Model):
+    page_ids: list[PageIdHex]
+    tenant_id: TenantField = None
 
 
 class SqlIn(_Model):
@@ -310,6 +347,42 @@ class SqlOut(_Out):
 
 class CheckOut(_Out):
     problems: list[str]
+
+
+class PageIdsOut(_Out):
+    page_ids: list[PageIdHex]
+
+
+class PageSizesOut(_Out):
+    sizes: dict[PageIdHex, int]
+    """Page id -> size of the pages the catalog holds (that the key may read)."""
+
+
+class EngineOut(_Out):
+    engine_id: str
+    num_pages: int
+    """The pages the request named (mark, evict), or those the engine held (forget)."""
+
+
+class ResidencyOut(_Out):
+    session_id: str
+    engines: dict[str, int]
+    """Engine id -> pages of the session's head it holds (engines holding none left out)."""
+
+
+class CountOut(_Out):
+    num_sessions: int
+
+
+class CompactionOut(_Out):
+    dry_run: bool
+    segments: int
+    new_segments: int
+    pages: int
+    bytes_before: int
+    bytes_after: int
+    quarantined: int
+    freed_bytes: int
 
 
 class RatesOut(_Out):
@@ -434,6 +507,15 @@ def explain_out(e: Explanation) -> dict[str, Any]:
 def explain_from(d: dict[str, Any]) -> Explanation:
     return Explanation(**{**d, "nearest": candidate_from(d["nearest"]) if d["nearest"] is not None else None,
                           "recurring": [(int(p), int(n)) for p, n in d["recurring"]]})
+
+
+def compaction_out(c: Compaction) -> dict[str, Any]:
+    return {**c._asdict(), "freed_bytes": c.freed_bytes}
+
+
+def compaction_from(d: dict[str, Any]) -> Compaction:
+    return Compaction(d["dry_run"], d["segments"], d["new_segments"], d["pages"], d["bytes_before"], d["bytes_after"],
+                      d["quarantined"])
 
 
 def rates_out(rates: Rates) -> dict[str, Any]:

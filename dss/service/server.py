@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -35,6 +35,7 @@ from dss.erasure import AuditEntry, Plan, Receipt
 from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, InvalidTokens, NotFound, StoreClosed
 from dss.service.problems import PROBLEM_MEDIA_TYPE, InternalError, MethodNotAllowed, error_class
 from dss.service.config import ServerConfig
+from dss.service.docs import BEARER, add_docs
 from dss.service.middleware import (
     PRINCIPAL,
     AuthMiddleware,
@@ -66,7 +67,7 @@ class Call(NamedTuple):
     metrics: Metrics
 
 
-def _call(request: Request) -> Call:
+def _call(request: Request, _key: Any = Security(BEARER)) -> Call:
     state = request.app.state
     principal: Principal = request.scope[PRINCIPAL]
     return Call(state.store, TenantScope(principal), state.config, state.metrics)
@@ -120,12 +121,13 @@ def create_app(store: Store, config: ServerConfig, keys: KeyRing, *, close_store
                 await anyio.to_thread.run_sync(store.close)
                 log.info("store closed")
 
-    app = FastAPI(title="dss", version=VERSION, lifespan=lifespan,
+    app = FastAPI(title="dss", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Dialogue state store: sessions, versions, resume, rollback and branch over HTTP.")
     app.state.store = store
     app.state.config = config
     app.state.metrics = metrics = Metrics(store)
     _add_routes(app)
+    add_docs(app)
     _add_error_handlers(app)
     _document_problems(app)
     routes = frozenset(getattr(r, "path", "") for r in app.routes)
@@ -198,7 +200,7 @@ def _add_routes(app: FastAPI) -> None:
             raise StoreClosed("this store is closed")
         return {"status": "ok", "version": VERSION}
 
-    @app.get("/metrics", tags=["service"], response_class=Response,
+    @app.get("/metrics", tags=["service"], response_class=Response, dependencies=[Security(BEARER)],
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
                         401: _ERRORS[401], 403: _ERRORS[403]})
     def metrics(request: Request) -> Response:
@@ -282,10 +284,33 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/pages/read", response_model=m.ReadPagesOut, tags=["pages"], **v1)
     def read_pages(body: m.ReadPagesIn, call: Call = call_dep) -> dict[str, Any]:
-        """Payloads of pages by id (null for a page no tier holds, or one the key may not read)."""
+        """Payloads of pages by id (null for a page no tier holds, or one the key may not read, or one of
+        another tenant than ``tenant_id``)."""
         ids = [bytes.fromhex(p) for p in body.page_ids]
-        payloads = call.scope.read_pages(call.store, ids, call.config.max_body_bytes)
+        payloads = call.scope.read_pages(call.store, ids, call.config.max_body_bytes, tenant_id=body.tenant_id,
+                                         load=body.load)
         return {"pages": [m.encode_page(p) for p in payloads]}
+
+    @app.post("/v1/pages/sizes", response_model=m.PageSizesOut, tags=["pages"], **v1)
+    def page_sizes(body: m.PageSizesIn, call: Call = call_dep) -> dict[str, Any]:
+        """Sizes of the pages the catalog holds, of those the key may read (of ``tenant_id`` if named)."""
+        ids = [bytes.fromhex(p) for p in body.page_ids]
+        sizes = call.store.page_sizes(ids, tenant_id=call.scope.page_tenant(body.tenant_id))
+        return {"sizes": {page_id.hex(): size for page_id, size in sizes.items()}}
+
+    @app.post("/v1/prefixes", response_model=m.VersionOut, status_code=201, tags=["pages"], **v1)
+    def register_prefix(body: m.RegisterPrefixIn, call: Call = call_dep) -> dict[str, Any]:
+        """Share a prefix (a system prompt, tool definitions) with every user of the tenant: its pages
+        belong to the tenant, are pinned and stay when a user is erased."""
+        tenant = call.scope.writing(body.tenant_id)
+        return m.version_out(call.store.register_prefix(_tokens(call, body.tokens), m.decode_pages(body.pages),
+                                                        layout=m.layout_of(body.layout), tenant_id=tenant,
+                                                        label=body.label))
+
+    @app.get("/v1/prefixes", response_model=list[m.VersionOut], tags=["pages"], **v1)
+    def shared_prefixes(tenant_id: str | None = None, call: Call = call_dep) -> list[dict[str, Any]]:
+        """The tenant's shared prefixes (every layout), oldest first."""
+        return [m.version_out(v) for v in call.store.shared_prefixes(tenant_id=call.scope.reading(tenant_id))]
 
     @app.post("/v1/resume", response_model=m.ResumeOut, tags=["resume"], **v1)
     def resume(body: m.ResumeIn, call: Call = call_dep) -> dict[str, Any]:
@@ -350,9 +375,50 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/prefetch", response_model=m.PrefetchOut, status_code=202, tags=["pages"], **v1)
     def prefetch(body: m.PrefetchIn, call: Call = call_dep) -> dict[str, Any]:
         """Move the pages of the session's head up to host in the background (call it when the user starts
-        typing); answers at once with how many pages will move."""
+        typing); answers at once with how many pages will move (``wait``: once they moved)."""
         tenant = call.scope.reading(body.tenant_id)
-        return {"session_id": body.session_id, "num_pages": call.store.prefetch(body.session_id, tenant_id=tenant)}
+        moving = call.store.prefetch(body.session_id, tenant_id=tenant, wait=body.wait)
+        return {"session_id": body.session_id, "num_pages": moving}
+
+    @app.post("/v1/prefetch_candidates", response_model=m.PageIdsOut, tags=["pages"], **v1)
+    def prefetch_candidates(body: m.PrefetchCandidatesIn, call: Call = call_dep) -> dict[str, Any]:
+        """Ids of the pages the nearest near-duplicate lets a prompt reuse, longest first; with ``promote``
+        they are read now (disk pages come into the host tier). Scope as /v1/nearest."""
+        tenant = call.scope.reading(body.tenant_id)
+        ids = call.store.prefetch_candidates(_tokens(call, body.tokens), session_id=body.session_id,
+                                             tenant_id=tenant, user_id=body.user_id,
+                                             layout=m.layout_of(body.layout) if body.layout is not None else None,
+                                             promote=body.promote)
+        return {"page_ids": [page_id.hex() for page_id in ids]}
+
+    @app.get("/v1/residency", response_model=m.ResidencyOut, tags=["engines"], **v1)
+    def residency(session_id: str, tenant_id: str | None = None, call: Call = call_dep) -> dict[str, Any]:
+        """How many pages of the session's head each live engine holds in its own KV memory."""
+        engines = call.store.residency(session_id, tenant_id=call.scope.reading(tenant_id))
+        return {"session_id": session_id, "engines": engines}
+
+    @app.post("/v1/engines/resident", response_model=m.EngineOut, tags=["engines"],
+              dependencies=[_admin("reporting an engine's pages")], **v1)
+    def mark_resident(body: m.EnginePagesIn, call: Call = call_dep) -> dict[str, Any]:
+        """An engine instance holds these pages in its own KV memory (the device tier); renews its lease.
+        Admin key: an engine serves every tenant."""
+        ids = [bytes.fromhex(p) for p in body.page_ids]
+        call.store.mark_resident(body.engine_id, ids)
+        return {"engine_id": body.engine_id, "num_pages": len(ids)}
+
+    @app.post("/v1/engines/evicted", response_model=m.EngineOut, tags=["engines"],
+              dependencies=[_admin("reporting an engine's pages")], **v1)
+    def evicted(body: m.EnginePagesIn, call: Call = call_dep) -> dict[str, Any]:
+        """An engine instance no longer holds these pages (it reused their memory). Admin key."""
+        ids = [bytes.fromhex(p) for p in body.page_ids]
+        call.store.evicted(body.engine_id, ids)
+        return {"engine_id": body.engine_id, "num_pages": len(ids)}
+
+    @app.post("/v1/engines/forget", response_model=m.EngineOut, tags=["engines"],
+              dependencies=[_admin("forgetting an engine")], **v1)
+    def forget_engine(body: m.EngineIn, call: Call = call_dep) -> dict[str, Any]:
+        """An engine instance went away: forget the pages it held (answers how many). Admin key."""
+        return {"engine_id": body.engine_id, "num_pages": call.store.forget_engine(body.engine_id)}
 
     @app.post("/v1/forget_user", response_model=Receipt | Plan, response_model_exclude_none=True, tags=["erasure"], dependencies=[_admin("forget_user")],
               responses={**_ERRORS, 500: {"description": "Verification found data left (ErasureIncomplete); the "
@@ -397,6 +463,24 @@ def _add_routes(app: FastAPI) -> None:
     def stats(call: Call = call_dep) -> dict[str, Any]:
         """The tiers: sizes, watermarks, what the placement policy did, prefetch counts (admin key)."""
         return call.store.stats()
+
+    @app.get("/v1/sessions/count", response_model=m.CountOut, tags=["admin"],
+             dependencies=[_admin("counting every tenant's sessions")], **v1)
+    def count_sessions(call: Call = call_dep) -> dict[str, Any]:
+        """The number of sessions in the store, every tenant's (admin key)."""
+        return {"num_sessions": call.store.count_sessions()}
+
+    @app.post("/v1/compact", response_model=m.CompactionOut, tags=["admin"], dependencies=[_admin("compact")], **v1)
+    def compact(body: m.CompactIn, call: Call = call_dep) -> dict[str, Any]:
+        """Rewrite the disk tier's sparse page files so their dead bytes are freed; ``dry_run`` says what it
+        would do and changes nothing (admin key)."""
+        return m.compaction_out(call.store.compact(dry_run=body.dry_run))
+
+    @app.post("/v1/mover", response_model=dict[str, int], tags=["admin"], dependencies=[_admin("running the mover")],
+              **v1)
+    def run_mover(call: Call = call_dep) -> dict[str, int]:
+        """One pass of the mover now: the pages demoted from host and evicted from disk (admin key)."""
+        return call.store.run_mover()
 
 
 def serve(store_config: StoreConfig, config: ServerConfig) -> None:

@@ -59,16 +59,25 @@ class TenantScope:
         if not self.principal.is_admin:
             raise Forbidden(f"{what} needs an admin API key")
 
-    def read_pages(self, store: Store, page_ids: Sequence[bytes], max_bytes: int) -> list[bytes | None]:
-        """``store.read_pages`` restricted to pages this key may read (others are ``None``).
+    def page_tenant(self, tenant_id: str | None) -> str | None:
+        """The tenant whose pages a page request may see: ``tenant_id`` if named (as :meth:`reading`
+        allows), else the key's own; ``None`` (every tenant's) for an admin key naming none."""
+        if tenant_id is None and self.principal.is_admin:
+            return None
+        return self.reading(tenant_id)
+
+    def read_pages(self, store: Store, page_ids: Sequence[bytes], max_bytes: int, *, tenant_id: str | None = None,
+                   load: bool = True) -> list[bytes | None]:
+        """``store.read_pages`` restricted to pages this key may read, of ``tenant_id`` if named
+        (others are ``None``).
 
         Raises ``PayloadTooLarge`` when the visible pages hold more than ``max_bytes``.
         """
-        sizes = store.page_sizes(page_ids, tenant_id=None if self.principal.is_admin else self.principal.tenant_id)
+        sizes = store.page_sizes(page_ids, tenant_id=self.page_tenant(tenant_id))
         visible = [pid for pid in dict.fromkeys(page_ids) if pid in sizes]
         total = sum(sizes[pid] for pid in visible)
         if total > max_bytes:
             raise PayloadTooLarge(f"the pages asked for hold {total} bytes; read at most {max_bytes} bytes "
                                   f"per request")
-        payloads = dict(zip(visible, store.read_pages(visible))) if visible else {}
+        payloads = dict(zip(visible, store.read_pages(visible, load=load))) if visible else {}
         return [payloads.get(pid) for pid in page_ids]
