@@ -42,7 +42,8 @@ def test_keys_list_and_remove(tmp_path: Path) -> None:
     assert row == {"key_id": added["key_id"], "tenant_id": "beta", "is_admin": False, "label": None,
                    "created_at": row["created_at"]}
     code, out, _ = run("keys", "list", "--home", home)
-    assert out == f"{added['key_id']}  beta  -  {row['created_at']}\n"
+    assert out == (f"key_id        tenant_id  is_admin  created_at           label\n"
+                   f"{added['key_id']}  beta       False     {row['created_at'].replace('T', ' ')[:19]}  -\n")
     assert run("keys", "remove", added["key_id"], "--home", home) == (
         0, f"removed key {added['key_id']} of tenant 'beta'\n", "")
     code, out, err = run("keys", "remove", added["key_id"], "--home", home)
@@ -84,3 +85,16 @@ def test_the_cli_works_without_the_server_extra(tmp_path: Path) -> None:
     assert served.returncode == 1
     assert served.stderr == ("error: dss serve needs the server extra (fastapi is missing): "
                              "pip install 'dss-store[server]'\n")
+
+
+def test_keys_list_prints_a_table_with_a_header_row(tmp_path: Path) -> None:
+    home = str(tmp_path)
+    first = json.loads(run("keys", "add", "acme", "--admin", "--label", "gateway", "--json", "--home", home)[1])
+    second = json.loads(run("keys", "add", "beta", "--json", "--home", home)[1])
+    created = {row["key_id"]: row["created_at"].replace("T", " ")[:19]
+               for row in json.loads(run("keys", "list", "--json", "--home", home)[1])}
+    code, out, err = run("keys", "list", "--home", home)
+    assert (code, err) == (0, "")
+    assert out == (f"key_id        tenant_id  is_admin  created_at           label\n"
+                   f"{first['key_id']}  acme       True      {created[first['key_id']]}  gateway\n"
+                   f"{second['key_id']}  beta       False     {created[second['key_id']]}  -\n")

@@ -117,16 +117,15 @@ def keys_list(ctx: click.Context, as_json: bool, home: str | None, config_file: 
     except DssError as exc:
         _fail(f"{exc.kind}: {exc}")
         return
-    rows = [{"key_id": k.key_id, "tenant_id": k.tenant_id, "is_admin": k.is_admin, "label": k.label,
-             "created_at": k.created_at.isoformat(timespec="seconds")} for k in entries]
     if as_json:
-        click.echo(json.dumps(rows))
-    elif not rows:
-        click.echo("(none)")
-    else:
-        for r in rows:
-            click.echo(f"{r['key_id']}  {r['tenant_id']}  {'admin' if r['is_admin'] else '-'}  {r['created_at']}"
-                       f"  {r['label'] or ''}".rstrip())
+        click.echo(json.dumps([{"key_id": k.key_id, "tenant_id": k.tenant_id, "is_admin": k.is_admin,
+                                "label": k.label, "created_at": k.created_at.isoformat(timespec="seconds")}
+                               for k in entries]))
+        return
+    from dss.cli.main import _emit as emit  # the table every command prints (main imports this module first)
+
+    emit([{"key_id": k.key_id, "tenant_id": k.tenant_id, "is_admin": k.is_admin, "created_at": k.created_at,
+           "label": k.label} for k in entries], False)
 
 
 @keys.command("remove")
