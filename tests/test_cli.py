@@ -124,6 +124,20 @@ def test_help_everywhere() -> None:
         assert code == 0 and "Usage:" in out
 
 
+def test_no_help_shows_rst_markup() -> None:
+    """Every command's and group's --help (the docstrings click shows) reads as plain text: no
+    ``literal`` backticks and no Sphinx roles."""
+    shown = {}
+    for path in sorted(command_paths(main) | {()}):
+        code, out = run(*path, "--help")
+        assert code == 0 and out.startswith("Usage: "), path
+        marks = [mark for mark in ("``", ":class:", ":func:", ":meth:", ":mod:", ":attr:", ":data:") if mark in out]
+        if marks:
+            shown[" ".join(path)] = marks
+    assert shown == {}
+    assert run("stats", "--help")[1].count("fill: active bytes over capacity") == 1
+
+
 def test_python_dash_m(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
                             text=True)

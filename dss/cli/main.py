@@ -159,12 +159,11 @@ def check(ctx: Context, as_json: bool) -> None:
 def stats(ctx: Context, as_json: bool) -> None:
     """Show how full each tier is against its watermarks, and what the placement policy did.
 
-    One row per tier (``fill``: active bytes over capacity, what the watermarks measure;
-    ``inactive``: bytes of host pages the mover demoted, still readable until their room is
-    needed; ``high``/``low``: the watermarks as shares of the capacity), then a ``prefetch``
-    row and the MinHash-LSH index's size. Counters are
-    this process's: run it against a service (``dss stats`` of ``dss serve`` is
-    ``GET /v1/stats``) for a live store's.
+    One row per tier (fill: active bytes over capacity, what the watermarks measure;
+    inactive: bytes of host pages the mover demoted, still readable until their room is
+    needed; high and low: the watermarks as shares of the capacity), then a prefetch
+    line and the MinHash-LSH index's size. Counters are this process's: for a live
+    store's, ask the service that holds it (GET /v1/stats of dss serve).
     """
     with ctx.open() as store:
         data = store.stats()
@@ -213,8 +212,8 @@ def explain(ctx: Context, session_id: str | None, tokens: tuple[str, ...], token
             as_json: bool) -> None:
     """Why exact reuse of a prompt stops where it does: its first divergence from the nearest
     stored version (the session's, or any of its namespace and layout), the tokens around it,
-    and the reuse it costs. Token ids as arguments (``1 2 3`` or ``1,2,3``), or from a file.
-    With ``--user`` (and ``--layout``) there is no SESSION_ID: every argument is a token id."""
+    and the reuse it costs. Token ids as arguments ("1 2 3" or "1,2,3"), or from a file.
+    With --user (and --layout) there is no SESSION_ID: every argument is a token id."""
     from dss.cli.explain import describe, explanation_json, load_tokenizer, read_prompt
 
     if user is not None and session_id is not None:
