@@ -19,7 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 import dss
-from dss.catalog.readonly import PASSWORD_KEY, SECRET_TABLES, VIEWS, readable_relations, reader_role
+from dss.catalog.readonly import (MAX_RESULT_BYTES, MAX_VALUE_BYTES, PASSWORD_KEY, SECRET_TABLES, VIEWS,
+                                  readable_relations, reader_role)
+from dss.catalog.sqlfunctions import SQLITE_FUNCTIONS
 from dss.catalog.schema import Base
 from tests.conftest import LAYOUT, PG_URL, _pg_schema, pages_for
 
@@ -69,6 +71,8 @@ ATTACKS: list[tuple[str, type[dss.DssError], type[dss.DssError]]] = [
     ("SELECT dblink_exec('dbname=test user=postgres', 'DELETE FROM pages')", ERR, ERR),
     ("ATTACH DATABASE '{marker}' AS x", ROV, ERR), ("PRAGMA journal_mode = DELETE", ROV, ERR),
     ("SELECT load_extension('{marker}')", ROV, ERR),
+    # functions that reach the process, not the data: a pointer into libsqlite3, and one that takes a pointer
+    ("SELECT hex(fts3_tokenizer('simple'))", ROV, ERR), ("SELECT fts3_tokenizer('x', x'0000000000000000')", ROV, ERR),
     # key material and other roles' secrets
     ("SELECT * FROM user_keys", ROV, ROV), ("SELECT count(*) FROM store_meta", ROV, ROV),
     ("SELECT s.id FROM sessions s JOIN user_keys k ON true", ROV, ROV),
@@ -172,6 +176,93 @@ def test_a_long_query_stops_at_the_time_limit(open_store: Any) -> None:
         with pytest.raises(ERR, match=r"^query ran longer than 0.5s$"):
             store.sql(text)
         assert time.monotonic() - start < 2.5
+
+
+def test_one_expensive_call_fails_fast_with_a_typed_error(open_store: Any) -> None:
+    """A single call that builds a huge value is stopped by the size limit, not left to run past the
+    time limit inside one step: SQLite's length limit (and a printf() that checks its width and
+    precision first) and its cap on a result's bytes; PostgreSQL's statement_timeout."""
+    store = open_store(sql_timeout_s=1)
+    cut = (f"^query failed: a value grew past {MAX_VALUE_BYTES >> 20} MiB, the most sql\\(\\) allows for one "
+           "string or blob$")
+    if is_pg(store):
+        texts = {"SELECT length(repeat('x', 800000000))": "^query ran longer than 1.0s$",
+                 "SELECT length(string_agg(repeat('x', 1000000), '')) FROM generate_series(1, 5000)":
+                     "^query ran longer than 1.0s$"}
+    else:
+        texts = {"SELECT length(printf('%.*c', 800000000, 'x'))": f"^query failed: a printf\\(\\) width or precision "
+                 f"is larger than {MAX_VALUE_BYTES >> 20} MiB, the most sql\\(\\) allows for one string$",
+                 "SELECT length(format('%.800000000c', 'x'))": "^query failed: a printf",
+                 "SELECT length(zeroblob(800000000))": cut, "SELECT length(randomblob(800000000))": cut,
+                 "SELECT length(replace(hex(zeroblob(4000000)), '0', 'ab'))": cut,
+                 f"SELECT '{'x' * (200 << 10)}'": "^query failed: the query text is longer than 100 KiB, the most "
+                                                   "sql\\(\\) allows$"}
+        big_rows = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 100) SELECT zeroblob(4000000) FROM c"
+        texts[big_rows] = (f"^query failed: the result holds more than {MAX_RESULT_BYTES >> 20} MiB of strings and "
+                           "blobs, the most sql\\(\\) returns; select fewer rows or columns$")
+    for text, message in texts.items():
+        start = time.monotonic()
+        with pytest.raises(ERR, match=message):
+            store.sql(text)
+        assert time.monotonic() - start < 5, text  # generous: a behavioural bound, not a benchmark
+    if not is_pg(store):  # just under the limits, it runs
+        assert store.sql("SELECT length(printf('%.*c', 1000000, 'x')), length(zeroblob(1000000))").rows == [
+            (1000000, 1000000)]
+
+
+def test_the_readers_limits_stay_on_its_connection(sqlite_store: dss.Store) -> None:
+    """The reader's length limits are set on its own connection; the writer's keep SQLite's defaults."""
+    import sqlite3
+
+    sqlite_store.sql("SELECT 1")
+    raw = sqlite_store.catalog.engine.raw_connection()
+    try:
+        conn = raw.driver_connection
+        assert (conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH), conn.getlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH),
+                conn.getlimit(sqlite3.SQLITE_LIMIT_ATTACHED)) == (1_000_000_000, 1_000_000_000, 10)
+        assert conn.execute("SELECT length(zeroblob(9000000)), fts3_tokenizer('simple') IS NOT NULL").fetchall() == [
+            (9_000_000, 1)]
+    finally:
+        raw.close()
+
+
+def test_sqlite_calls_only_the_listed_functions(filled: dss.Store) -> None:
+    """A function off the list is refused by name before the statement runs; the views, the operators
+    that are functions (LIKE, GLOB, ->) and a sample of each family run."""
+    if is_pg(filled):
+        pytest.skip("PostgreSQL keeps privileged functions from the reader role itself (see the role tests)")
+    for call in ("FTS3_TOKENIZER('simple')", "load_extension('x')", "changes()", "sqlite_compileoption_get(0)",
+                 "last_insert_rowid()", "sqlite_log(1, 'x')"):
+        name = call.split("(")[0].lower()
+        with pytest.raises(ROV, match=f"^sql\\(\\) may not call {name}\\(\\): it is not on the list of functions "
+                           "sql\\(\\) allows \\(see the README, section SQL\\)$"):
+            filled.sql(f"SELECT {call}")
+    for view in VIEWS:
+        filled.sql(f"SELECT * FROM {view}")
+    row = filled.sql("SELECT 'ab' LIKE 'a%', 'ab' GLOB 'a*', '{\"a\": 2}' ->> 'a', json_extract('[5]', '$[0]'), "
+                     "printf('%.1f|%3d', 2.25, 7), round(abs(-2.5)), sqrt(16), date('2024-02-29', '+1 day'), "
+                     "upper(coalesce(NULL, 'x')), (SELECT group_concat(x) FROM (SELECT 1 x UNION SELECT 2)), "
+                     "row_number() OVER ()").rows
+    assert row == [(1, 1, 2, 5, "2.3|  7", 3.0, 4.0, "2024-03-01", "X", "1,2", 1)]
+    assert {"count", "sum", "coalesce", "hex", "lower", "max", "json_extract", "strftime"} <= SQLITE_FUNCTIONS
+    assert {"fts3_tokenizer", "load_extension", "readfile", "writefile", "edit"}.isdisjoint(SQLITE_FUNCTIONS)
+
+
+def test_the_role_may_execute_no_privileged_function(pg_url: str, tmp_path: Path) -> None:
+    """On PostgreSQL the reader role, not a list in dss, keeps the privileged functions out of reach:
+    it has no EXECUTE on the server's files, large-object import and export, configuration or
+    other backends; what it may call (pg_sleep, set_config) is bounded by the time limit and ends
+    with its connection (see test_nothing_a_statement_sets_outlives_it)."""
+    with dss.open(tmp_path / "s", catalog_url=pg_url) as store:
+        store.sql("SELECT 1 AS warm")
+    role = reader_role("test", schema_of(pg_url))
+    functions = ["pg_read_file(text)", "pg_read_binary_file(text)", "pg_ls_dir(text)", "pg_stat_file(text)",
+                 "lo_import(text)", "lo_export(oid, text)", "pg_reload_conf()", "pg_rotate_logfile()",
+                 "pg_ls_waldir()", "pg_promote(boolean, integer)", "pg_file_write(text, text, boolean)"]
+    with psycopg.connect(SUPER) as conn:
+        rows = conn.execute("SELECT f, has_function_privilege(%s, f, 'EXECUTE') FROM unnest(%s::text[]) f "
+                            "WHERE to_regprocedure(f) IS NOT NULL", (role, functions)).fetchall()
+    assert len(rows) >= 9 and [f for f, may in rows if may] == []
 
 
 def test_the_client_cancels_a_query_the_server_would_let_run(pg_url: str, tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from sqlalchemy.engine import Engine
 
 from dss.core.errors import ConfigError, DssError, ReadOnlyViolation, SqlError
 from dss.catalog.schema import Base
+from dss.catalog.sqlfunctions import BoundedPrintf, is_allowed
 from dss.core.types import SqlResult
 
 if TYPE_CHECKING:
@@ -108,32 +109,47 @@ class ReadOnlySql:
 
     def _run_sqlite(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
         conn = sqlite3.connect(f"file:{self.engine.url.database}?mode=ro", uri=True, timeout=30)
+        printf = BoundedPrintf(MAX_VALUE_BYTES)
         try:
             conn.execute("PRAGMA query_only = ON")
-            secrets_read: list[str] = []
-            conn.set_authorizer(_sqlite_authorizer(secrets_read))
+            for limit, value in _SQLITE_LIMITS:
+                conn.setlimit(limit, value)
+            for name in ("printf", "format"):
+                conn.create_function(name, -1, printf, deterministic=True)
+            refused: list[str] = []
+            conn.set_authorizer(_sqlite_authorizer(refused))
             deadline = time.monotonic() + self.timeout_s
-            conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+            conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1_000)
             try:
                 cursor = conn.execute(query, params)
-                rows = cursor.fetchmany(max_rows)
+                rows = _fetch(cursor, max_rows)
             except sqlite3.DatabaseError as exc:
-                raise self._sqlite_error(str(exc), secrets_read) from None
+                raise self._sqlite_error(exc, refused, printf.refusal) from None
             except (sqlite3.Warning, sqlite3.ProgrammingError, ValueError, OverflowError) as exc:
                 raise SqlError(f"query failed: {exc}") from None
             if cursor.description is None:
                 raise ReadOnlyViolation(NO_ROWS)
-            return SqlResult([d[0] for d in cursor.description], [tuple(r) for r in rows])
+            return SqlResult([d[0] for d in cursor.description], rows)
         finally:
             conn.close()
+            printf.close()
 
-    def _sqlite_error(self, message: str, secrets_read: list[str]) -> DssError:
-        if secrets_read:
-            return ReadOnlyViolation(f"sql() may not do this: permission denied for table {secrets_read[0]}")
+    def _sqlite_error(self, exc: sqlite3.DatabaseError, refused: list[str], printf_refusal: str | None) -> DssError:
+        message = str(exc)
+        if refused:
+            return ReadOnlyViolation(refused[0])
+        if printf_refusal is not None:
+            return SqlError(f"query failed: {printf_refusal}")
         if "not authorized" in message or "authorization denied" in message or "readonly" in message:
             return ReadOnlyViolation(f"sql() runs read-only queries only: {message}")
         if "interrupted" in message:
             return SqlError(f"query ran longer than {self.timeout_s}s")
+        if getattr(exc, "sqlite_errorname", None) == "SQLITE_TOOBIG":
+            return SqlError(f"query failed: a value grew past {MAX_VALUE_BYTES >> 20} MiB, the most sql() "
+                            "allows for one string or blob")
+        if message == "query string is too large":
+            return SqlError(f"query failed: the query text is longer than {MAX_QUERY_BYTES >> 10} KiB, "
+                            "the most sql() allows")
         return SqlError(f"query failed: {message}")
 
     # -- PostgreSQL ------------------------------------------------------------------------
@@ -347,17 +363,52 @@ def _reader_problems(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     return problems
 
 
-_SQLITE_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_SQLITE_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE}
 _SQLITE_PRAGMAS = {"table_info", "table_xinfo", "index_list", "index_info"}
 
+MAX_VALUE_BYTES = 8 << 20
+"""The longest string or blob a SQLite ``sql()`` statement may make or read (``SQLITE_LIMIT_LENGTH``)."""
 
-def _sqlite_authorizer(secrets_read: list[str]) -> Any:
-    """An authorizer that allows reading and nothing else; a read of a secret table is
-    refused and its name appended to ``secrets_read``."""
+MAX_QUERY_BYTES = 100 << 10
+"""The longest query text ``sql()`` runs on SQLite (``SQLITE_LIMIT_SQL_LENGTH``)."""
+
+MAX_RESULT_BYTES = 64 << 20
+"""The most bytes of strings and blobs one ``sql()`` result may hold (on both catalogs)."""
+
+_SQLITE_LIMITS = ((sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES), (sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_QUERY_BYTES),
+                  (sqlite3.SQLITE_LIMIT_ATTACHED, 0))
+"""Limits of the reader's own connection (the writer's connections keep SQLite's defaults)."""
+
+
+def _fetch(cursor: Any, max_rows: int) -> list[tuple[Any, ...]]:
+    """Up to ``max_rows`` rows of ``cursor``; ``SqlError`` once their strings and blobs pass
+    :data:`MAX_RESULT_BYTES` (so many large values cannot fill the process's memory)."""
+    rows: list[tuple[Any, ...]] = []
+    size = 0
+    for row in cursor:
+        rows.append(tuple(row))
+        size += sum(len(v) for v in row if isinstance(v, (str, bytes, bytearray, memoryview)))
+        if size > MAX_RESULT_BYTES:
+            raise SqlError(f"query failed: the result holds more than {MAX_RESULT_BYTES >> 20} MiB of strings and "
+                           "blobs, the most sql() returns; select fewer rows or columns")
+        if len(rows) == max_rows:
+            break
+    return rows
+
+
+def _sqlite_authorizer(refused: list[str]) -> Any:
+    """An authorizer that allows reading and calling the functions of :data:`SQLITE_FUNCTIONS`,
+    and nothing else; the message for refusing a secret table or a function is appended to ``refused``."""
 
     def authorize(action: int, arg1: Any, arg2: Any, dbname: Any, source: Any) -> int:
         if action == sqlite3.SQLITE_READ and arg1 in SECRET_TABLES:
-            secrets_read.append(arg1)
+            refused.append(f"sql() may not do this: permission denied for table {arg1}")
+            return sqlite3.SQLITE_DENY
+        if action == sqlite3.SQLITE_FUNCTION:
+            if is_allowed(arg2):
+                return sqlite3.SQLITE_OK
+            refused.append(f"sql() may not call {arg2}(): it is not on the list of functions sql() allows "
+                           "(see the README, section SQL)")
             return sqlite3.SQLITE_DENY
         if action in _SQLITE_ALLOWED or action == sqlite3.SQLITE_PRAGMA and arg1 in _SQLITE_PRAGMAS:
             return sqlite3.SQLITE_OK
