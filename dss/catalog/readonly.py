@@ -9,7 +9,10 @@ placeholders (``:name`` on SQLite, ``%(name)s`` on PostgreSQL); neither dss nor 
 parses the text.
 
 SQLite: a second connection opened read-only (``mode=ro``, ``query_only``), an authorizer
-that allows reading and nothing else, a progress handler that enforces the time limit.
+that allows reading and calling the functions of :mod:`dss.catalog.sqlfunctions` and nothing
+else, limits of that connection only (:data:`MAX_VALUE_BYTES` per string or blob,
+:data:`MAX_QUERY_BYTES` of text, no attached database), :data:`MAX_RESULT_BYTES` per result, and
+a progress handler that enforces the time limit.
 
 PostgreSQL: a connection of its own, as a separate LOGIN role that is no superuser, may
 only SELECT dss's tables and views, and has ``default_transaction_read_only = on``. dss
