@@ -27,7 +27,12 @@ connector has set ``prefix_cache_retention_interval`` to ``None``); models it ca
 are refused at start with a ``dss.ConfigError`` naming the feature.
 
 A finished request's output ``kv_transfer_params`` holds ``{"dss": {"session_id",
-"version_id", "num_tokens", "loaded_tokens"}}`` (``version_id`` of the version committed).
+"version_id", "num_tokens", "loaded_tokens", "engine_cached_tokens", "result"}}``:
+``version_id`` of the version committed; ``loaded_tokens`` the prompt tokens dss loaded (less
+pages that turned out gone when read, which vLLM recomputed); ``engine_cached_tokens`` those
+vLLM's own prefix cache held; ``result`` ``"hit"``, ``"engine"`` or ``"miss"``
+(:func:`dss_adapters.vllm_requests.request_result`, as counted in
+``vllm:dss_requests_total``).
 """
 
 from __future__ import annotations
@@ -187,7 +192,11 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
         sources = self._scheduler_side().hit_sources(request)
         if sum(sources.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return {CacheHitSource(tier): count for tier, count in sources.items()}
+        out: dict[CacheHitSource, int] = {}
+        for tier, count in sources.items():  # vLLM has no remote-store source: its fallback names one
+            source = CacheHitSource.EXTERNAL_UNSPECIFIED if tier == "remote" else CacheHitSource(tier)
+            out[source] = out.get(source, 0) + count
+        return out
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         self._scheduler_side().take_handshakes(m for m in metadata.values() if isinstance(m, ShardHandshake))

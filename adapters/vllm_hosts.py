@@ -37,10 +37,14 @@ class WorkerHosts:
             while len(held) > self.capacity_pages:
                 held.popitem(last=False)
 
+    def held(self, page_ids: Sequence[Sequence[bytes]]) -> list[bool]:
+        """For each page ``i`` (``page_ids[shard][i]``, the same count per shard), whether every
+        shard's worker holds it in RAM. Changes nothing."""
+        count = len(page_ids[0]) if page_ids else 0
+        if self.capacity_pages <= 0:
+            return [False] * count
+        return [all(ids[i] in self._pages[shard] for shard, ids in enumerate(page_ids)) for i in range(count)]
+
     def num_held(self, page_ids: Sequence[Sequence[bytes]]) -> int:
-        """How many of the pages (``page_ids[shard][i]``, the same count per shard) every
-        shard's worker holds in RAM. Changes nothing."""
-        if not page_ids or self.capacity_pages <= 0:
-            return 0
-        count = len(page_ids[0])
-        return sum(all(ids[i] in self._pages[shard] for shard, ids in enumerate(page_ids)) for i in range(count))
+        """How many of the pages (as :meth:`held`) every shard's worker holds in RAM. Changes nothing."""
+        return sum(self.held(page_ids))

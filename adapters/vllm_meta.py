@@ -29,7 +29,9 @@ class LoadJob:
     A synchronous job (``is_async`` false) is done before the step's forward; an
     asynchronous one in the background, reported through ``get_finished``. A job with
     ``fail`` set copies nothing and reports every page failed (the scheduler found it
-    could not be loaded whole), so that vLLM recomputes.
+    could not be loaded whole), so that vLLM recomputes. ``tiers[i]`` is the tier page ``i``
+    was planned to load from (``host``, ``disk``, ``remote``; shard 0's), which names the
+    tier of a late miss in the metrics.
     """
 
     req_id: str
@@ -37,6 +39,7 @@ class LoadJob:
     block_ids: list[list[int]]
     is_async: bool = False
     fail: bool = False
+    tiers: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -5,22 +5,37 @@ Both connector sides count into a :class:`DssConnectorStats`; vLLM collects the 
 they appear in ``vllm serve``'s ``/metrics`` and in ``LLM.get_metrics()`` (an ``LLM`` made
 with ``disable_log_stats=False``; :func:`read_metrics` picks them out):
 
-=====================================  =========  ==============================================
-metric                                 type       meaning
-=====================================  =========  ==============================================
-``vllm:dss_requests_total{result}``    counter    requests dss was asked about: ``hit`` (it
-                                                  loaded KV) or ``miss``
-``vllm:dss_loaded_tokens_total{tier}`` counter    prompt tokens loaded, by the tier the worker
-                                                  held the pages in when planned (``host``,
-                                                  ``disk``)
-``vllm:dss_failed_pages_total``        counter    pages that could not be loaded (vLLM
-                                                  recomputed them); one per worker shard
-``vllm:dss_saved_pages_total``         counter    pages written (every shard's)
-``vllm:dss_failed_saves_total``        counter    save jobs the store refused
-``vllm:dss_load_seconds``              histogram  one load job, read and copy, per worker
-``vllm:dss_save_seconds``              histogram  one save job, copy out to written, per worker
-``vllm:dss_pending_write_bytes``       gauge      copied pages not yet written, all workers
-=====================================  =========  ==============================================
+==========================================  =========  =========================================
+metric                                      type       meaning
+==========================================  =========  =========================================
+``vllm:dss_requests_total{result}``         counter    finished requests dss was asked about:
+                                                       ``hit`` (dss loaded KV), ``engine``
+                                                       (vLLM's own prefix cache held at least as
+                                                       much as dss could load: nothing to add)
+                                                       or ``miss`` (neither had it)
+``vllm:dss_loaded_tokens_total{tier}``      counter    prompt tokens loaded into finished
+                                                       requests, net of pages that failed, by
+                                                       the tier planned (``host``: the worker's
+                                                       RAM, ``disk``, ``remote``)
+``vllm:dss_late_miss_pages_total{tier}``    counter    pages ``resume`` counted as matched whose
+                                                       bytes the store no longer had when the
+                                                       worker read them (evicted, corrupt, the
+                                                       remote tier down); vLLM recomputed them.
+                                                       One per worker shard
+``vllm:dss_failed_pages_total``             counter    pages that could not be loaded (vLLM
+                                                       recomputed them): late misses, and pages
+                                                       the scheduler found unloadable; one per
+                                                       worker shard
+``vllm:dss_saved_pages_total``              counter    pages written (every shard's)
+``vllm:dss_failed_saves_total``             counter    save jobs the store refused
+``vllm:dss_load_seconds``                   histogram  one load job, read and copy, per worker
+``vllm:dss_save_seconds``                   histogram  one save job, copy out to written, per worker
+``vllm:dss_pending_write_bytes``            gauge      copied pages not yet written, all workers
+==========================================  =========  =========================================
+
+A request counts once, when it finishes; its output ``kv_transfer_params`` carries the same
+``result`` (see :func:`dss_adapters.vllm_requests.request_result`). :data:`METRICS` lists
+every metric name (the Grafana dashboard ``deploy/grafana/dss.json`` shows each).
 """
 
 from __future__ import annotations
@@ -30,9 +45,17 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-COUNTERS = ("requests_hit", "requests_miss", "loaded_tokens_host", "loaded_tokens_disk", "failed_pages",
-            "saved_pages", "failed_saves")
+RESULTS = ("hit", "engine", "miss")
+"""A finished request's ``result`` (see the module docstring)."""
+TIERS = ("host", "disk", "remote")
+"""Where a page was planned to load from: the worker's host tier (RAM), its disk, the remote tier."""
+COUNTERS = (*(f"requests_{r}" for r in RESULTS), *(f"loaded_tokens_{t}" for t in TIERS),
+            *(f"late_miss_pages_{t}" for t in TIERS), "failed_pages", "saved_pages", "failed_saves")
 LATENCIES = ("load", "save")
+METRICS = ("vllm:dss_requests_total", "vllm:dss_loaded_tokens_total", "vllm:dss_late_miss_pages_total",
+           "vllm:dss_failed_pages_total", "vllm:dss_saved_pages_total", "vllm:dss_failed_saves_total",
+           "vllm:dss_load_seconds", "vllm:dss_save_seconds", "vllm:dss_pending_write_bytes")
+"""Every metric :class:`DssPromMetrics` exports."""
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -108,6 +131,9 @@ class DssPromMetrics(KVConnectorPromMetrics):
                            labelnames=[*labelnames, "result"])
         tokens = counter(name="vllm:dss_loaded_tokens_total", documentation="Prompt tokens loaded from dss, by tier.",
                          labelnames=[*labelnames, "tier"])
+        late = counter(name="vllm:dss_late_miss_pages_total",
+                       documentation="dss pages matched but gone when loaded (recomputed), by tier.",
+                       labelnames=[*labelnames, "tier"])
         plain = {
             "failed_pages": counter(name="vllm:dss_failed_pages_total",
                                     documentation="dss pages that could not be loaded (recomputed).",
@@ -126,10 +152,11 @@ class DssPromMetrics(KVConnectorPromMetrics):
         self._pending: dict[int, Any] = {}
         for engine, values in per_engine_labelvalues.items():
             bound = {name: metric.labels(*values) for name, metric in plain.items()}
-            bound["requests_hit"] = requests.labels(*values, "hit")
-            bound["requests_miss"] = requests.labels(*values, "miss")
-            bound["loaded_tokens_host"] = tokens.labels(*values, "host")
-            bound["loaded_tokens_disk"] = tokens.labels(*values, "disk")
+            for result in RESULTS:
+                bound[f"requests_{result}"] = requests.labels(*values, result)
+            for tier in TIERS:
+                bound[f"loaded_tokens_{tier}"] = tokens.labels(*values, tier)
+                bound[f"late_miss_pages_{tier}"] = late.labels(*values, tier)
             self._counters[engine] = bound
             self._latency[engine] = {name: metric.labels(*values) for name, metric in latency.items()}
             self._pending[engine] = pending.labels(*values)
@@ -147,8 +174,8 @@ class DssPromMetrics(KVConnectorPromMetrics):
 
 def read_metrics(llm: Any) -> dict[str, float]:
     """The connector's metrics from an ``LLM`` (made with ``disable_log_stats=False``), summed
-    over engines: ``requests_hit``, ``requests_miss``, ``loaded_tokens_host``,
-    ``loaded_tokens_disk``, ``failed_pages``, ``saved_pages``, ``failed_saves``,
+    over engines: ``requests_<result>`` (:data:`RESULTS`), ``loaded_tokens_<tier>`` and
+    ``late_miss_pages_<tier>`` (:data:`TIERS`), ``failed_pages``, ``saved_pages``, ``failed_saves``,
     ``load_jobs``, ``load_seconds``, ``save_jobs``, ``save_seconds`` (sums) and
     ``pending_write_bytes``. Names never reported are absent."""
     names = {"vllm:dss_failed_pages": "failed_pages", "vllm:dss_saved_pages": "saved_pages",
@@ -158,8 +185,8 @@ def read_metrics(llm: Any) -> dict[str, float]:
         name, labels = metric.name.removesuffix("_total"), metric.labels
         if name == "vllm:dss_requests":
             key = f"requests_{labels['result']}"
-        elif name == "vllm:dss_loaded_tokens":
-            key = f"loaded_tokens_{labels['tier']}"
+        elif name in ("vllm:dss_loaded_tokens", "vllm:dss_late_miss_pages"):
+            key = f"{name.removeprefix('vllm:dss_')}_{labels['tier']}"
         elif name in ("vllm:dss_load_seconds", "vllm:dss_save_seconds"):
             kind = name.split("_")[1]
             out[f"{kind}_jobs"] = out.get(f"{kind}_jobs", 0) + metric.count

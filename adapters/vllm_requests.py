@@ -45,13 +45,22 @@ class Tracked:
     """Save reports expected (one per job and shard)."""
     num_done: int = 0
     num_loaded_tokens: int = 0
+    """Tokens loaded (every load of the request, less the pages that failed)."""
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)
+    """``num_loaded_tokens`` by the tier each page was planned to load from."""
     loaded_blocks: list[int] = field(default_factory=list)
     """Block ids (of the first KV cache group) of the last load job, page ``first_loaded_page`` first."""
+    loaded_tiers: list[str] = field(default_factory=list)
+    """The tier each page of the last load job was planned to load from (as ``loaded_blocks``)."""
     first_loaded_page: int = 0
     asked: bool = False
-    """Asked about since it was last admitted (it counts as a hit or a miss at admission)."""
+    """dss looked up the request's prompt (it counts in the request metrics when it finishes)."""
+    engine_cached_tokens: int = 0
+    """Leading tokens vLLM's own prefix cache held when it last asked."""
+    stored_tokens: int = 0
+    """Leading tokens dss could have loaded when it last looked (page-aligned, a token left to compute)."""
     hit_sources: dict[str, int] = field(default_factory=dict)
-    """Tokens of the last load by the tier the workers held them in (``host``, ``disk``)."""
+    """Tokens of the last load by the tier planned (``host``, ``disk``, ``remote``)."""
     waiting_for: set[str] | None = None
     """Finished requests of the same session whose saves this one waits for."""
     waiting_since: float | None = None
@@ -114,7 +123,10 @@ class RequestBook:
         if left > 0 and key is not None:
             self._unsettled[request.request_id] = (key, left)
         out: dict[str, Any] = {"session_id": tracked.commit_session, "version_id": None,
-                               "loaded_tokens": tracked.num_loaded_tokens}
+                               "loaded_tokens": tracked.num_loaded_tokens,
+                               "engine_cached_tokens": tracked.engine_cached_tokens,
+                               "result": request_result(tracked.num_loaded_tokens, tracked.engine_cached_tokens,
+                                                        tracked.stored_tokens)}
         complete = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
                                       RequestStatus.FINISHED_REPETITION)
         if tracked.commit_session is not None and tracked.scope.commit and complete:
@@ -176,6 +188,18 @@ class RequestBook:
             log.error("commit of request %s to session %r failed: %s", tracked.request.request_id, session_id, exc)
             return {"error": f"{exc.kind}: {exc}"}
         return {"version_id": int(version.version_id), "num_tokens": version.num_tokens}
+
+
+def request_result(loaded_tokens: int, engine_cached_tokens: int, stored_tokens: int) -> str:
+    """Who supplied a finished request's prompt KV: ``"hit"`` when dss loaded some
+    (``loaded_tokens`` after pages that failed), ``"engine"`` when vLLM's own prefix cache held
+    some and at least the ``stored_tokens`` dss could have loaded (dss had nothing to add),
+    ``"miss"`` otherwise (neither had it; or dss had more but loaded none of it)."""
+    if loaded_tokens > 0:
+        return "hit"
+    if engine_cached_tokens > 0 and engine_cached_tokens >= stored_tokens:
+        return "engine"
+    return "miss"
 
 
 def _session_key(scope: Scope) -> tuple[str, str, str] | None:

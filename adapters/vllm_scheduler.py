@@ -30,7 +30,10 @@ per finished request (:mod:`dss_adapters.vllm_requests`). For every request it
 5. when a load fails (a block reported by a worker, or a whole asynchronous load), plans
    the pages from there on again, to be saved once vLLM has recomputed them;
 6. tells the store which pages vLLM's prefix cache still holds after a request finished,
-   and which it let go (:mod:`dss_adapters.vllm_device`: the device tier).
+   and which it let go (:mod:`dss_adapters.vllm_device`: the device tier);
+7. counts each finished request in the metrics (:mod:`dss_adapters.vllm_metrics`): its
+   result against vLLM's own prefix cache, and the tokens it loaded by the tier planned, net
+   of the pages that failed (the workers count those as late misses).
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ class _Plan:
     page_ids: list[list[bytes]]
     """Per shard, the pages offered."""
     is_async: bool
-    num_host: int
-    """Offered pages every worker holds in its host tier."""
+    tiers: list[str]
+    """Per offered page, the tier it is planned to load from: ``host`` (every worker holds it in
+    RAM), ``remote`` (the catalog has it on another node only), ``disk``."""
 
 
 class SchedulerSide:
@@ -120,7 +124,10 @@ class SchedulerSide:
         the request (LoRA, multimodal or embedding inputs; malformed dss parameters).
         """
         tracked = self.book.track(request)
-        if tracked is None or not self.settings.load or len(self.layouts) < self.num_shards:
+        if tracked is None:
+            return 0, False
+        tracked.engine_cached_tokens = num_computed_tokens
+        if not self.settings.load or len(self.layouts) < self.num_shards:
             return 0, False
         if self.book.must_wait(tracked):
             return None, False
@@ -129,29 +136,27 @@ class SchedulerSide:
         stored = min(r.matched_tokens for r in results)
         tracked.num_stored_pages = max(tracked.num_stored_pages, stored // self.page_tokens)
         matched = min(stored, (request.num_tokens - 1) // self.page_tokens * self.page_tokens)
+        tracked.stored_tokens = matched
         if matched <= num_computed_tokens or not results[0].should_load:
             self._plans.pop(request.request_id, None)
             return 0, False
         first, end = num_computed_tokens // self.page_tokens, matched // self.page_tokens
         page_ids = [[bytes(p.page_id) for p in r.pages[first:end]] for r in results]
-        num_host = self.hosts.num_held(page_ids)
+        held = self.hosts.held(page_ids)
+        tiers = ["host" if is_held else "remote" if ref.tier == "remote" else "disk"
+                 for is_held, ref in zip(held, results[0].pages[first:end])]
         if self.settings.load_mode == "auto":
-            is_async = not self.can_load_sync or (num_host < end - first and self._num_running > 0)
+            is_async = not self.can_load_sync or (not all(held) and self._num_running > 0)
         else:
             is_async = self.settings.load_mode == "async"
-        self._plans[request.request_id] = _Plan(first, page_ids, is_async, num_host)
+        self._plans[request.request_id] = _Plan(first, page_ids, is_async, tiers)
         return matched - num_computed_tokens, is_async
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Turn the plan of an admitted request into a load job for ``num_external_tokens`` tokens."""
         tracked = self.book.live.get(request.request_id)
         plan = self._plans.pop(request.request_id, None)
-        if tracked is None:
-            return
-        if tracked.asked:
-            tracked.asked = False
-            self.stats.count("requests_hit" if plan is not None and num_external_tokens > 0 else "requests_miss")
-        if plan is None or num_external_tokens <= 0:
+        if tracked is None or plan is None or num_external_tokens <= 0:
             return
         count = num_external_tokens // self.page_tokens
         if count * self.page_tokens != num_external_tokens or count > len(plan.page_ids[0]):
@@ -165,15 +170,17 @@ class SchedulerSide:
         if stateless:
             log.error("request %s: vLLM allocated no state block at token %d; its dss load fails and vLLM "
                       "recomputes", request.request_id, (first + count) * self.page_tokens)
+        tiers = plan.tiers[:count]
         self._loads.append(LoadJob(request.request_id, [ids[:count] for ids in plan.page_ids], block_ids,
-                                   plan.is_async, fail=stateless))
+                                   plan.is_async, fail=stateless, tiers=tiers))
         tracked.num_loaded_tokens += num_external_tokens
         tracked.loaded_blocks = list(block_ids[0])
+        tracked.loaded_tiers = tiers
         tracked.first_loaded_page = first
-        host = min(plan.num_host, count) * self.page_tokens
-        tracked.hit_sources = {"host": host, "disk": num_external_tokens - host}
-        self.stats.count("loaded_tokens_host", host)
-        self.stats.count("loaded_tokens_disk", num_external_tokens - host)
+        tracked.hit_sources = {}
+        for tier in tiers:
+            tracked.hit_sources[tier] = tracked.hit_sources.get(tier, 0) + self.page_tokens
+            tracked.loaded_by_tier[tier] = tracked.loaded_by_tier.get(tier, 0) + self.page_tokens
 
     def hit_sources(self, request: Request) -> dict[str, int]:
         """The tokens of the request's last load by tier (for vLLM's cached-token metrics)."""
@@ -278,12 +285,17 @@ class SchedulerSide:
         self.hosts.note(meta.host_pages)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
-        """Commit a finished request's tokens to its session; its output ``kv_transfer_params``."""
+        """Commit a finished request's tokens to its session and count it in the metrics (its
+        result, the tokens it loaded by tier); its output ``kv_transfer_params``."""
         self._plans.pop(request.request_id, None)
         tracked = self.book.live.get(request.request_id)
         out = self.book.finish(request)
         if tracked is not None:
             self.device.finished(request, tracked.save_scope)
+        if tracked is not None and out is not None and tracked.asked:
+            self.stats.count(f"requests_{out['dss']['result']}")
+            for tier, tokens in tracked.loaded_by_tier.items():
+                self.stats.count(f"loaded_tokens_{tier}", tokens)
         return out
 
     def take_stats(self) -> DssConnectorStats | None:
@@ -344,7 +356,10 @@ class SchedulerSide:
         if lost <= 0:
             return
         tracked.num_loaded_tokens -= lost * self.page_tokens
+        for tier in tracked.loaded_tiers[first_failed:]:
+            tracked.loaded_by_tier[tier] -= self.page_tokens
         tracked.num_stored_pages = min(tracked.num_stored_pages, tracked.first_loaded_page + first_failed)
         tracked.loaded_blocks = tracked.loaded_blocks[:first_failed]
+        tracked.loaded_tiers = tracked.loaded_tiers[:first_failed]
         log.warning("request %s: %d dss pages failed to load; vLLM recomputes them",
                     tracked.request.request_id, lost)

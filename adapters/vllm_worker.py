@@ -14,7 +14,8 @@ copied as is).
   (:mod:`dss_adapters.vllm_reader`), and are reported done by
   :meth:`WorkerSide.transfer_results`. A page the store cannot return (gone, or corrupt
   and quarantined) is reported — by block (:meth:`WorkerSide.take_load_errors`), or, for a
-  model with several KV cache groups, as a failed asynchronous load — and vLLM recomputes.
+  model with several KV cache groups, as a failed asynchronous load — and vLLM recomputes;
+  it counts as a late miss of the tier it was planned to load from (``LoadJob.tiers``).
 * :meth:`WorkerSide.save` (after the forward) copies every block a save job names out of
   the KV cache and hands it to the :class:`PageWriter`, which writes in the background. Of
   ranks that hold identical KV (one shard), only the first writes. Shard 0 writes into the
@@ -119,6 +120,7 @@ class WorkerSide:
         assert self.num_groups == 1, "synchronous loads need one KV cache group"
         page_ids = [p for job in sync for p in job.page_ids[self.shard]]
         block_ids = [[b for job in sync for b in job.block_ids[0]]]
+        tiers = [tier for job in sync for tier in _tiers(job)]
         if self.layerwise is not None:
             outcome = self.layerwise.load(self.store, page_ids, block_ids)
         else:
@@ -126,7 +128,7 @@ class WorkerSide:
         failed = {block_ids[0][k] for k in outcome.failed_pages}
         self._load_errors |= failed
         self._step_failed = bool(failed)
-        self._note_load(outcome, in_host=True)
+        self._note_load(outcome, tiers, in_host=True)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block the forward (on CUDA: its stream) until the layer's pages of this step are in."""
@@ -154,7 +156,7 @@ class WorkerSide:
                     self._load_errors |= {job.block_ids[0][k] for k in outcome.failed_pages}
                 else:
                     failed.add(job.req_id)
-            self._note_load(outcome, in_host=False)
+            self._note_load(outcome, None if job.fail else _tiers(job), in_host=False)
         return done, failed
 
     def take_load_errors(self) -> set[int]:
@@ -256,12 +258,18 @@ class WorkerSide:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _note_load(self, outcome: LoadOutcome, *, in_host: bool) -> None:
-        """Count a load; ``in_host``: its pages are in this process's host tier now (a synchronous
-        load read them through this worker's store; asynchronous loads read in the reader process)."""
+    def _note_load(self, outcome: LoadOutcome, tiers: list[str] | None, *, in_host: bool) -> None:
+        """Count a load. ``tiers``: the tier each page of it was planned to load from, so that a
+        page the store did not return counts as a late miss there (``None``: the scheduler failed
+        the job, nothing was read); ``in_host``: its pages are in this process's host tier now (a
+        synchronous load read them through this worker's store; asynchronous loads read in the
+        reader process)."""
         self.num_pages_loaded += len(outcome.loaded_page_ids)
         self.stats.observe("load", outcome.seconds)
         self.stats.count("failed_pages", len(outcome.failed_pages))
+        if tiers is not None:
+            for k in outcome.failed_pages:
+                self.stats.count(f"late_miss_pages_{tiers[k]}")
         if self._report_pages and in_host:
             self._host_pages.extend(outcome.loaded_page_ids)
 
@@ -269,3 +277,8 @@ class WorkerSide:
         """Where this shard saves a job's pages: the job's scope for shard 0, its namespace for others."""
         scope = job.scope
         return scope if self.shard == 0 or scope.session_id is None else Scope(scope.tenant_id, scope.user_id, None)
+
+
+def _tiers(job: LoadJob) -> list[str]:
+    """The tier each page of a job was planned to load from (``disk`` for a job that names none)."""
+    return job.tiers or ["disk"] * len(job.page_ids[0])

@@ -1,6 +1,8 @@
 """deploy/: the Grafana dashboard and the Prometheus alert rules name only metrics and labels that
 ``dss serve``'s /metrics exports, their PromQL parses (``promtool check rules``), and the
 dashboard is well formed (unique panel ids, panels that do not overlap, one templated data source).
+The dashboard shows every metric of the vLLM connector (``vllm:dss_*``, what ``vllm serve``'s
+/metrics exports with the connector) and names no other.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def alert_exprs() -> list[str]:
 
 
 def metric_names(expr: str) -> set[str]:
-    """The dss metric (sample) names an expression reads."""
-    return set(re.findall(r"\b(dss_[a-z_]+)\b", expr))
+    """The dss service metric (sample) names an expression reads (not the connector's ``vllm:dss_*``)."""
+    return set(re.findall(r"(?<![\w:])(dss_[a-z_]+)\b", expr))
+
+
+def connector_metric_names(expr: str) -> set[str]:
+    """The vLLM connector metric families an expression reads (a histogram's, without its sample suffix)."""
+    return {re.sub(r"_seconds_(bucket|sum|count)$", "_seconds", name)
+            for name in re.findall(r"\b(vllm:dss_[a-z_]+)\b", expr)}
 
 
 def legend_labels() -> set[str]:
@@ -117,11 +125,27 @@ def test_the_dashboard_is_well_formed() -> None:
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${datasource}"
     variables = {v["name"] for v in dash["templating"]["list"]}
-    assert variables == {"datasource", "job"}
+    assert variables == {"datasource", "job", "engine_job"}
     titles = {p["title"] for p in panels}
     for wanted in ("Hit share per tier (pages)", "Resume latency", "Commits",
-                   "Tier fill against its watermarks", "Erasures"):
+                   "Tier fill against its watermarks", "Erasures", "Connector requests by result",
+                   "Connector loaded tokens by tier", "Connector late misses and failed pages"):
         assert wanted in titles
+
+
+def test_the_dashboard_shows_every_connector_metric_and_no_other() -> None:
+    """Every family :class:`dss_adapters.vllm_metrics.DssPromMetrics` exports has a panel (the
+    list is checked against the families it registers in tests/test_vllm_metrics.py), each read
+    from the vLLM job (``$engine_job``), with its labels."""
+    from dss_adapters.vllm_metrics import METRICS
+
+    exprs = [e for e in dashboard_exprs() if "vllm:dss_" in e]
+    shown = set().union(*(connector_metric_names(e) for e in exprs))
+    assert sorted(shown) == sorted(METRICS)
+    assert all('{job=~"$engine_job"}' in e and "$job" not in e.replace("$engine_job", "") for e in exprs)
+    assert any("sum by (result) (rate(vllm:dss_requests_total" in e for e in exprs)
+    assert any("sum by (tier) (rate(vllm:dss_loaded_tokens_total" in e for e in exprs)
+    assert any("sum by (tier) (rate(vllm:dss_late_miss_pages_total" in e for e in exprs)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +174,8 @@ def test_promtool_accepts_the_alert_rules(promtool: str) -> None:
 
 def test_promtool_parses_every_dashboard_query(promtool: str, tmp_path: Path) -> None:
     """Each panel query, with Grafana's variables filled in, as a recording rule promtool checks."""
-    rules = [{"record": f"dss:panel_{i}", "expr": e.replace("$__rate_interval", "5m").replace("$job", ".*")}
+    rules = [{"record": f"dss:panel_{i}",
+              "expr": e.replace("$__rate_interval", "5m").replace("$engine_job", ".*").replace("$job", ".*")}
              for i, e in enumerate(dashboard_exprs())]
     path = tmp_path / "panels.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))

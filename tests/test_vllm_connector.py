@@ -54,7 +54,8 @@ def first_turn(model: Path, store_path: Path, ref: dict[str, list[int]], **optio
         out = run(llm, ref["p1"], SESSION, max_tokens=40)
     assert tokens_out(out) == ref["o1"]
     assert out.num_cached_tokens == 0
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 1, "num_tokens": 140, "loaded_tokens": 0}
+    assert dss_params(out) == {"session_id": "chat-1", "version_id": 1, "num_tokens": 140, "loaded_tokens": 0,
+                               "engine_cached_tokens": 0, "result": "miss"}
 
 
 def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(model: Path, store_path: Path, store: dss.Store,
@@ -64,7 +65,8 @@ def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(model: Path, st
         out = run(llm, ref["p2"], {**SESSION, "label": "turn 2"})
     assert tokens_out(out) == ref["o2"]
     assert out.num_cached_tokens == 128
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 2, "num_tokens": 178, "loaded_tokens": 128}
+    assert dss_params(out) == {"session_id": "chat-1", "version_id": 2, "num_tokens": 178, "loaded_tokens": 128,
+                               "engine_cached_tokens": 0, "result": "hit"}
     versions = store.versions("chat-1", tenant_id="t")
     assert [(v.version_id, v.parent_id, v.num_tokens, v.is_head, v.label) for v in versions] == [
         (1, None, 140, False, None), (2, 1, 178, True, "turn 2")]
@@ -92,11 +94,13 @@ def test_another_namespace_gets_no_hit_and_the_same_outputs(model: Path, store_p
         other_tenant = run(llm, ref["p2"], {**SESSION, "tenant_id": "t2"})
     assert tokens_out(intruder) == tokens_out(other_tenant) == ref["o2"]
     assert intruder.num_cached_tokens == other_tenant.num_cached_tokens == 0
-    assert dss_params(intruder) == {"session_id": None, "version_id": None, "loaded_tokens": 0}
+    assert dss_params(intruder) == {"session_id": None, "version_id": None, "loaded_tokens": 0,
+                                    "engine_cached_tokens": 0, "result": "miss"}
     # tenant t2 has no session chat-1: the request starts one there, with a fresh history
     (created,) = store.versions("chat-1", tenant_id="t2")
     assert dss_params(other_tenant) == {"session_id": "chat-1", "version_id": created.version_id,
-                                        "num_tokens": 178, "loaded_tokens": 0}
+                                        "num_tokens": 178, "loaded_tokens": 0, "engine_cached_tokens": 0,
+                                        "result": "miss"}
     assert (created.num_tokens, created.parent_id) == (178, None)
     assert store.session("chat-1", tenant_id="t2").user_id == "u"
     assert [v.num_tokens for v in store.versions("chat-1", tenant_id="t")] == [140]
@@ -113,7 +117,8 @@ def test_a_layout_change_is_a_miss_with_the_same_outputs(model: Path, store_path
     assert out.num_cached_tokens == 0
     # the session keeps its dialogue (a version per turn); the new layout's pages live in
     # the namespace, outside the session, and the next request finds them there
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 2, "num_tokens": 178, "loaded_tokens": 0}
+    assert dss_params(out) == {"session_id": "chat-1", "version_id": 2, "num_tokens": 178, "loaded_tokens": 0,
+                               "engine_cached_tokens": 0, "result": "miss"}
     assert again.num_cached_tokens == 160
     assert store.session("chat-1", tenant_id="t").layout.revision != "retrained"
 
@@ -122,7 +127,8 @@ def test_requests_without_a_session_reuse_pages_within_their_namespace(model: Pa
                                                                       ref: dict[str, list[int]]) -> None:
     with engine(model, store=store_path) as llm:
         (out,) = generate(llm, [ref["q"]])
-    assert out.kv_transfer_params == {"dss": {"session_id": None, "version_id": None, "loaded_tokens": 0}}
+    assert out.kv_transfer_params == {"dss": {"session_id": None, "version_id": None, "loaded_tokens": 0,
+                                              "engine_cached_tokens": 0, "result": "miss"}}
     with engine(model, store=store_path) as llm:
         hit, other = generate(llm, [ref["q"], ref["q"]], params=[None, {"dss": {"user_id": "someone-else"}}])
     assert tokens_out(out) == tokens_out(hit) == tokens_out(other) == ref["oq"]
@@ -147,7 +153,8 @@ def test_corrupt_pages_are_recomputed_never_served(model: Path, store_path: Path
     assert (out.num_cached_tokens, dss_params(out)["loaded_tokens"]) == (128, 96)
     # page 3 was quarantined, recomputed and saved again (with page 4); nothing is missing now
     assert (again.num_cached_tokens, dss_params(again)["loaded_tokens"]) == (160, 160)
-    assert dss_params(again) == {"session_id": "chat-1", "version_id": None, "loaded_tokens": 160}  # not committed
+    assert dss_params(again) == {"session_id": "chat-1", "version_id": None, "loaded_tokens": 160,  # not committed
+                                 "engine_cached_tokens": 0, "result": "hit"}
     assert [v.num_tokens for v in store.versions("chat-1", tenant_id="t")] == [140, 178]
     assert store.check() == []
 

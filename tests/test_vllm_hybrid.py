@@ -130,7 +130,7 @@ def test_a_hybrid_state_space_model_resumes_from_stored_states_with_identical_ou
         first = run(llm, ref["h1"], SESSION, max_tokens=100)
     assert tokens_out(first) == ref["ho1"]
     assert first.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": 1, "loaded_tokens": 0,
-                                               "num_tokens": 300}
+                                               "num_tokens": 300, "engine_cached_tokens": 0, "result": "miss"}
     with dss.open(store_path) as store:
         layout = store.session("chat-1", tenant_id="t").layout
         assert (layout.page_tokens, layout.num_layers) == (128, 4)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dss_adapters.vllm_metrics import DssConnectorStats, read_metrics
+from dss_adapters.vllm_metrics import METRICS, RESULTS, TIERS, DssConnectorStats, DssPromMetrics, read_metrics
+from dss_adapters.vllm_requests import request_result
 
 import dss
 from tests.engines import corrupt_page, engine, generate, make_tiny_llama, prompt, tokens_out
@@ -54,7 +55,9 @@ def test_metrics_follow_misses_hits_saves_and_failed_loads(model: Path, store_pa
         after_failure = read_metrics(llm)
     assert tokens_out(third) == tokens_out(first)
     assert third.kv_transfer_params["dss"]["loaded_tokens"] == 32
-    assert (after_failure["loaded_tokens_disk"], after_failure["failed_pages"]) == (64, 1)
+    # 64 tokens planned from disk; page 1 failed its checksum: a late miss, recomputed by vLLM
+    assert (after_failure["loaded_tokens_disk"], after_failure["late_miss_pages_disk"]) == (32, 1)
+    assert (after_failure["failed_pages"], after_failure["requests_hit"]) == (1, 1)
     with dss.open(store_path) as store:  # page 1 was recomputed and saved again
         assert store.resume("chat-1", Q, tenant_id="t").matched_tokens == 64
         assert store.check() == []
@@ -80,3 +83,63 @@ def test_stats_of_several_workers_add_up_and_pending_bytes_are_per_worker() -> N
     taken = total.take()
     assert taken is not None and taken.data["counters"] == {"failed_pages": 3, "saved_pages": 3}
     assert total.is_empty() and total.take() is None
+
+
+def test_a_prompt_the_engines_own_cache_holds_counts_as_engine_reuse(model: Path, store_path: Path) -> None:
+    """Two identical prompts in one warm engine: the second's 64 leading tokens are in vLLM's
+    own prefix cache, and dss holds no more (the first request saved those same 2 pages), so
+    dss has nothing to add: ``engine``, not ``miss``."""
+    with engine(model, store=store_path, log_stats=True) as llm:
+        (first,) = generate(llm, [Q], params=[{"dss": SESSION}])
+        (second,) = generate(llm, [Q], params=[{"dss": {**SESSION, "commit": False}}])
+        metrics = read_metrics(llm)
+    assert tokens_out(first) == tokens_out(second)
+    assert second.num_cached_tokens == 64
+    assert first.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": 1, "num_tokens": 78,
+                                               "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}
+    assert second.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": None, "loaded_tokens": 0,
+                                                "engine_cached_tokens": 64, "result": "engine"}
+    assert (metrics["requests_miss"], metrics["requests_engine"]) == (1, 1)
+    assert (metrics["requests_hit"], metrics["load_jobs"]) == (0, 0)
+
+
+@pytest.mark.parametrize(("loaded", "engine_cached", "stored", "expected"), [
+    (0, 0, 0, "miss"),       # neither had it
+    (0, 0, 64, "miss"),      # dss had pages but loaded none (they failed to load, or recompute was cheaper)
+    (64, 0, 64, "hit"),      # dss loaded them
+    (32, 32, 64, "hit"),     # the engine held the first page, dss loaded the second
+    (0, 64, 64, "engine"),   # the engine held all dss had
+    (0, 64, 0, "engine"),    # the engine held tokens dss never stored
+    (0, 32, 64, "miss"),     # dss held more than the engine but loaded none
+])
+def test_a_request_result_says_who_supplied_the_prompts_kv(loaded: int, engine_cached: int, stored: int,
+                                                           expected: str) -> None:
+    assert request_result(loaded, engine_cached, stored) == expected
+
+
+def test_metrics_names_every_family_the_prometheus_side_registers() -> None:
+    """``METRICS`` (what the Grafana dashboard must show, tests/test_deploy.py) is exactly the
+    families :class:`DssPromMetrics` makes, and each result and tier has its labelled series."""
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    made: dict[str, list[str]] = {}
+    series: set[tuple[str, tuple[object, ...]]] = set()
+
+    class Family:
+        def __init__(self, name: str, labelnames: list[str], **_: object) -> None:
+            self.name = name
+            made[name] = labelnames
+
+        def labels(self, *values: object) -> Family:
+            series.add((self.name, values))
+            return self
+
+    DssPromMetrics(SimpleNamespace(kv_transfer_config=None), {Counter: Family, Gauge: Family, Histogram: Family},
+                   ["engine"], {0: ["0"]})
+    assert sorted(made) == sorted(METRICS)
+    assert made["vllm:dss_requests_total"] == ["engine", "result"]
+    assert made["vllm:dss_late_miss_pages_total"] == made["vllm:dss_loaded_tokens_total"] == ["engine", "tier"]
+    assert {v for n, v in series if n == "vllm:dss_requests_total"} == {("0", r) for r in RESULTS}
+    assert {v for n, v in series if n == "vllm:dss_late_miss_pages_total"} == {("0", t) for t in TIERS}

@@ -174,7 +174,7 @@ def test_a_chat_across_a_server_restart_loads_the_first_turns_pages(model: Path,
     assert (reply(turn1), reply(turn2)) == (reply(ref1), reply(ref2))
     assert (turn1["usage"]["prompt_tokens"], turn2["usage"]["prompt_tokens"]) == (100, 170)
     assert turn1["kv_transfer_params"] == {"dss": {"session_id": "chat-1", "version_id": 1, "num_tokens": 130,
-                                                   "loaded_tokens": 0}}
+                                                   "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}}
     assert turn2["kv_transfer_params"] == {"dss": {"session_id": "chat-1", "version_id": 2, "num_tokens": 178,
-                                                   "loaded_tokens": 128}}
+                                                   "loaded_tokens": 128, "engine_cached_tokens": 0, "result": "hit"}}
     assert ref2.get("kv_transfer_params") is None

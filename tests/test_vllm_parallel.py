@@ -64,7 +64,7 @@ def first_turn(model: Path, ref: dict[str, list[int]], tmp_path_factory: pytest.
         out = run(llm, ref["p1"], SESSION, max_tokens=40)
     assert tokens_out(out) == ref["o1"]
     assert out.kv_transfer_params == {"dss": {"session_id": "chat-1", "version_id": 1, "num_tokens": 140,
-                                              "loaded_tokens": 0}}
+                                              "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}}
     return store_path
 
 
@@ -104,7 +104,7 @@ def test_each_rank_saves_and_loads_its_own_shard_and_only_pages_every_shard_has_
     assert tokens_out(out) == ref["o2"]
     assert out.num_cached_tokens == 128
     assert out.kv_transfer_params == {"dss": {"session_id": "chat-1", "version_id": 2, "num_tokens": 178,
-                                              "loaded_tokens": 128}}
+                                              "loaded_tokens": 128, "engine_cached_tokens": 0, "result": "hit"}}
     # q's pages were saved by a TP=1 engine: another layout, never loaded by this one
     assert tokens_out(other) == ref["oq"]
     assert other.num_cached_tokens == other.kv_transfer_params["dss"]["loaded_tokens"] == 0

@@ -190,12 +190,15 @@ def test_a_page_that_cannot_be_read_is_reported_and_the_steps_saves_are_dropped(
     worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:32], 0, [[1]])]))
     worker.writer.flush()
     (stored,) = stored_ids(store, 1)
-    step = DssConnectorMetadata(loads=[LoadJob("r2", [[stored, b"\x00" * 16]], [[4, 6]])],
+    missing = b"\x00" * 16  # a page the store does not hold, planned from the remote tier: a late miss there
+    step = DssConnectorMetadata(loads=[LoadJob("r2", [[stored, missing]], [[4, 6]], tiers=["disk", "remote"])],
                                 saves=[SaveJob("r2", SCOPE, 0, TOKENS, 2, [[0]])])
     worker.start_load(step)
     worker.save(step)
     assert worker.take_load_errors() == {6}
     assert worker.take_worker_meta() == DssWorkerMetadata({"r1": 1, "r2": 1}, {"r2": 2}, {0: [stored, stored]})
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["counters"] == {"failed_pages": 1, "late_miss_pages_remote": 1, "saved_pages": 1}
     worker.writer.flush()
     assert store.lookup(TOKENS, layout=LAYOUT, user_id="u", tenant_id="t").matched_tokens == 32
 
