@@ -50,7 +50,7 @@ def _datasketch() -> Any:
         import datasketch
     except ImportError:
         raise ConfigError("approximate matching (MinHash-LSH) needs the datasketch package: "
-                          "pip install 'dss[lsh]'") from None
+                          "pip install 'dss-store[lsh]'") from None
     return datasketch
 
 

@@ -147,7 +147,7 @@ def test_window_smaller_than_a_shingle_is_a_config_error(tmp_path) -> None:
 def test_without_datasketch_approximate_matching_is_a_config_error(tmp_path, monkeypatch) -> None:
     """dss works without datasketch; asking for approximate matching says what to install."""
     monkeypatch.setitem(__import__("sys").modules, "datasketch", None)
-    with pytest.raises(ConfigError, match=r"needs the datasketch package: pip install 'dss\[lsh\]'"):
+    with pytest.raises(ConfigError, match=r"needs the datasketch package: pip install 'dss-store\[lsh\]'"):
         dss.open(tmp_path / "a", approximate=True)
     layout = dss.Layout(name="t", page_tokens=4, page_bytes=16, model="m")
     with dss.open(tmp_path / "b") as store:

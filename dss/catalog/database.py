@@ -77,12 +77,15 @@ class Tx(NamedTuple):
 
 
 def open_catalog(url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0, sql_url: str | None = None) -> Catalog:
-    """A :class:`Catalog` at ``url``; ``ConfigError`` for a URL SQLAlchemy cannot use (the
-    message never repeats the URL: it may hold a password)."""
+    """A :class:`Catalog` at ``url``; ``ConfigError`` for a URL SQLAlchemy cannot use or whose
+    driver is not installed (the message never repeats the URL: it may hold a password)."""
     try:
         return Catalog(url, fsync=fsync, sql_timeout_s=sql_timeout_s, sql_url=sql_url)
     except NoSuchModuleError as exc:
         raise ConfigError(f"catalog_url names a database SQLAlchemy cannot load: {exc}") from None
+    except ModuleNotFoundError as exc:  # the URL's database driver is not installed
+        hint = ": pip install 'dss-store[postgres]'" if exc.name == "psycopg" else ""
+        raise ConfigError(f"catalog_url needs the {exc.name} package{hint}") from None
     except ArgumentError:
         raise ConfigError("catalog_url is not a SQLAlchemy URL (e.g. postgresql+psycopg://host/db)") from None
 

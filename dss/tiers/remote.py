@@ -105,7 +105,7 @@ class RemoteTier:
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError:
-            raise ConfigError("remote_url needs redis-py: pip install 'dss[server]'") from None
+            raise ConfigError("remote_url needs redis-py: pip install 'dss-store[server]'") from None
         self._error: tuple[type[Exception], ...] = (redis.RedisError, redis.exceptions.RedisClusterException)
         self.prefix = prefix
         self.max_pending_bytes = max_pending_bytes
