@@ -94,18 +94,41 @@ class Eraser:
     # -- running ---------------------------------------------------------------------------
 
     def forget(self, tenant_id: str, user_id: str, progress: Progress | None = None) -> Receipt:
-        """Erase the user (resuming an unfinished job for them, if any); return the receipt."""
+        """Erase the user (resuming the unfinished job for them, if any); return the receipt.
+
+        A tenant without such a user (and no unfinished job for them) gets a job that is final
+        at once, ``no_such_user``, with a receipt (status ``no_such_user``) in the audit table.
+        Raises ``ErasureIncomplete`` when the job cannot finish now (it stays open) or its
+        verification failed for good (``failed``)."""
         with self.catalog.write() as tx:
-            user_ref = namespaces.find_user(tx.conn, tenant_id, user_id)
-            open_job = erasures.open_job_of(tx.conn, user_ref) if user_ref is not None else None
-            if open_job is None:
+            open_job = erasures.open_job_for(tx.conn, tenant_id, user_id)
+            if open_job is not None:
+                job_id = open_job.id
+            else:
+                user_ref = namespaces.find_user(tx.conn, tenant_id, user_id)
                 job = Job(**_plan(tx.conn, tenant_id, user_id, user_ref).model_dump(), started_at=now().isoformat(),
                           remote_tag=self._tag(user_ref, tx.conn))
+                if user_ref is None:
+                    return self._no_such_user(tx, job)
                 job_id = erasures.insert_job(tx.conn, tenant_id, user_id, user_ref, job.model_dump_json(exclude_none=True))
-            else:
-                job_id = open_job.id
         self.mirror.wrote(tx.seq)
         return self.run(job_id, progress)
+
+    def _no_such_user(self, tx: Tx, job: Job) -> Receipt:
+        """Record, in ``tx``, a job that found no such user, final at once, and its receipt."""
+        state = JobState.NO_SUCH_USER
+        job_id = erasures.insert_job(tx.conn, job.tenant_id, job.user_id, None, job.model_dump_json(exclude_none=True),
+                                     state, finished=True)
+        receipt = Receipt(erasure_id=job_id, tenant_id=job.tenant_id, user_id=job.user_id, status="no_such_user",
+                          started_at=job.started_at, finished_at=now().isoformat(), user_known=False,
+                          key_destroyed=False, removed=RemovedCounts(sessions=0, versions=0, pages=0, tiers={}),
+                          page_ids_sha256=erasures.digest_of([]))
+        erasures.record_plan(tx.conn, job_id, state, job.model_copy(update={"receipt": receipt})
+                             .model_dump_json(exclude_none=True))
+        erasures.insert_audit(tx.conn, "forget-user", job.tenant_id, job.user_id,
+                              receipt.model_dump_json(exclude_none=True))
+        log.info("erasure %d found no such user; its receipt is in the audit table", job_id)
+        return receipt
 
     def resume_all(self, progress: Progress | None = None) -> list[Receipt]:
         """Finish every erasure a crash left open; return their receipts."""
@@ -114,13 +137,16 @@ class Eraser:
         return [self.run(job.id, progress) for job in jobs]
 
     def run(self, job_id: int, progress: Progress | None = None) -> Receipt:
-        """Advance job ``job_id`` from wherever it stands to ``done``; return its receipt."""
+        """Advance job ``job_id`` from wherever it stands to a final state; return its receipt.
+        Raises ``ErasureIncomplete`` for a job that ended ``failed``."""
         while True:
             with self.catalog.read() as conn:
                 row = erasures.job(conn, job_id)
             state, job = JobState(row.state), stored(Job, row.plan)
-            if state is JobState.DONE:
+            if state.is_final:
                 assert job.receipt is not None
+                if state is JobState.FAILED:
+                    raise ErasureIncomplete(_failure(job.receipt))
                 return job.receipt
             if progress is not None:
                 progress(f"{state} -> {state.next}")
@@ -211,24 +237,51 @@ class Eraser:
         self.mirror.wrote(tx.seq)
 
     def _verify(self, row: erasures.JobRecord, job: Job) -> None:
+        """Verify; on a first failure sweep the namespace again (what landed after the purge:
+        a write another node had begun) and verify again; a second failure is final (``failed``)."""
         assert job.removed is not None
         checks = self.verify(row.user_ref, job.removed, job.remote_tag)
+        is_ok = all(c.ok for c in checks)
+        if not is_ok and not job.swept_again:
+            self._sweep_again(row, job)
+            return
         removed = job.removed
-        receipt = Receipt(erasure_id=row.id, tenant_id=row.tenant_id, user_id=row.user_id, started_at=job.started_at,
+        receipt = Receipt(erasure_id=row.id, tenant_id=row.tenant_id, user_id=row.user_id,
+                          status="verified" if is_ok else "failed", started_at=job.started_at,
                           finished_at=now().isoformat(), user_known=job.user_known, key_destroyed=job.key_destroyed,
                           removed=RemovedCounts(sessions=removed.sessions, versions=removed.versions,
                                                 pages=removed.pages, tiers=_with_remote(removed.tiers, job)),
                           page_ids_sha256=removed.page_ids_sha256,
-                          verification=Verification(ok=all(c.ok for c in checks), checks=checks))
-        if not receipt.verification.ok:
-            failed = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok)
-            raise ErasureIncomplete(f"erasure {row.id} failed verification: {failed}")
+                          verification=Verification(ok=is_ok, checks=checks))
+        to = JobState.DONE if is_ok else JobState.FAILED
         with self.catalog.write() as tx:
-            if self._advance(row, job, tx, receipt=receipt):
+            document = job.model_copy(update={"receipt": receipt}).model_dump_json(exclude_none=True)
+            if erasures.advance_job(tx.conn, row.id, row.state, to, document, finished=True):
                 erasures.insert_audit(tx.conn, "forget-user", row.tenant_id, row.user_id,
                                       receipt.model_dump_json(exclude_none=True))
         self.mirror.wrote(tx.seq)
-        log.info("erasure %d finished; its receipt is in the audit table", row.id)  # logs name no user
+        log.info("erasure %d %s; its receipt is in the audit table", row.id,  # logs name no user
+                 "finished" if is_ok else "failed verification")
+
+    def _sweep_again(self, row: erasures.JobRecord, job: Job) -> None:
+        """Delete what verification found once more: the namespace's remote keys, any catalog
+        rows of it, its page files; scrub the catalog again; note it in the job's document."""
+        assert job.removed is not None
+        user_ref = row.user_ref
+        if self.remote is not None and user_ref is not None:
+            self._delete_remote(user_ref, job.remote_tag)
+        with self.catalog.write() as tx:
+            purged = erasures.purge(tx.conn, user_ref) if user_ref is not None else None
+            erasures.record_plan(tx.conn, row.id, row.state, job.model_copy(update={"swept_again": True})
+                                 .model_dump_json(exclude_none=True))
+        self.mirror.wrote(tx.seq)
+        digests = set(job.removed.file_digests)
+        self.disk.remove([*(purged.files if purged is not None else []),
+                          *(name for name in self.disk.files() if _digest(name) in digests)])
+        problem = self.catalog.compact(erasures.VACUUMED)
+        if problem is not None:
+            raise ErasureIncomplete(f"{problem}; run the erasure again")
+        log.warning("erasure %d: verification found data left; swept the namespace again", row.id)
 
     def _forgotten(self, seq: int, events: list[NamespaceForgotten]) -> None:
         self.mirror.wrote(seq)
@@ -344,6 +397,14 @@ def _with_remote(tiers: dict[str, TierCount], job: Job) -> dict[str, TierCount]:
     if job.remote_removed is None:
         return tiers
     return {**tiers, "remote": TierCount(pages=job.remote_removed)}
+
+
+def _failure(receipt: Receipt) -> str:
+    """What ``ErasureIncomplete`` says of a job that ended ``failed``."""
+    assert receipt.verification is not None
+    failed = "; ".join(f"{c.name}: {c.detail}" for c in receipt.verification.checks if not c.ok)
+    return (f"erasure {receipt.erasure_id} failed verification twice (its receipt, status 'failed', is in the "
+            f"audit table): {failed}")
 
 
 def _digest(name: str) -> str:

@@ -15,7 +15,10 @@ from dss.core.errors import CatalogCorrupt
 
 
 class JobState(StrEnum):
-    """Where an erasure job stands; each state is reached by one committed step."""
+    """Where an erasure job stands; each state is reached by one committed step.
+
+    The steps run in :data:`STEPS` order; ``done``, ``failed`` and ``no_such_user`` are final
+    (the job is finished and its receipt is in the audit table)."""
 
     PLANNED = "planned"
     KEY_DESTROYED = "key_destroyed"
@@ -23,11 +26,30 @@ class JobState(StrEnum):
     FILES_DELETED = "files_deleted"
     COMPACTED = "compacted"
     DONE = "done"
+    FAILED = "failed"
+    """Verification still found data of the user after a second sweep: reported, never retried."""
+    NO_SUCH_USER = "no_such_user"
+    """The tenant has no such user: nothing was erased."""
 
     @property
     def next(self) -> JobState:
-        order = list(JobState)
-        return order[order.index(self) + 1]
+        """The state the next step reaches (only for a state of :data:`STEPS` but the last)."""
+        return STEPS[STEPS.index(self) + 1]
+
+    @property
+    def is_final(self) -> bool:
+        return self in FINAL
+
+
+STEPS = (JobState.PLANNED, JobState.KEY_DESTROYED, JobState.CATALOG_PURGED, JobState.FILES_DELETED,
+         JobState.COMPACTED, JobState.DONE)
+"""The states a job goes through, one committed step each, when it erases a user."""
+FINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.NO_SUCH_USER})
+
+ReceiptStatus = Literal["verified", "failed", "no_such_user"]
+"""How an erasure ended: ``verified`` (nothing of the user left anywhere dss looked),
+``failed`` (verification found data left after a second sweep: see the failed checks), or
+``no_such_user`` (the tenant has no such user: nothing was erased and nothing verified)."""
 
 
 class _Value(BaseModel):
@@ -43,7 +65,8 @@ class TierCount(_Value):
 
 
 class Plan(_Value):
-    """What forgetting a user removes (the dry run's answer; nothing changed)."""
+    """What forgetting a user removes (the dry run's answer; nothing changed). ``user_known``
+    is ``False`` when the tenant has no such user (the erasure would answer ``no_such_user``)."""
 
     tenant_id: str
     user_id: str
@@ -103,13 +126,15 @@ class Receipt(_Value):
     erasure_id: int
     tenant_id: str
     user_id: str
+    status: ReceiptStatus = "verified"
     started_at: str
     finished_at: str
     user_known: bool
     key_destroyed: bool
     removed: RemovedCounts
     page_ids_sha256: str
-    verification: Verification
+    verification: Verification | None = None
+    """The checks (``None`` for ``no_such_user``: there was nothing to look for)."""
 
 
 class Job(Plan):
@@ -125,6 +150,8 @@ class Job(Plan):
     """Keys of the namespace deleted from the remote tier (``None``: none configured yet)."""
     key_destroyed: bool = False
     removed: Removed | None = None
+    swept_again: bool = False
+    """Verification failed once and the namespace was swept again (a second failure is final)."""
     receipt: Receipt | None = None
 
 

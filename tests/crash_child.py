@@ -34,8 +34,8 @@ def forget_one(store: dss.Store, user_id: str, rng: random.Random) -> None:
     store.create_session(user_id, user_id=user_id, layout=LAYOUT)
     tokens = [rng.randrange(1000) for _ in range(rng.randrange(8, 40))]
     store.commit(user_id, tokens, {i: payload(tokens, i) for i in range(len(tokens) // LAYOUT.page_tokens)})
-    receipt = store.forget_user(user_id)
-    assert receipt.verification.ok and receipt.removed.sessions == 1
+    receipt = store.forget_user(user_id, tenant_id="default")
+    assert receipt.status == "verified" and receipt.removed.sessions == 1
     print(f"forgot {user_id}", flush=True)
 
 

@@ -15,7 +15,7 @@ prints ``ready``, then runs one command per line of stdin and answers one line e
                            (a read that fails is an ``error <type>`` line instead);
 ``flush``                  wait for the remote tier's queue: ``flushed <True|False>``;
 ``check``                  ``checked <problems as JSON>``;
-``forget USER``            ``forget_user(USER)``: ``forgot <pages removed> <ok>``;
+``forget USER``            ``forget_user(USER)`` in tenant ``default``: ``forgot <pages removed> <status>``;
 ``exit``                   closes the store and exits.
 """
 
@@ -67,8 +67,8 @@ def main() -> None:
             elif command == "check":
                 answer = f"checked {json.dumps(store.check())}"
             elif command == "forget":
-                receipt = store.forget_user(args[0])
-                answer = f"forgot {receipt.removed.pages} {receipt.verification.ok}"
+                receipt = store.forget_user(args[0], tenant_id="default")
+                answer = f"forgot {receipt.removed.pages} {receipt.status}"
             else:
                 break
         except dss.DssError as exc:

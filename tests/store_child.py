@@ -37,8 +37,8 @@ def main() -> None:
         if command == "commit":
             answer = commit(store, args[0], args[1], int(args[2]))
         elif command == "forget":
-            receipt = store.forget_user(args[0])
-            answer = f"forgot {receipt.removed.pages} {receipt.verification.ok}"
+            receipt = store.forget_user(args[0], tenant_id="default")
+            answer = f"forgot {receipt.removed.pages} {receipt.status}"
         else:
             break
         print(answer, flush=True)

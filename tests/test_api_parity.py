@@ -369,7 +369,7 @@ def test_a_layout_with_a_non_finite_number_is_refused_over_http(request: pytest.
     (lambda api: api.commit("s", [1, True]), dss.InvalidTokens, r"token 1 is True \(bool\)"),
     (lambda api: api.read_pages([7]), dss.InvalidInput, "page 0 must be a PageRef or a 16-byte page id, got 7"),
     (lambda api: api.pin("s", 1, pinned=1), dss.InvalidInput, "pinned must be True or False, not int"),
-    (lambda api: api.forget_user("u", dry_run="yes"), dss.InvalidInput, "dry_run must be True or False, not str"),
+    (lambda api: api.forget_user("u", tenant_id="t", dry_run="yes"), dss.InvalidInput, "dry_run must be True or False, not str"),
     (lambda api: api.create_session("x", layout=dss.Layout.from_dict), dss.InvalidInput, "layout must be a dss.Layout"),
 ])
 def test_wrong_types_are_refused_alike(api: Any, tenant: str, call: Any, error: type[dss.DssError],

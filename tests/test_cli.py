@@ -278,3 +278,42 @@ def test_explain_decodes_with_a_tokenizer(tmp_path: Path) -> None:
     assert "first divergence: token 6" in out
     assert "  prompt text: 'bot time tuesday hello'" in out
     assert "  stored text: 'bot time monday hello'" in out
+
+
+# -- forget-user ---------------------------------------------------------------------------------
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_forget_user_needs_its_tenant_for_the_erasure_and_the_dry_run(home: str) -> None:
+    for extra in (["--yes"], ["--dry-run"]):
+        code, out, err = invoke("--home", home, "forget-user", "alice", *extra)
+        assert (code, out) == (2, "") and "Error: Missing option '--tenant'." in err
+    with dss.open(home) as store:
+        assert [s.session_id for s in store.sessions()] == ["chat"] and store.audit() == []
+
+
+def test_forget_user_of_no_such_user_exits_3_with_a_no_such_user_receipt(home: str) -> None:
+    code, out, err = invoke("--home", home, "forget-user", "alice", "--tenant", "other", "--dry-run")
+    assert (code, out, err) == (3, "no such user: tenant 'other' has no user 'alice'; nothing to erase\n", "")
+    code, out, err = invoke("--home", home, "forget-user", "alice", "--tenant", "other", "--yes", "--json")
+    receipt = json.loads(out)
+    assert (code, receipt["status"], receipt["user_known"], receipt["tenant_id"], "verification" in receipt) == (
+        3, "no_such_user", False, "other", False)
+    assert err == "no such user: tenant 'other' has no user 'alice'; nothing was erased\n"
+    code, out, _ = invoke("--home", home, "audit")
+    assert code == 0 and out.splitlines()[1].split()[-2:] == ["0", "no_such_user"]
+    code, out, err = invoke("--home", home, "forget-user", "alice", "--tenant", "acme", "--yes", "--json")
+    assert (code, json.loads(out)["status"], json.loads(out)["removed"]["sessions"], err) == (0, "verified", 1, "")
+    code, out, _ = invoke("--home", home, "audit", "--json")
+    assert [(e["tenant_id"], e["receipt"]["status"]) for e in json.loads(out)] == [
+        ("other", "no_such_user"), ("acme", "verified")]
+
+
+def test_forget_user_help_documents_the_exit_statuses() -> None:
+    code, out, _ = invoke("forget-user", "--help")
+    assert code == 0 and "--tenant TEXT" in out and "[required]" in out
+    assert "Exit status: 0 erased and verified; 3 the tenant has no such user" in " ".join(out.split())

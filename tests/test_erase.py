@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import dss
+from dss.catalog import erasures as erasure_rows
 from dss.core.tokens import pack
 
 LAYOUT = dss.Layout(name="e", page_tokens=8, page_bytes=256)
@@ -76,6 +77,7 @@ def test_plan_receipt_and_audit(store: dss.Store) -> None:
     assert receipt.removed.model_dump(exclude_none=True) == {"sessions": 4, "versions": 5, "pages": 11, "tiers": {
         "disk": {"pages": 11, "bytes": plan.tiers["disk"].bytes, "files": 3},
         "host": {"pages": 11, "bytes": 11 * 256}}}
+    assert receipt.status == "verified" and receipt.verification is not None
     assert receipt.verification.ok and [c.name for c in receipt.verification.checks] == [
         "catalog rows", "page files", "host tier", "catalog files", "lsh index"]
     assert len(receipt.page_ids_sha256) == 64
@@ -86,8 +88,39 @@ def test_plan_receipt_and_audit(store: dss.Store) -> None:
     assert store.read_pages(store.resume("bob-1", [101] * 64).pages)[0] == other_page(8)
     assert store.check() == []
     again = store.forget_user("alice", tenant_id="acme")  # nothing left: a receipt that says so
-    assert (again.user_known, again.removed.pages, again.verification.ok) == (False, 0, True)
-    assert len(store.audit()) == 2
+    assert (again.status, again.user_known, again.removed.pages, again.verification) == (
+        "no_such_user", False, 0, None)
+    assert [e.receipt.status for e in store.audit()] == ["verified", "no_such_user"]
+
+
+def test_forget_user_names_its_tenant(store: dss.Store) -> None:
+    populate(store)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'tenant_id'"):
+        store.forget_user("alice")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'tenant_id'"):
+        store.forget_user("alice", dry_run=True)  # type: ignore[call-arg]
+    with pytest.raises(dss.InvalidInput, match="tenant_id must be a printable string"):
+        store.forget_user("alice", tenant_id="")
+    assert store.audit() == [] and len(store.sessions()) == 6
+
+
+def test_forget_user_of_no_such_user_is_a_distinct_receipt_and_audit_row(store: dss.Store) -> None:
+    """alice exists in tenant acme only: erasing her in tenant default finds no such user, says
+    so in the plan, the receipt and the audit row (never "verified"), and erases nothing."""
+    populate(store)
+    plan = store.forget_user("alice", tenant_id="default", dry_run=True)
+    assert (plan.tenant_id, plan.user_known, plan.key_present, plan.sessions, plan.pages) == (
+        "default", False, False, 0, 0)
+    receipt = store.forget_user("alice", tenant_id="default")
+    assert receipt.model_dump(exclude={"started_at", "finished_at"}, exclude_none=True) == {
+        "kind": "forget-user", "erasure_id": 1, "tenant_id": "default", "user_id": "alice", "status": "no_such_user",
+        "user_known": False, "key_destroyed": False, "removed": {"sessions": 0, "versions": 0, "pages": 0, "tiers": {}},
+        "page_ids_sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
+    (entry,) = store.audit()
+    assert (entry.tenant_id, entry.user_id, entry.receipt) == ("default", "alice", receipt)
+    with store.catalog.read() as conn:
+        assert (erasure_rows.job(conn, 1).state, erasure_rows.open_jobs(conn)) == ("no_such_user", [])
+    assert len(store.sessions(tenant_id="acme")) == 6 and store.check() == []
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "plaintext"])

@@ -69,7 +69,7 @@ def test_kill_at_every_step_then_finish(template: Path, tmp_path: Path) -> None:
             erased = [r for r in receipts if r.user_known]
             assert len(erased) == 1, point  # one erasure removed alice's data (a rerun after it finds none)
             assert erased[0].key_destroyed and erased[0].removed.sessions == 4, point
-            assert all(r.verification.ok for r in receipts), point
+            assert [r.status for r in receipts] in (["verified"], ["verified", "no_such_user"]), point
             assert store.sessions(user_id="alice") == []
             assert store.resume("bob-1", [101] * 64).matched_tokens == 64
             assert store.check() == [], point

@@ -184,7 +184,7 @@ def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_p
     assert b.resume("erin-1") == (40, {"remote": 40}, 5, 0)
     assert len(keys_of(remote_url, prefix)) == 5 + 3 + 2
     assert len(os.listdir(tmp_path / "b" / "segments")) == 1
-    assert a.ask("forget erin") == "forgot 7 True"
+    assert a.ask("forget erin") == "forgot 7 verified"
     assert len(keys_of(remote_url, prefix)) == 3  # frank's pages only
     deadline = time.monotonic() + 5  # node B hears of the erasure within the bound (NOTIFY, else its poll)
     while not b.ask("resume erin-1").startswith("error UnknownSession"):
@@ -430,13 +430,13 @@ def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(tmp_
         assert a.remote is not None and a.remote.flush()
         own_redis.shutdown()
         with pytest.raises(dss.ErasureIncomplete, match="the remote tier cannot be reached"):
-            a.forget_user("jo")
+            a.forget_user("jo", tenant_id="default")
         with pytest.raises(dss.ErasureInProgress):
             a.resume("s", tokens)
         own_redis.start()
         client = redis.Redis(port=own_redis.port)
         client.set(b"dss:{" + b"ab" * 12 + b"}:" + b"cd" * 16, b"x")  # another namespace's key stays
-        receipt = a.forget_user("jo")
+        receipt = a.forget_user("jo", tenant_id="default")
         assert isinstance(receipt, dss.Receipt) and receipt.verification.ok
         assert receipt.removed.tiers["remote"].pages == 0  # the restarted Redis kept nothing (nosave)
         check = next(c for c in receipt.verification.checks if c.name == "remote tier")
@@ -456,7 +456,7 @@ def test_the_receipt_counts_the_remote_keys_it_deleted(tmp_path: Path, fleet_url
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
         assert len(keys_of(remote_url, prefix)) == 3
-        receipt = a.forget_user("kim")
+        receipt = a.forget_user("kim", tenant_id="default")
         assert isinstance(receipt, dss.Receipt) and receipt.verification.ok
         assert receipt.removed.tiers["remote"].pages == 3
         assert keys_of(remote_url, prefix) == []

@@ -221,7 +221,7 @@ def test_forget_user_removes_the_entries_and_the_receipt_inspects_the_index(open
         store.create_session(f"s-{user}", user_id=user, layout=L)
         store.commit(f"s-{user}", tokens, kv_pages(tokens))
         assert len(store.nearest(tokens, user_id=user, layout=L)) == 1
-    receipt = store.forget_user("alice")
+    receipt = store.forget_user("alice", tenant_id="default")
     check = next(c for c in receipt.verification.checks if c.name == "lsh index")
     assert (check.ok, check.detail) == (True, "no entry of the user in memory")
     assert store.nearest(tokens, user_id="alice", layout=L) == []
@@ -278,7 +278,7 @@ def test_redis_index_is_shared_and_erased(tmp_path, redis_url: str) -> None:
     assert [c.session_id for c in second.nearest(tokens, user_id="alice", layout=L)] == ["a", "b"]
     left = [pickle.loads(k) for name in client.scan_iter(match=f"{prefix}:*:_keys") for k in client.hkeys(name)]
     assert left and not [k for k in left if k.startswith(f"{c_ref}:")]
-    receipt = second.forget_user("alice")
+    receipt = second.forget_user("alice", tenant_id="default")
     check = next(c for c in receipt.verification.checks if c.name == "lsh index")
     assert (check.ok, check.detail) == (True, "no entry of the user in memory and in Redis")
     assert list(client.scan_iter(match=f"{prefix}:*")) == []

@@ -189,7 +189,7 @@ def test_commits_after_an_erasure_survive_another_process(tmp_path: Path, catalo
     folder = tmp_path / "store"
     a = Child(folder, catalog_url)
     acked = {"s": [a.ask("commit s u 20")]}
-    assert a.ask("forget nobody") == "forgot 0 True"
+    assert a.ask("forget nobody") == "forgot 0 no_such_user"
     Child(folder, catalog_url).exit()
     acked["s"] += [a.ask("commit s u 12") for _ in range(3)]
     assert all(answer.startswith("ack ") for answer in acked["s"])
@@ -212,7 +212,7 @@ def test_commits_interleaved_with_erasures_in_several_processes(tmp_path: Path, 
             acked[f"p{n}"].append(child.ask(f"commit p{n} u{n} {4 + turn}"))
             if (turn + n) % 2 == 0:
                 assert child.ask(f"commit gone-{turn}-{n} gone-{turn}-{n} 16").startswith("ack ")
-                assert child.ask(f"forget gone-{turn}-{n}") == "forgot 2 True"
+                assert child.ask(f"forget gone-{turn}-{n}") == "forgot 2 verified"
             else:
                 dss.open(folder, catalog_url=catalog_url).close()
     assert all(answer.startswith("ack ") for answers in acked.values() for answer in answers)

@@ -112,7 +112,7 @@ def test_user_rows_are_not_reused_after_an_erasure(open_store) -> None:
     store = open_store()
     store.create_session("a", user_id="alice", layout=LAYOUT)
     alice = store.mirror.user_ref("default", "alice")
-    store.forget_user("alice")
+    store.forget_user("alice", tenant_id="default")
     store.create_session("b", user_id="bob", layout=LAYOUT)
     assert store.mirror.user_ref("default", "bob") > alice  # type: ignore[operator]
     assert [entry.receipt.erasure_id for entry in store.audit()] == [1]

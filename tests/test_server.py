@@ -637,17 +637,17 @@ def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> Non
     service.create("b", user_id="stays")
     service.commit(T, "a", pages={0: page(1), 1: page(2)})
     service.commit(T, "b", pages={0: page(3)})
-    for body in ({"user_id": "gone", "dry_run": True}, {"user_id": "gone"}, {}):
+    for body in ({"user_id": "gone", "tenant_id": "t1", "dry_run": True}, {"user_id": "gone", "tenant_id": "t1"}, {}):
         expect_problem(service.call("POST", "/v1/forget_user", json=body), "Forbidden", 403,
                        "forget_user needs an admin API key")
     assert len(service.store.sessions(tenant_id="t1")) == 2 and service.store.audit() == []
-    plan = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "dry_run": True})
+    plan = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "tenant_id": "t1", "dry_run": True})
     assert (plan["tenant_id"], plan["user_id"], plan["sessions"], plan["versions"], plan["pages"]) == (
         "t1", "gone", 1, 1, 2)
     assert len(service.store.sessions(tenant_id="t1")) == 2  # a plan changes nothing
-    receipt = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone"})
-    assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["key_destroyed"]) == (
-        "forget-user", "t1", "gone", True)
+    receipt = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "tenant_id": "t1"})
+    assert (receipt["kind"], receipt["tenant_id"], receipt["user_id"], receipt["status"], receipt["key_destroyed"]) == (
+        "forget-user", "t1", "gone", "verified", True)
     assert receipt["removed"]["sessions"] == 1 and receipt["verification"]["ok"] is True
     expect_problem(service.call("GET", "/v1/session", params={"session_id": "a"}), "UnknownSession", 404,
                    "no session 'a' in tenant 't1'")
@@ -660,6 +660,40 @@ def test_forget_user_plans_erases_and_records_a_receipt(service: Service) -> Non
                    "reading every tenant's audit needs an admin API key")
     expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "x", "tenant_id": "t2"}),
                    "Forbidden", 403, "writes go to the API key's own tenant 't1', not 't2'")
-    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": ""}), "InvalidInput", 400,
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "", "tenant_id": "t1"}),
+                   "InvalidInput", 400,
                    "user_id must be a printable string of 1 to 256 characters, got ''")
+    assert service.store.check() == []
+
+
+def test_forget_user_names_its_tenant_in_the_body_and_nothing_in_the_query(service: Service) -> None:
+    """The tenant is required in the body; a query parameter (``?tenant_id=``) is refused, not
+    ignored; a key erases only in its own tenant; nothing was erased by any refused request."""
+    service.create("a", user_id="gone")
+    service.commit(T, "a", pages={0: page(1)})
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "gone"}), "InvalidInput", 400,
+                   "invalid request: body.tenant_id: Field required")
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", params={"tenant_id": "t1"},
+                                json={"user_id": "gone", "tenant_id": "t1"}), "InvalidInput", 400,
+                   "unknown query parameter 'tenant_id' for POST /v1/forget_user: it takes none")
+    expect_problem(service.call("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "tenant_id": "t2"}),
+                   "Forbidden", 403, "writes go to the API key's own tenant 't1', not 't2'")
+    expect_problem(service.call("GET", "/v1/sessions", "t1", params={"tenant": "t1"}), "InvalidInput", 400,
+                   "unknown query parameter 'tenant' for GET /v1/sessions: it takes all_tenants, tenant_id, user_id")
+    assert service.store.audit() == [] and service.ok("GET", "/v1/session", params={"session_id": "a"})["head_id"] == 1
+    plan = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "gone", "tenant_id": "t2", "dry_run": True})
+    assert (plan["tenant_id"], plan["user_known"], plan["sessions"]) == ("t2", False, 0)  # an admin may read t2
+
+
+def test_forget_user_of_no_such_user_says_so_in_the_receipt_and_the_audit(service: Service) -> None:
+    service.create("a", user_id="here")
+    plan = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "nobody", "tenant_id": "t1",
+                                                                "dry_run": True})
+    assert (plan["user_known"], plan["sessions"], plan["pages"]) == (False, 0, 0)
+    receipt = service.ok("POST", "/v1/forget_user", "admin", json={"user_id": "nobody", "tenant_id": "t1"})
+    assert (receipt["status"], receipt["user_known"], receipt["key_destroyed"], "verification" in receipt) == (
+        "no_such_user", False, False, False)
+    [row] = service.ok("GET", "/v1/audit")
+    assert (row["user_id"], row["receipt"]["status"], row["receipt"]) == ("nobody", "no_such_user", receipt)
+    assert [s["session_id"] for s in service.ok("GET", "/v1/sessions")] == ["a"]
     assert service.store.check() == []

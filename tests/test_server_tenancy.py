@@ -168,7 +168,7 @@ def test_an_admin_key_reads_other_tenants_but_writes_only_its_own(twins: Service
 
 def test_forgetting_a_user_in_one_tenant_leaves_the_same_user_id_in_the_other(twins: Service) -> None:
     twins.keys["admin2"] = add_key(twins.home / "api-keys.json", "t2", is_admin=True)[0]
-    receipt = twins.ok("POST", "/v1/forget_user", "admin2", json={"user_id": "u"})
+    receipt = twins.ok("POST", "/v1/forget_user", "admin2", json={"user_id": "u", "tenant_id": "t2"})
     assert (receipt["tenant_id"], receipt["removed"]["sessions"]) == ("t2", 1)
     assert twins.ok("GET", "/v1/sessions", "t2") == []
     assert [s["session_id"] for s in twins.ok("GET", "/v1/sessions", "t1")] == ["chat", "only1"]

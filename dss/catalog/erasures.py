@@ -75,10 +75,26 @@ def open_job_of(conn: Connection, user_ref: int) -> JobRecord | None:
     return _job(row) if row else None
 
 
-def insert_job(conn: Connection, tenant_id: str, user_id: str, user_ref: int | None, plan: str) -> int:
+def open_job_for(conn: Connection, tenant_id: str, user_id: str) -> JobRecord | None:
+    """The unfinished erasure job of a user, found by name (it outlives the user's row)."""
+    row = conn.execute(_job_select.where(erasures.c.tenant_id == tenant_id, erasures.c.user_id == user_id,
+                                         erasures.c.finished_at.is_(None)).order_by(erasures.c.id)).first()
+    return _job(row) if row else None
+
+
+def insert_job(conn: Connection, tenant_id: str, user_id: str, user_ref: int | None, plan: str,
+               state: str = "planned", *, finished: bool = False) -> int:
+    """A new job row in ``state`` (``finished``: a job that is final from the start)."""
     return int(conn.execute(insert(erasures).values(
-        tenant_id=tenant_id, user_id=user_id, user_ref=user_ref, state="planned", plan=plan, started_at=now(),
+        tenant_id=tenant_id, user_id=user_id, user_ref=user_ref, state=state, plan=plan, started_at=now(),
+        finished_at=now() if finished else None,
     )).inserted_primary_key[0])
+
+
+def record_plan(conn: Connection, job_id: int, state: str, plan: str) -> bool:
+    """Replace job ``job_id``'s document while it stands in ``state``; say whether it did."""
+    return bool(conn.execute(update(erasures).where(erasures.c.id == job_id, erasures.c.state == state)
+                             .values(plan=plan)).rowcount)
 
 
 def advance_job(conn: Connection, job_id: int, state: str, to: str, plan: str | None, *, finished: bool) -> bool:

@@ -21,7 +21,7 @@ from dss.core.config import StoreConfig, load_config
 from dss.core.crypto import read_master_key
 from dss.core.errors import DssError
 from dss.compaction import Compaction
-from dss.erasure import JobState, Plan
+from dss.erasure import STEPS, Plan
 from dss.store import Store
 
 
@@ -239,30 +239,41 @@ def explain(ctx: Context, session_id: str | None, tokens: tuple[str, ...], token
         click.echo(describe(why))
 
 
-@main.command("forget-user")
+NO_SUCH_USER_EXIT = 3
+"""The exit status of ``dss forget-user`` (and its dry run) when the tenant has no such user."""
+
+
+@main.command("forget-user", epilog=f"Exit status: 0 erased and verified; {NO_SUCH_USER_EXIT} the tenant has no such "
+                                    "user (nothing erased; the receipt, status no_such_user, is printed and audited); "
+                                    "1 an error (ErasureIncomplete: run it again, or see the failed checks).")
 @click.argument("user_id")
-@click.option("--tenant", default="default", show_default=True, help="The user's tenant.")
+@click.option("--tenant", required=True, help="The user's tenant (required: an erasure always names its tenant).")
 @click.option("--dry-run", is_flag=True, help="Print what would be removed (counts and bytes per tier); change nothing.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
 @_guard
 def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: bool, as_json: bool) -> None:
-    """Erase a user everywhere (key first), verify, and print the receipt."""
+    """Erase a user of a tenant everywhere (key first), verify, and print the receipt."""
     with ctx.open() as store:
         plan = store.forget_user(user_id, tenant_id=tenant, dry_run=True)
         if dry_run:
             click.echo(plan.model_dump_json(exclude_none=True) if as_json else _describe_plan(plan))
+            if not plan.user_known:
+                sys.exit(NO_SUCH_USER_EXIT)
             return
-        if not yes:
+        if not yes and plan.user_known:  # no such user: nothing to destroy, only the receipt to record
             if not sys.stdin.isatty():
                 raise DssCommandError("refusing to erase without --yes (stdin is not a terminal)")
             click.echo(_describe_plan(plan), err=True)
             click.confirm(f"Erase user {user_id!r} of tenant {tenant!r} for good?", abort=True, err=True)
-        with bar(len(JobState) - 1, f"erasing user {user_id!r}", quiet=as_json) as steps:
+        with bar(len(STEPS) - 1, f"erasing user {user_id!r}", quiet=as_json or not plan.user_known) as steps:
             receipt = store.forget_user(user_id, tenant_id=tenant, progress=steps.begin)
             steps.finish()
     click.echo(receipt.model_dump_json(exclude_none=True, indent=None if as_json else 2))
+    if receipt.status == "no_such_user":
+        click.echo(f"no such user: tenant {tenant!r} has no user {user_id!r}; nothing was erased", err=True)
+        sys.exit(NO_SUCH_USER_EXIT)
 
 
 @main.command()
@@ -297,7 +308,7 @@ def _describe_compaction(done: Compaction) -> str:
 
 def _describe_plan(plan: Plan) -> str:
     if not plan.user_known:
-        return f"user {plan.user_id!r} of tenant {plan.tenant_id!r} has no data in this store"
+        return f"no such user: tenant {plan.tenant_id!r} has no user {plan.user_id!r}; nothing to erase"
     tiers = ", ".join(f"{tier}: {v.pages} pages, {v.bytes} bytes" for tier, v in plan.tiers.items())
     return (f"user {plan.user_id!r} of tenant {plan.tenant_id!r}: {plan.sessions} sessions, "
             f"{plan.versions} versions, {plan.pages} pages ({tiers}); data key "
@@ -318,7 +329,7 @@ def audit(ctx: Context, tenant: str | None, as_json: bool) -> None:
         return
     _emit([{"audit_id": e.audit_id, "kind": e.kind, "tenant_id": e.tenant_id, "user_id": e.user_id,
             "created_at": e.created_at[:19], "pages": e.receipt.removed.pages,
-            "verified": e.receipt.verification.ok} for e in entries], False)
+            "status": e.receipt.status} for e in entries], False)
 
 
 @main.group()

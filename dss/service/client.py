@@ -261,9 +261,10 @@ class Client:
 
     # -- erasure ---------------------------------------------------------------------------
 
-    def forget_user(self, user_id: str, *, tenant_id: str | None = None, dry_run: bool = False,
+    def forget_user(self, user_id: str, *, tenant_id: str, dry_run: bool = False,
                     progress: Callable[[str], None] | None = None) -> Receipt | Plan:
-        """:meth:`dss.Store.forget_user` in the key's tenant: the receipt (or, ``dry_run``, the plan).
+        """:meth:`dss.Store.forget_user` of tenant ``tenant_id`` (the key's own; an admin key may
+        name another only for a dry run): the receipt (or, ``dry_run``, the plan).
 
         The service does the whole erasure in one request; ``progress`` is called once, with
         a summary, when it answers. An erasure that timed out resumes when called again.

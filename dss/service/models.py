@@ -215,8 +215,9 @@ class PrefetchOut(_Model):
 
 class ForgetUserIn(_Model):
     user_id: str
+    tenant_id: str = Field(description="The user's tenant (required: an erasure always names it). It must be the API "
+                                       "key's own tenant; an admin key may name another tenant only for a dry run.")
     dry_run: StrictBool = False
-    tenant_id: TenantField = None
 
 
 class ReadPagesIn(_Model):

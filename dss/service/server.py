@@ -101,6 +101,27 @@ def _admin_first(what: str) -> type[APIRoute]:
     return AdminFirst
 
 
+def _known_query(request: Request) -> None:
+    """An app-wide dependency: a query parameter the route does not take is refused
+    (``InvalidInput``, 400) instead of being ignored, so a misspelt or misplaced parameter
+    (``?tenant_id=`` on a route that takes the tenant in its body) never goes unnoticed."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known: set[str] = set()
+    stack = [dependant]
+    while stack:
+        one = stack.pop()
+        known.update(param.alias for param in one.query_params)
+        stack.extend(one.dependencies)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        raise InvalidInput(f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
+                           f"{', '.join(map(repr, unknown))} for {request.method} {request.url.path}: {takes}")
+
+
 def _tokens(call: Call, tokens: list[int]) -> list[int]:
     if len(tokens) > call.config.max_tokens:
         raise InvalidTokens(f"a request may carry at most {call.config.max_tokens} tokens (max_tokens), "
@@ -122,6 +143,7 @@ def create_app(store: Store, config: ServerConfig, keys: KeyRing, *, close_store
                 log.info("store closed")
 
     app = FastAPI(title="dss", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  dependencies=[Depends(_known_query)],
                   description="Dialogue state store: sessions, versions, resume, rollback and branch over HTTP.")
     app.state.store = store
     app.state.config = config
@@ -421,12 +443,14 @@ def _add_routes(app: FastAPI) -> None:
         return {"engine_id": body.engine_id, "num_pages": call.store.forget_engine(body.engine_id)}
 
     @app.post("/v1/forget_user", response_model=Receipt | Plan, response_model_exclude_none=True, tags=["erasure"], dependencies=[_admin("forget_user")],
-              responses={**_ERRORS, 500: {"description": "Verification found data left (ErasureIncomplete); the "
-                                                         "erasure stays open and may be retried",
+              responses={**_ERRORS, 500: {"description": "The erasure could not finish now (it stays open and may be "
+                                                         "retried), or verification failed for good (ErasureIncomplete)",
                                           "content": _PROBLEM_CONTENT}})
     def forget_user(body: m.ForgetUserIn, call: Call = call_dep) -> Receipt | Plan:
-        """Erase every session, version, token and page of one user of the tenant (GDPR Art. 17), keys first;
-        returns the receipt. ``dry_run`` returns the plan and changes nothing. Admin key (also for a dry run)."""
+        """Erase every session, version, token and page of one user of the tenant named in the body
+        (GDPR Art. 17), keys first; returns the receipt (``status``: ``verified``, or ``no_such_user`` when the
+        tenant has no such user). ``dry_run`` returns the plan and changes nothing. Admin key (also for a dry
+        run); the tenant is the key's own (a dry run may name another, as reads may)."""
         tenant = call.scope.reading(body.tenant_id) if body.dry_run else call.scope.writing(body.tenant_id)
         if body.dry_run:
             return call.store.forget_user(body.user_id, tenant_id=tenant, dry_run=True)

@@ -22,16 +22,23 @@ class Operations(Base):
 
     # -- erasure ---------------------------------------------------------------------------
 
-    def forget_user(self, user_id: str, *, tenant_id: str = "default", dry_run: bool = False,
+    def forget_user(self, user_id: str, *, tenant_id: str, dry_run: bool = False,
                     progress: Callable[[str], None] | None = None) -> Receipt | Plan:
-        """Erase everything of one user (GDPR Art. 17) and return the receipt.
+        """Erase everything of one user (GDPR Art. 17) of tenant ``tenant_id`` (always named:
+        there is no default tenant for an erasure) and return the receipt.
 
         Destroys the user's data key first (crypto-shredding), then deletes every session,
         version, token history and page of theirs on every tier, scrubs the catalog's free
-        space, verifies that nothing is left and records the receipt in the audit table.
-        Resumes an erasure a crash interrupted. ``dry_run=True`` returns the plan (counts
-        and bytes per tier) and changes nothing. Pages of the tenant's shared prefixes stay.
-        Raises ``ErasureIncomplete`` when verification finds anything left.
+        space, verifies that nothing is left and records the receipt in the audit table
+        (``status="verified"``). From the moment the erasure begins, every write for the user,
+        from any process or node, raises ``ErasureInProgress`` until it is finished. Resumes
+        the unfinished erasure of the user (a crash's, or one that raised), as the same job.
+        A tenant without such a user gets a receipt with ``status="no_such_user"`` (recorded
+        too; nothing is erased). ``dry_run=True`` returns the plan (counts and bytes per tier;
+        ``user_known=False`` for no such user) and changes nothing. Pages of the tenant's
+        shared prefixes stay. Raises ``ErasureIncomplete`` when the erasure cannot finish now
+        (it stays open: call again) or verification still found data after a second sweep
+        (the job ends ``failed``, its receipt says which checks failed).
         """
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
