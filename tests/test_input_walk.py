@@ -9,10 +9,12 @@ valid call is made last and must succeed, so a refusal cannot come from the othe
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import pytest
 import sqlalchemy as sa
 
 import dss
@@ -22,6 +24,22 @@ T = list(range(100, 110))  # two full pages of LAYOUT and a tail of two tokens
 PAGES = {0: page(1), 1: page(2)}
 REFS = object()
 """Stands for the page references of a resume (known only once the store holds pages)."""
+
+class Repeating(Mapping[Any, Any]):
+    """A mapping whose iteration names an index more than once (as a list of pairs would)."""
+
+    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
+        self.pairs = pairs
+
+    def __getitem__(self, key: Any) -> Any:
+        return dict(self.pairs)[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([key for key, _ in self.pairs])
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
 
 _ANY = [object(), 1.5, np.float64(2.0), {"x"}, frozenset(), Path("x")]
 """Values no argument of the API accepts."""
@@ -33,7 +51,8 @@ BAD: dict[str, list[Any]] = {
     "tokens": [None, "abc", b"ab", 7, True, [True, False], [1, True], (False,), np.array([True, False]), [1.5],
                [-1], [2**32], [None], [[1]], {1: 2}, np.zeros((2, 2), dtype=np.int32), np.array([1.5]), *_ANY],
     "pages": ["x", b"x", 5, [page(1)], {0: 5}, {"0": page(1)}, {True: page(1)}, {0: b"short"}, {9: page(1)},
-              {0: "text"}, *_ANY],
+              {0: "text"}, Repeating([(0, page(1)), (0, page(2))]),
+              Repeating([(1, page(1)), (0, page(2)), (1, page(1))]), {np.int64(0): page(1)}, *_ANY],
     "layout": [None, 1, "test", LAYOUT.to_dict(), [LAYOUT], *_ANY],
     "version_id": [None, True, "1", 1.5, [1], np.int64(1), b"1", *_ANY],
     "optional version_id": [True, "1", [1], np.int64(1), *_ANY],
@@ -186,3 +205,26 @@ def test_wrong_arguments_raise_a_dss_error_and_change_nothing(tmp_path: Path, ca
         assert store.check() == []
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(("pages", "message"), [
+    (Repeating([(0, page(1)), (0, page(2))]), "page index 0 is given twice: give each page once"),
+    (Repeating([(1, page(1)), (0, page(2)), (1, page(1))]), "page index 1 is given twice: give each page once"),
+    ({"0": page(1)}, "page index '0' must be an int, not str"),
+    ({np.int64(0): page(1)}, "page index np.int64(0) must be an int, not int64"),
+])
+@pytest.mark.parametrize("method", ["commit", "save_pages"])
+def test_a_page_index_given_twice_or_not_as_an_int_is_refused_and_changes_nothing(
+        tmp_path: Path, method: str, pages: Any, message: str) -> None:
+    """Two payloads for one index would leave one of them dropped without a word: refused, like a
+    key that is not an int (numpy integers included, as for version ids)."""
+    folder = tmp_path / "store"
+    with dss.open(folder) as store:
+        store.create_session("s", layout=LAYOUT)
+        before = catalog_state(store, folder)
+        with pytest.raises(dss.InvalidPage) as caught:
+            getattr(store, method)("s", T, pages)
+        assert str(caught.value) == message
+        assert catalog_state(store, folder) == before
+        assert store.versions("s") == [] and store.resume("s", T).matched_tokens == 0
+        assert store.check() == []

@@ -341,7 +341,8 @@ def test_commit_returns_the_new_head_and_stores_pages(service: Service) -> None:
     ({"tokens": T, "pages": {"2": b64(page(1))}}, "InvalidPage",
      "page index 2 is out of range: 10 tokens hold 2 full pages of 4 tokens"),
     ({"tokens": T, "pages": {"x": b64(page(1))}}, "InvalidInput",
-     "invalid request: body.pages.x.[key]: Input should be a valid integer, unable to parse string as an integer"),
+     "invalid request: body.pages.x.[key]: a page index is a decimal integer from 0, without sign, spaces or "
+     "leading zeros, got 'x'"),
     ({"tokens": T, "label": "x" * 257}, "InvalidInput",
      f"label must be a string of at most 256 characters, got {'x' * 257!r}"),
 ])
@@ -697,3 +698,33 @@ def test_forget_user_of_no_such_user_says_so_in_the_receipt_and_the_audit(servic
     assert (row["user_id"], row["receipt"]["status"], row["receipt"]) == ("nobody", "no_such_user", receipt)
     assert [s["session_id"] for s in service.ok("GET", "/v1/sessions")] == ["a"]
     assert service.store.check() == []
+
+
+NOT_AN_INDEX = "a page index is a decimal integer from 0, without sign, spaces or leading zeros"
+
+
+@pytest.mark.parametrize("key", ["00", "01", "+1", " 1", "1 ", "1.0", "-0", "1_0", "1e0", "\u0661", "x"])
+@pytest.mark.parametrize("path", ["/v1/commit", "/v1/pages"])
+def test_a_page_key_that_is_not_a_canonical_index_is_refused_and_changes_nothing(service: Service, path: str,
+                                                                                  key: str) -> None:
+    """A key pydantic would read as an index ("00" and "+1" as 0 and 1) is refused as it is sent:
+    with "0" beside it, "00" would replace page 0's payload without a word."""
+    service.create()
+    body = {"session_id": "s", "tokens": T, "pages": {"0": b64(page(1)), key: b64(page(2))}}
+    expect_problem(service.call("POST", path, json=body), "InvalidInput", 400,
+                   f"invalid request: body.pages.{key}.[key]: {NOT_AN_INDEX}, got {key!r}")
+    assert service.store.versions("s", tenant_id="t1") == []
+    assert service.store.resume("s", T, tenant_id="t1").matched_tokens == 0
+    assert service.store.check() == []
+
+
+def test_canonical_page_keys_are_the_indexes(service: Service) -> None:
+    service.create()
+    body = {"session_id": "s", "tokens": T + T, "pages": {"0": b64(page(1)), "1": b64(page(2)), "3": b64(page(4))}}
+    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 3}
+    expect_problem(service.call("POST", "/v1/commit", json={**body, "pages": {"10": b64(page(1))}}), "InvalidPage",
+                   400, "page index 10 is out of range: 20 tokens hold 5 full pages of 4 tokens")
+    expect_problem(service.call("POST", "/v1/commit", json={**body, "pages": {"9" * 30: b64(page(1))}}),
+                   "InvalidPage", 400, f"page index {'9' * 30} is out of range: 20 tokens hold 5 full pages of 4 tokens")
+    service.commit(T + T)
+    assert service.store.resume("s", T + T, tenant_id="t1").matched_tokens == 8

@@ -81,7 +81,9 @@ def check_pages(pages: Mapping[int, Any] | None, num_tokens: int, layout: Layout
     """Page payloads keyed by page index, as bytes, in index order.
 
     Only full pages of the ``num_tokens`` tokens may be given, each exactly
-    ``layout.page_bytes`` long; anything else raises ``InvalidPage``.
+    ``layout.page_bytes`` long, each index once and as an ``int``; anything else raises
+    ``InvalidPage`` (a mapping whose iteration names an index twice included: one of the
+    two payloads would be dropped).
     """
     if pages is None:
         return {}
@@ -90,7 +92,11 @@ def check_pages(pages: Mapping[int, Any] | None, num_tokens: int, layout: Layout
     full = num_tokens // layout.page_tokens
     out: dict[int, bytes] = {}
     for index, payload in pages.items():
-        if type(index) is not int or not 0 <= index < full:
+        if type(index) is not int:
+            raise InvalidPage(f"page index {index!r} must be an int, not {type(index).__name__}")
+        if index in out:
+            raise InvalidPage(f"page index {index} is given twice: give each page once")
+        if not 0 <= index < full:
             raise InvalidPage(f"page index {index!r} is out of range: {num_tokens} tokens hold {full} full pages "
                               f"of {layout.page_tokens} tokens")
         try:

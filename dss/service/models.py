@@ -21,9 +21,11 @@ import datetime as dt
 import decimal
 import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
 from dss.compaction import Compaction
 from dss.core.errors import InvalidPage
@@ -36,6 +38,21 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN)]
 Tokens = Annotated[list[TokenId], Field(description="Token ids in [0, 2**32); at most the server's max_tokens "
                                                     "(see /v1/info).")]
 PageData = Annotated[str, Field(description="A page payload, standard base64.")]
+_CANONICAL_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def _page_index(key: Any) -> int:
+    """A page key (a JSON object's name) as its index. Only the canonical decimal form is one
+    (``"0"``, ``"17"``): pydantic would also read ``"00"``, ``"+1"``, ``" 1"`` or ``"1.0"`` as an
+    index, and a body naming page 0 as both ``"0"`` and ``"00"`` would lose one payload."""
+    if not isinstance(key, str) or _CANONICAL_INDEX.fullmatch(key) is None:
+        raise PydanticCustomError("page_index", "a page index is a decimal integer from 0, without sign, spaces "
+                                                "or leading zeros, got {key}", {"key": repr(key)})
+    return int(key)
+
+
+PageIndex = Annotated[int, BeforeValidator(_page_index)]
+Pages = dict[PageIndex, PageData]
 PageIdHex = Annotated[str, Field(pattern=r"^([0-9a-fA-F]{2}){0,64}$", description="A page id, hex.")]
 Int64 = Annotated[int, Field(strict=True, ge=-(1 << 63), le=(1 << 63) - 1)]
 SqlParam = None | StrictBool | Int64 | float | StrictStr
@@ -97,7 +114,7 @@ class CreateSessionIn(_Model):
 class CommitIn(_Model):
     session_id: str
     tokens: Tokens
-    pages: dict[int, PageData] | None = Field(None, description="Page index -> payload; only full pages.")
+    pages: Pages | None = Field(None, description="Page index -> payload; only full pages.")
     label: str | None = None
     tenant_id: TenantField = None
 
@@ -105,7 +122,7 @@ class CommitIn(_Model):
 class SavePagesIn(_Model):
     session_id: str | None = Field(description="The session, or null to keep the pages for (user_id, layout).")
     tokens: Tokens
-    pages: dict[int, PageData]
+    pages: Pages
     user_id: str | None = None
     layout: LayoutModel | None = None
     tenant_id: TenantField = None
@@ -188,7 +205,7 @@ class PrefetchCandidatesIn(_ScopeIn):
 
 class RegisterPrefixIn(_Model):
     tokens: Tokens
-    pages: dict[int, PageData] = Field(description="Page index -> payload; only full pages.")
+    pages: Pages = Field(description="Page index -> payload; only full pages.")
     layout: LayoutModel
     label: str | None = None
     tenant_id: TenantField = None
