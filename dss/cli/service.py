@@ -156,12 +156,16 @@ def keys_remove(ctx: click.Context, key_id: str, home: str | None, config_file: 
               help="Most requests in flight on one node, as a multiple of the mean.")
 @click.option("--health-interval", default=1.0, type=float, show_default=True, help="Seconds between health checks.")
 @click.option("--no-store", is_flag=True, help="Do not open the store (kv routes by the router's memory only).")
+@click.option("--max-body-bytes", default="32MiB", show_default=True, help="Largest request body (413 beyond).")
+@click.option("--graceful-timeout", default=5.0, type=float, show_default=True,
+              help="On SIGTERM, seconds in-flight requests may take before they are cancelled.")
 @click.option("--dry-run", is_flag=True, help="Check the settings and the store, say what would run, and exit.")
 @click.option("--log-level", default="info", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               show_default=True, help="Log level.")
 @click.pass_context
 def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: str | None, host: str, port: int,
-          load_factor: float, health_interval: float, no_store: bool, dry_run: bool, log_level: str) -> None:
+          load_factor: float, health_interval: float, no_store: bool, max_body_bytes: str, graceful_timeout: float,
+          dry_run: bool, log_level: str) -> None:
     """Proxy vLLM's OpenAI API (/v1/completions, /v1/chat/completions), sending each session
     to the node that holds its KV; fails over when a backend dies."""
     from pydantic import ValidationError
@@ -174,7 +178,8 @@ def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: s
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = RouterConfig(backends=parse_backends(backends), policy=policy, host=host, port=port,
-                              load_factor=load_factor, health_interval_s=health_interval)
+                              load_factor=load_factor, health_interval_s=health_interval,
+                              max_body_bytes=max_body_bytes, graceful_timeout_s=graceful_timeout)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         _fail(f"ConfigError: invalid router configuration: {problems}")

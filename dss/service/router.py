@@ -18,7 +18,20 @@ For every ``POST /v1/completions`` and ``POST /v1/chat/completions`` the proxy
 A backend that refuses the connection or times out before answering is marked unhealthy and
 the request goes to the next choice (failover); a background task checks every backend's
 ``/health`` every ``health_interval_s`` and brings it back when it answers. With no healthy
-backend the proxy answers 503 ``NoBackend`` as problem details, like ``dss serve``. Metrics
+backend the proxy answers 503 ``NoBackend`` as problem details, like ``dss serve``.
+
+Bodies: at most ``max_body_bytes`` (413 ``PayloadTooLarge`` as soon as a body passes it, by
+its Content-Length or while it streams in; ``dss serve``'s own middleware), nesting at most
+:data:`MAX_DEPTH` arrays and objects (400 ``InvalidInput``, the connection stays usable).
+
+Failures once a response has begun cannot move to another node: the response is cut off (the
+connection closes before the response's end, so the client sees an incomplete response, never
+a clean end), the router logs one line naming the backend and the cause, and uvicorn's report
+of the cut (a traceback) is filtered out. On SIGTERM the router stops accepting connections,
+gives requests in flight ``graceful_timeout_s``, then cancels them: one still waiting for its
+backend is answered 503 ``Unavailable`` with ``Connection: close``, one streaming is cut off;
+one line each. The process then ends by the SIGTERM uvicorn deferred (status -15), as
+``dss serve`` does. Metrics
 (Prometheus, at ``/metrics``): ``dss_router_requests_total{node,reason,status}``,
 ``dss_router_request_seconds{node}``, ``dss_router_failovers_total{node}``,
 ``dss_router_backend_healthy{node}``, ``dss_router_in_flight{node}``,
@@ -46,14 +59,16 @@ from typing import Any, Protocol
 
 import anyio.to_thread
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dss.core.errors import BackendFailed, ConfigError, DssError, InvalidInput, NoBackend
+from dss.core.config import parse_size
+from dss.core.errors import ConfigError, DssError, InvalidInput, NoBackend, Unavailable
 from dss.routing import LOAD_FACTOR, POLICIES, Backend, Decision, Holdings, route
-from dss.service.middleware import problem_response
+from dss.service.middleware import BodyLimitMiddleware, problem_response
 
 log = logging.getLogger("dss.service.router")
 
@@ -62,6 +77,9 @@ PREFIX_CHARS = 256
 """Characters of a prompt that key a request without a session."""
 SERVED_SESSIONS = 100_000
 """Sessions whose last node the router remembers (least recently routed forgotten first)."""
+MAX_DEPTH = 128
+"""Deepest nesting of arrays and objects in a request body, the top-level object counting as one
+(OpenAI requests nest a handful deep; tool schemas a few dozen)."""
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authorization", "proxy-authenticate", "host", "content-length"})
 
@@ -79,6 +97,14 @@ class RouterConfig(BaseModel):
     health_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False)
     connect_timeout_s: float = Field(2.0, gt=0, allow_inf_nan=False)
     timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description="Longest a backend may take to answer.")
+    max_body_bytes: int = Field(32 << 20, ge=1024, description="Largest request body, as dss serve's.")
+    graceful_timeout_s: float = Field(5.0, ge=0, allow_inf_nan=False,
+                                      description="On SIGTERM, seconds in-flight requests may take to finish.")
+
+    @field_validator("max_body_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
 
     @field_validator("policy")
     @classmethod
@@ -178,6 +204,8 @@ class RouterState:
     backends: dict[str, BackendState] = field(default_factory=dict)
     served: OrderedDict[str, str] = field(default_factory=OrderedDict)
     counter: int = 0
+    is_stopping: bool = False
+    """Set once shutdown begins: a cancellation from then on is the graceful timeout's."""
 
     def view(self, exclude: set[str]) -> list[Backend]:
         return [Backend(b.node_id, b.is_healthy and b.node_id not in exclude, b.load) for b in self.backends.values()]
@@ -205,6 +233,36 @@ class RouterMetrics:
         for node in node_ids:
             self.healthy.labels(node).set(1)
             self.in_flight.labels(node).set(0)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; ``InvalidInput`` when it is not JSON, not an object, has
+    a number too long to read, or nests deeper than :data:`MAX_DEPTH` (however deep: a parse
+    that runs out of stack is caught). Nothing it returns nests deeper, so re-encoding it is safe."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise InvalidInput(f"the request body nests deeper than {MAX_DEPTH} levels of arrays and objects") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InvalidInput("the request body is not JSON") from None
+    except ValueError:  # an integer past Python's digit limit
+        raise InvalidInput("the request body has a number with too many digits") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    if _nests_deeper(body, MAX_DEPTH):
+        raise InvalidInput(f"the request body nests deeper than {MAX_DEPTH} levels of arrays and objects")
+    return body
+
+
+def _nests_deeper(value: object, depth: int) -> bool:
+    """Whether ``value`` nests more than ``depth`` arrays and objects (level by level, no recursion)."""
+    level = [value]
+    for _ in range(depth):
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item) if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 def request_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[str | None, str | None, str | None]:
@@ -282,17 +340,13 @@ def create_router_app(config: RouterConfig, holdings: HoldingsSource | None = No
         return problem_response(exc)
 
     app.add_exception_handler(DssError, dss_error)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     return app
 
 
 async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -> Response:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise InvalidInput("the request body is not JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("the request body must be a JSON object")
+    raw = await request.body()  # at most max_body_bytes: BodyLimitMiddleware answered 413 past it
+    body = parse_body(raw)
     headers = {k.lower(): v for k, v in request.headers.items()}
     session, tenant, prefix_key = request_key(body, headers)
     rewritten = with_session(body, headers)
@@ -328,23 +382,45 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
             log.warning("backend %s failed (%s): failing over", backend.node_id, type(exc).__name__)
             tried.add(backend.node_id)
             continue
+        except asyncio.CancelledError:
+            _done(backend, metrics)
+            if not state.is_stopping:
+                raise
+            metrics.requests.labels(backend.node_id, decision.reason, "cancelled").inc()
+            log.warning("request to backend %s cancelled: the router is shutting down", backend.node_id)
+            return problem_response(Unavailable("the router is shutting down (graceful_timeout_s passed)"),
+                                    {"Connection": "close"})
         if served_key is not None and upstream.status_code < 500:
             state.remember(served_key, backend.node_id)
-        return StreamingResponse(_relay(upstream, backend, decision, metrics, start), status_code=upstream.status_code,
-                                 headers={**{k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS},
-                                          "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason})
+        passed = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        return StreamingResponse(_relay(upstream, backend, decision, state, metrics, start),
+                                 status_code=upstream.status_code,
+                                 headers={**passed, "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason})
 
 
-async def _relay(upstream: httpx.Response, backend: BackendState, decision: Decision, metrics: RouterMetrics,
-                 start: float) -> AsyncIterator[bytes]:
-    """The backend's response, chunk by chunk as it arrives; the backend's load drops when it ends."""
+class ResponseCut(Exception):
+    """Raised to cut a response off on purpose (ASGI's only way to end one without its end), its
+    cause already logged; :class:`ReportedCuts` keeps uvicorn from logging it again."""
+
+
+async def _relay(upstream: httpx.Response, backend: BackendState, decision: Decision, state: RouterState,
+                 metrics: RouterMetrics, start: float) -> AsyncIterator[bytes]:
+    """The backend's response, chunk by chunk as it arrives; the backend's load drops when it ends.
+    A backend failing mid-response, or shutdown's cancellation, cuts it off (see the module docstring)."""
     status = str(upstream.status_code)
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError as exc:
         status = "broken"
-        raise BackendFailed(f"backend {backend.node_id} failed mid-response ({type(exc).__name__})") from exc
+        log.warning("backend %s failed mid-response (%s): the response was cut off", backend.node_id,
+                    type(exc).__name__)
+        raise ResponseCut(backend.node_id) from None
+    except asyncio.CancelledError:
+        if state.is_stopping:
+            status = "cancelled"
+            log.warning("response of backend %s cut off: the router is shutting down", backend.node_id)
+        raise
     finally:
         await upstream.aclose()
         _done(backend, metrics)
@@ -380,17 +456,55 @@ async def _check(backend: BackendState, metrics: RouterMetrics, client: httpx.As
         _mark(backend, False, metrics)
 
 
-def serve_router(config: RouterConfig, holdings: HoldingsSource | None, *, log_level: str = "info") -> None:
-    """Run the proxy until SIGTERM/SIGINT (in-flight requests finish first)."""
-    import uvicorn
+class ReportedCuts(logging.Filter):
+    """Drops uvicorn's report (a traceback) of an app that raised :class:`ResponseCut`, or was
+    cancelled once the router is stopping: the router logged those in one line already."""
 
+    def __init__(self, state: RouterState) -> None:
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or not self._is_reported(exc)
+
+    def _is_reported(self, exc: BaseException) -> bool:
+        if isinstance(exc, BaseExceptionGroup):
+            return all(self._is_reported(inner) for inner in exc.exceptions)
+        return isinstance(exc, ResponseCut) or self.state.is_stopping and isinstance(exc, asyncio.CancelledError)
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, telling the router's state when a signal begins the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state: RouterState) -> None:
+        super().__init__(config)
+        self.router_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.router_state.is_stopping = True
+        super().handle_exit(sig, frame)
+
+
+def serve_router(config: RouterConfig, holdings: HoldingsSource | None, *, log_level: str = "info") -> None:
+    """Run the proxy until SIGTERM/SIGINT: in-flight requests get ``graceful_timeout_s`` to finish,
+    then are cancelled (see the module docstring); uvicorn then re-raises the signal."""
     app = create_router_app(config, holdings)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                          access_log=False, server_header=False, lifespan="on"))
+    state: RouterState = app.state.router
+    server = RouterServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                         access_log=False, server_header=False, lifespan="on",
+                                         timeout_graceful_shutdown=config.graceful_timeout_s),  # type: ignore[arg-type]
+                          state)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    cuts = ReportedCuts(state)
+    uvicorn_log.addFilter(cuts)  # after uvicorn.Config, which configures its logging
     log.info("dss route (%s) on http://%s:%d in front of %s", config.policy, config.host, config.port,
              ", ".join(f"{n}={u}" for n, u in config.backends))
-    server.run()
+    try:
+        server.run()
+    finally:
+        uvicorn_log.removeFilter(cuts)
 
 
-__all__ = ["HoldingsSource", "RouterConfig", "StoreHoldings", "create_router_app", "head_holdings", "parse_backends",
-           "request_key", "serve_router", "with_session"]
+__all__ = ["MAX_DEPTH", "HoldingsSource", "RouterConfig", "StoreHoldings", "create_router_app", "head_holdings",
+           "parse_backends", "parse_body", "request_key", "serve_router", "with_session"]
