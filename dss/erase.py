@@ -20,9 +20,21 @@ next opening of the store) finishes:
 ``done``            verification passed and the receipt is in the ``audit`` table.
 
 The job never keeps a page id: a sample of them is kept as needles (a prefix and a SHA-256
-each, see :mod:`dss.core.rawscan`) for verification to look for. Verification fails loudly
-(:class:`dss.core.errors.ErasureIncomplete`) and leaves the job open. Pages of the tenant's
+each, see :mod:`dss.core.rawscan`) for verification to look for. Pages of the tenant's
 registered shared prefixes belong to the tenant, not to the user, and stay.
+
+**Fence.** From the commit that records the job until the job is final, every write of a
+session of the namespace, in any process or node, raises ``ErasureInProgress``: the writer
+checks for an open job inside its own write transaction (:func:`dss.catalog.erasures.check_fence`;
+the catalog serialises write transactions), and a new session or namespace of that user is
+refused by name. Before the remote sweep the namespace is fenced in Redis too
+(:meth:`dss.tiers.remote.RemoteTier.fence`): a write-through another node queued before the
+fence either landed before it (and is swept) or is dropped.
+
+**Ends.** A job ends ``done`` (verified), ``failed`` (verification still found data after one
+more sweep: reported with ``ErasureIncomplete`` and a ``failed`` receipt, never run again), or
+``no_such_user``. One that cannot go on now (Redis down) stays open; ``forget_user`` for the
+same tenant and user resumes it, as the same job, even once the user's row is gone.
 
 Other nodes of a fleet drop the namespace from their caches when they next catch up (the
 key's destruction and the purge are events of the change feed), and delete their own page
@@ -207,9 +219,11 @@ class Eraser:
         try:
             if tag is not None:
                 tag_bytes = bytes.fromhex(tag)
+                self.remote.fence(tag_bytes)  # first: no write-through of the namespace lands after the sweep
                 deleted = self.remote.delete([key_of(self.remote.prefix, tag_bytes, p) for p in page_ids])
-                stragglers = self.remote.scan(self.remote.namespace_pattern(tag_bytes))
-                deleted += self.remote.delete([k.decode() for k in stragglers])
+                stragglers = [k.decode() for k in self.remote.scan(self.remote.namespace_pattern(tag_bytes))
+                              if page_id_of(k) is not None]  # the fence stays
+                deleted += self.remote.delete(stragglers)
             else:  # no tag was taken (the key was gone when the job began): find the keys by page id
                 wanted = set(page_ids)
                 deleted = self.remote.delete([k.decode() for k in self.remote.scan(f"{self.remote.prefix}*")
@@ -330,7 +344,7 @@ class Eraser:
             for key in self.remote.scan(f"{self.remote.prefix}*"):
                 page_id = page_id_of(key)
                 found += page_id is not None and hashlib.sha256(page_id).hexdigest() in sampled
-                tagged += tag is not None and f"{{{tag}}}" in key.decode()
+                tagged += page_id is not None and tag is not None and f"{{{tag}}}" in key.decode()
         except RemoteUnavailable as exc:
             return {"ok": False, "detail": str(exc)}
         return {"ok": not found and not tagged,

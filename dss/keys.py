@@ -127,7 +127,7 @@ def ensure_namespace(conn: Any, tenant_id: str, user_id: str, master: bytes) -> 
     back). Raises ``ErasureInProgress`` while the user is being erased."""
     tenant_ref = namespaces.ensure_tenant(conn, tenant_id)
     user_ref = namespaces.ensure_user(conn, tenant_ref, user_id)
-    if erasures.open_job_of(conn, user_ref) is not None:
+    if erasures.open_job_for(conn, tenant_id, user_id) is not None:  # by name: the job outlives the user's row
         raise ErasureInProgress("this user's data is being erased; try again when the erasure has finished")
     made = namespaces.wrapped_key(conn, user_ref) is None
     if made:

@@ -38,6 +38,7 @@ from sqlalchemy.exc import IntegrityError
 
 from dss import versions
 from dss.catalog import change as changes
+from dss.catalog import erasures
 from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
 from dss.catalog.database import Catalog, Tx, catalog_errors
 from dss.core.crypto import Sealer
@@ -191,6 +192,7 @@ class Writer:
             with self.guard.lock:
                 self.guard.check_open()
                 with catalog_errors(), self.catalog.write() as tx:
+                    _check_fence(tx, change)
                     applied = changes.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
                 self.pages.disk.settled(w.name for w in written)
@@ -254,6 +256,7 @@ class Writer:
             if member.error is not None:
                 continue
             try:
+                _check_fence(tx, member.change)
                 changes.check(tx, member.change)
             except (Stale, DssError) as exc:  # refused before writing: this member alone
                 member.error = exc
@@ -410,6 +413,14 @@ class Writer:
         if state is None:
             raise UnknownSession("the session was deleted by another writer")
         return state
+
+
+def _check_fence(tx: Tx, change: Change) -> None:
+    """A write of a session (not the store's own compaction or eviction) raises
+    ``ErasureInProgress`` once an erasure of its namespace has begun, whichever process or
+    node runs the erasure."""
+    if change.user_ref is not None and change.session_id:
+        erasures.check_fence(tx.conn, change.user_ref)
 
 
 @contextmanager

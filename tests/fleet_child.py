@@ -8,14 +8,19 @@ prints ``ready``, then runs one command per line of stdin and answers one line e
                            counting up from START (default 0) modulo 1000, with the KV of
                            every full page; ``ack <version_id> <num_tokens>`` only after
                            ``commit`` returned;
-``loop SESSION USER``      commit 8 more tokens again and again, acknowledging each, forever
-                           (until the process is killed);
+``loop SESSION USER``      make the session if new, then commit 8 more tokens to it again and
+                           again, forever (until the process is killed): ``ack`` for each
+                           commit that returned, ``error <type>`` (then a 10 ms pause) for
+                           each that raised a ``DssError``;
 ``resume SESSION``         resume the session's head tokens and read its pages: ``resumed
                            <matched> <tiers as JSON> <pages read byte-exact> <pages missed>``
                            (a read that fails is an ``error <type>`` line instead);
 ``flush``                  wait for the remote tier's queue: ``flushed <True|False>``;
 ``check``                  ``checked <problems as JSON>``;
-``forget USER``            ``forget_user(USER)`` in tenant ``default``: ``forgot <pages removed> <status>``;
+``forget USER [PAUSE_S BEGAN]``  ``forget_user(USER)`` in tenant ``default``: ``forgot <pages
+                           removed> <status>``; with ``PAUSE_S``, it pauses that long before each
+                           step and writes the time (``time.time()``) its job began to the file
+                           ``BEGAN`` first;
 ``exit``                   closes the store and exits.
 """
 
@@ -23,6 +28,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import dss
 from tests.crash_child import LAYOUT, payload
@@ -35,6 +43,26 @@ def commit(store: dss.Store, session_id: str, user_id: str, count: int, start: i
     pages = {i: payload(tokens, i) for i in range(len(tokens) // LAYOUT.page_tokens)}
     version = store.commit(session_id, tokens, pages)
     return f"ack {version.version_id} {len(tokens)}"
+
+
+def commit_more(store: dss.Store, session_id: str, count: int) -> str:
+    """Commit ``count`` more tokens to an existing session (never makes it again)."""
+    before = store.tokens(session_id)
+    tokens = before + [(len(before) + i) % 1000 for i in range(count)]
+    pages = {i: payload(tokens, i) for i in range(len(tokens) // LAYOUT.page_tokens)}
+    version = store.commit(session_id, tokens, pages)
+    return f"ack {version.version_id} {len(tokens)}"
+
+
+def paused(pause_s: float, began: str) -> Callable[[str], None]:
+    """An erasure's progress callback: the first call (the job is recorded) writes the time to
+    the file ``began``; every call sleeps ``pause_s``."""
+    def progress(step: str) -> None:
+        if step.startswith("planned "):
+            Path(began).write_text(repr(time.time()))
+        time.sleep(pause_s)
+
+    return progress
 
 
 def resume(store: dss.Store, session_id: str) -> str:
@@ -57,8 +85,13 @@ def main() -> None:
             if command == "commit":
                 answer = commit(store, args[0], args[1], int(args[2]), *map(int, args[3:]))
             elif command == "loop":
+                store.create_session(args[0], user_id=args[1], layout=LAYOUT)
                 while True:
-                    print(commit(store, args[0], args[1], 8), flush=True)
+                    try:
+                        print(commit_more(store, args[0], 8), flush=True)
+                    except dss.DssError as exc:
+                        print(f"error {type(exc).__name__}", flush=True)
+                        time.sleep(0.01)
             elif command == "resume":
                 answer = resume(store, args[0])
             elif command == "flush":
@@ -67,7 +100,8 @@ def main() -> None:
             elif command == "check":
                 answer = f"checked {json.dumps(store.check())}"
             elif command == "forget":
-                receipt = store.forget_user(args[0], tenant_id="default")
+                receipt = store.forget_user(args[0], tenant_id="default",
+                                            progress=paused(float(args[1]), args[2]) if len(args) > 1 else None)
                 answer = f"forgot {receipt.removed.pages} {receipt.status}"
             else:
                 break

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 import dss
 from dss.catalog import erasures as erasure_rows
 from dss.core.tokens import pack
+from dss.erasure import Check
 
 LAYOUT = dss.Layout(name="e", page_tokens=8, page_bytes=256)
 CANARY_TOKENS = [0xC0FFEE00 + i for i in range(64)]  # 8 pages; distinctive as packed bytes
@@ -293,3 +295,69 @@ def test_erasures_among_many_commits_leave_no_page_id_in_the_catalog(tmp_path: P
         assert store.check() == []
     assert len(erased) == 40 * 16
     assert found(folder, erased + [page_id.hex().encode() for page_id in erased]) == []
+
+
+class Stop(Exception):
+    """Raised by a progress callback to stop an erasure between two steps."""
+
+
+def stop_at(step: str) -> Callable[[str], None]:
+    def progress(now: str) -> None:
+        if now == step:
+            raise Stop(now)
+
+    return progress
+
+
+def test_a_commit_of_another_store_is_fenced_from_the_moment_the_job_is_recorded(open_store) -> None:
+    """The job is recorded, the key not yet destroyed: another store that cached the key still
+    cannot commit (the fence is checked in its write transaction), nor make a session there."""
+    store, other = open_store(), open_store()
+    populate(store)
+    tokens = other.tokens("alice-1", tenant_id="acme")
+    with pytest.raises(Stop):
+        store.forget_user("alice", tenant_id="acme", progress=stop_at("planned -> key_destroyed"))
+    with pytest.raises(dss.ErasureInProgress, match="this user's data is being erased"):
+        other.commit("alice-1", tokens + [1] * 8, tenant_id="acme")
+    with pytest.raises(dss.ErasureInProgress):
+        other.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)
+    other.commit("bob-1", [101] * 72, tenant_id="acme")  # another namespace is not fenced
+    receipt = store.forget_user("alice", tenant_id="acme")
+    assert (receipt.erasure_id, receipt.status, receipt.removed.sessions) == (1, "verified", 4)
+
+
+def test_a_retry_resumes_the_same_job_after_the_user_row_is_gone(store: dss.Store) -> None:
+    populate(store)
+    with pytest.raises(Stop):  # stopped after the purge: the user's row is gone, the job open
+        store.forget_user("alice", tenant_id="acme", progress=stop_at("catalog_purged -> files_deleted"))
+    with pytest.raises(dss.ErasureInProgress):
+        store.create_session("new", user_id="alice", tenant_id="acme", layout=LAYOUT)
+    receipt = store.forget_user("alice", tenant_id="acme")
+    assert (receipt.erasure_id, receipt.status, receipt.removed.sessions) == (1, "verified", 4)
+    with store.catalog.read() as conn:
+        assert [erasure_rows.job(conn, 1).state, erasure_rows.open_jobs(conn)] == ["done", []]
+    assert [e.receipt.erasure_id for e in store.audit()] == [1]
+
+
+def test_a_failed_verification_sweeps_once_then_the_job_is_final_and_reported(store: dss.Store, monkeypatch) -> None:
+    populate(store)
+    verify = store.eraser.verify
+    failures = iter([True])  # the first verification finds something; the second does not
+
+    def once(*args: object) -> list[Check]:
+        return [*verify(*args), *([Check(name="planted", ok=False, detail="1 left")] if next(failures, False) else [])]
+
+    monkeypatch.setattr(store.eraser, "verify", once)
+    receipt = store.forget_user("alice", tenant_id="acme")
+    assert receipt.status == "verified" and receipt.verification is not None and receipt.verification.ok
+    monkeypatch.setattr(store.eraser, "verify",
+                        lambda *args: [*verify(*args), Check(name="planted", ok=False, detail="1 left")])
+    with pytest.raises(dss.ErasureIncomplete, match=r"erasure 2 failed verification twice \(its receipt, status "
+                                                    r"'failed', is in the audit table\): planted: 1 left"):
+        store.forget_user("bob", tenant_id="acme")
+    with pytest.raises(dss.ErasureIncomplete, match="erasure 2 failed verification twice"):
+        store.eraser.run(2)  # final: running it again reports the same, changes nothing
+    with store.catalog.read() as conn:
+        assert [erasure_rows.job(conn, 2).state, erasure_rows.open_jobs(conn)] == ["failed", []]
+    assert [(e.user_id, e.receipt.status) for e in store.audit()] == [("alice", "verified"), ("bob", "failed")]
+    assert store.eraser.resume_all() == []  # a final job is not run again at every open

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -185,7 +186,7 @@ def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_p
     assert len(keys_of(remote_url, prefix)) == 5 + 3 + 2
     assert len(os.listdir(tmp_path / "b" / "segments")) == 1
     assert a.ask("forget erin") == "forgot 7 verified"
-    assert len(keys_of(remote_url, prefix)) == 3  # frank's pages only
+    assert len(page_keys_of(remote_url, prefix)) == 3  # frank's pages only (and erin's fence)
     deadline = time.monotonic() + 5  # node B hears of the erasure within the bound (NOTIFY, else its poll)
     while not b.ask("resume erin-1").startswith("error UnknownSession"):
         assert time.monotonic() < deadline, "node B did not learn of the erasure within 5 s"
@@ -193,6 +194,67 @@ def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_p
     assert os.listdir(tmp_path / "b" / "segments") == []  # node B dropped its file of erin when it caught up
     assert b.resume("frank-1") == (24, {"remote": 24}, 3, 0)
     assert [n.check() for n in nodes] == [[], [], []]
+
+
+def page_keys_of(remote_url: str, prefix: str) -> list[bytes]:
+    """The page keys under ``prefix`` (an erasure's fence, ``...:fence``, holds no page)."""
+    return [k for k in keys_of(remote_url, prefix) if not k.endswith(b":fence")]
+
+
+def test_an_erasure_fences_the_namespace_while_another_node_commits_in_a_loop(
+        tmp_path: Path, fleet_url: str, remote_url: str, prefix: str) -> None:
+    """Node B commits to a session of ``bea`` in a loop (each write-through racing to Redis)
+    while node A erases ``bea``, pausing 0.5 s before each step (so the fence stands 0.5 s
+    while the key still exists, then 0.5 s more with the key destroyed): A's erasure ends
+    verified at the first try; once it began, no write of B succeeds again (``ErasureInProgress``
+    while B's session exists, ``UnknownSession`` once it is purged); no page key of the
+    namespace is left in Redis (only its fence, which holds no data); the catalog has one job,
+    ``done``, and no row of ``bea``."""
+    a = Node(tmp_path / "a", fleet_url, remote_url, prefix, "node-a")
+    b = Node(tmp_path / "b", fleet_url, remote_url, prefix, "node-b")
+    lines: list[str] = []
+    arrived: list[float] = []
+    began = tmp_path / "began"
+
+    def read_b() -> None:
+        assert b.process.stdout is not None
+        for line in b.process.stdout:
+            arrived.append(time.time())
+            lines.append(line.strip())
+
+    try:
+        b.send("loop chat bea")
+        threading.Thread(target=read_b, daemon=True).start()
+        assert wait_for(lambda: sum(line.startswith("ack ") for line in lines) >= 3, 20.0), lines
+        answer = a.ask(f"forget bea 0.5 {began}")
+        kind, removed, status = answer.split()
+        assert (kind, status) == ("forgot", "verified") and int(removed) > 0
+        assert wait_for(lambda: "error UnknownSession" in lines, 10.0), lines[-5:]
+        os.kill(b.process.pid, signal.SIGKILL)  # B stops: nothing it queued can land later
+        b.process.wait(10)
+    finally:
+        b.close()
+        a.close()
+    first_error = next(i for i, line in enumerate(lines) if line.startswith("error "))
+    assert all(line.startswith("ack ") for line in lines[:first_error])
+    # a commit that was in its transaction when the job was recorded answers within ms; none later
+    assert arrived[first_error - 1] < float(began.read_text()) + 0.2, (arrived[first_error - 1], began.read_text())
+    after = lines[first_error:]
+    assert set(after) <= {"error ErasureInProgress", "error UnknownSession"}, sorted(set(after))
+    assert after.count("error ErasureInProgress") >= 10  # the fence held for 0.5 s at least, B retrying every 10 ms
+    assert after.index("error UnknownSession") > after.index("error ErasureInProgress")
+    time.sleep(0.3)
+    assert page_keys_of(remote_url, prefix) == []
+    fences = [k for k in keys_of(remote_url, prefix) if k.endswith(b":fence")]
+    client = servers.redis_client(remote_url)
+    assert len(fences) == 1 and client.get(fences[0]) == b"1"
+    client.close()
+    engine = sa.create_engine(fleet_url)
+    with engine.connect() as conn:
+        jobs = [tuple(r) for r in conn.execute(sa.text("SELECT user_id, state, finished_at IS NOT NULL FROM erasures"))]
+        users = conn.execute(sa.text("SELECT user_id FROM users")).all()
+    engine.dispose()
+    assert (jobs, users) == ([("bea", "done", True)], [])
 
 
 @ON_REDIS_ONLY
@@ -442,7 +504,7 @@ def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(tmp_
         check = next(c for c in receipt.verification.checks if c.name == "remote tier")
         assert check.ok and check.detail.startswith("0 of 3 sampled page ids and 0 keys of the user's namespace")
         assert "AOF/RDB files hold only pages sealed under the destroyed key" in check.detail
-        assert client.dbsize() == 1
+        assert client.dbsize() == 2 and len(client.keys("dss:*:fence")) == 1  # the other key, jo's fence
         client.close()
         assert a.check() == []
 
@@ -459,7 +521,7 @@ def test_the_receipt_counts_the_remote_keys_it_deleted(tmp_path: Path, fleet_url
         receipt = a.forget_user("kim", tenant_id="default")
         assert isinstance(receipt, dss.Receipt) and receipt.verification.ok
         assert receipt.removed.tiers["remote"].pages == 3
-        assert keys_of(remote_url, prefix) == []
+        assert page_keys_of(remote_url, prefix) == [] and len(keys_of(remote_url, prefix)) == 1  # the fence
 
 
 # -- remote keys of pages gone from every tier --------------------------------------------------

@@ -14,6 +14,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import aware, chunks, now
+from dss.core.errors import ErasureInProgress
 from dss.catalog.namespaces import destroy_key
 from dss.catalog.pages import delete_segments
 from dss.catalog.schema import (
@@ -80,6 +81,15 @@ def open_job_for(conn: Connection, tenant_id: str, user_id: str) -> JobRecord | 
     row = conn.execute(_job_select.where(erasures.c.tenant_id == tenant_id, erasures.c.user_id == user_id,
                                          erasures.c.finished_at.is_(None)).order_by(erasures.c.id)).first()
     return _job(row) if row else None
+
+
+def check_fence(conn: Connection, user_ref: int) -> None:
+    """Raise ``ErasureInProgress`` when an erasure of namespace ``user_ref`` has begun and not
+    finished. Run inside a write transaction (which the catalog serialises with the one that
+    records the job), it fences the namespace for every process and node at once."""
+    if conn.execute(select(erasures.c.id).where(erasures.c.user_ref == user_ref,
+                                                erasures.c.finished_at.is_(None))).first() is not None:
+        raise ErasureInProgress("this user's data is being erased; try again when the erasure has finished")
 
 
 def insert_job(conn: Connection, tenant_id: str, user_id: str, user_ref: int | None, plan: str,

@@ -29,6 +29,12 @@ depends on it. What a page costs and how it is found:
 Erasure needs to know: :meth:`delete` and :meth:`scan` raise :class:`RemoteUnavailable`
 instead of pretending. In a Redis Cluster both cover every master (``DEL`` is split by slot,
 ``SCAN`` walks each master to its end).
+
+**Fences.** :meth:`fence` sets ``<prefix>{<tag>}:fence`` (no data, :data:`FENCE_TTL_S`) before an
+erasure sweeps the namespace's keys; every write checks for its namespace's fence and sets
+its keys in one script (one ``EVAL`` per namespace and batch: the fence and the pages share a
+hash slot), so a write-through that reaches Redis after the fence, from any node, is dropped,
+and one that reached it before is deleted by the sweep.
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ DELETE_BATCH = 500
 """Keys per ``DEL`` (and per ``SCAN`` page)."""
 BREAKER_FAILURES = 3
 BREAKER_COOLDOWN_S = 1.0
+FENCE_TTL_S = 7 * 24 * 3600
+"""How long a namespace's fence stays (a write queued on a node for longer is let go anyway)."""
+_PUT_UNLESS_FENCED = ("if redis.call('exists', KEYS[1]) == 1 then return 0 end "
+                      "for i = 2, #KEYS do redis.call('set', KEYS[i], ARGV[i - 1]) end return #KEYS - 1")
+"""Set KEYS[2:] to ARGV unless the fence KEYS[1] exists (all keys of one namespace, one slot)."""
 OPS = ("get", "put", "delete", "scan", "verify")
 """The operations ``errors`` counts (``verify``: a value that is not the page's)."""
 
@@ -77,6 +88,11 @@ def unpack_value(raw: bytes) -> tuple[int, int, bytes] | None:
 def key_of(prefix: str, tag: bytes, page_id: bytes) -> str:
     """The key of a page of the namespace tagged ``tag``."""
     return f"{prefix}{{{tag.hex()}}}:{page_id.hex()}"
+
+
+def fence_key_of(key: str) -> str:
+    """The fence key of the namespace of a page's key (see the module docstring)."""
+    return f"{key.rsplit(':', 1)[0]}:fence"
 
 
 def page_id_of(key: str | bytes) -> bytes | None:
@@ -212,13 +228,7 @@ class RemoteTier:
         if not self._allowed():
             return False
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in batch:
-                if value is None:
-                    pipe.delete(key)
-                else:
-                    pipe.set(key, value)
-            pipe.execute()
+            self._send(batch)
         except self._error as exc:
             has_writes = any(value is not None for _, value in batch)
             if has_writes and any(value is None for _, value in batch):
@@ -227,6 +237,34 @@ class RemoteTier:
             return False
         self._succeeded()
         return True
+
+    def _send(self, batch: list[tuple[str, bytes | None]]) -> None:
+        """Send a batch in order: each run of writes as one fenced script per namespace, each
+        deletion as itself; pipelined on a single Redis. A cluster's pipeline takes no scripts:
+        there the scripts go one by one (routed by their slot), then the deletions, pipelined."""
+        pipe = self.client.pipeline(transaction=False)
+        runs: dict[str, list[tuple[str, bytes]]] = {}
+        num_deletions = 0
+
+        def flush_runs() -> None:
+            nonlocal pipe, num_deletions
+            if self.is_cluster and runs and num_deletions:  # the deletions before these writes go first
+                pipe.execute()
+                pipe, num_deletions = self.client.pipeline(transaction=False), 0
+            for fence, items in runs.items():
+                keys, values = [fence, *(k for k, _ in items)], [v for _, v in items]
+                (self.client if self.is_cluster else pipe).eval(_PUT_UNLESS_FENCED, len(keys), *keys, *values)
+            runs.clear()
+
+        for key, value in batch:
+            if value is None:
+                flush_runs()
+                pipe.delete(key)
+                num_deletions += 1
+            else:
+                runs.setdefault(fence_key_of(key), []).append((key, value))
+        flush_runs()
+        pipe.execute()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -270,6 +308,16 @@ class RemoteTier:
         except self._error as exc:
             self._failed("scan", exc)
             raise RemoteUnavailable(f"the remote tier cannot be reached: {exc}") from None
+
+    def fence(self, tag: bytes) -> None:
+        """Fence the namespace tagged ``tag``: from now on no write of its pages lands (see the
+        module docstring). Raises ``RemoteUnavailable``."""
+        try:
+            self.client.set(f"{self.prefix}{{{tag.hex()}}}:fence", b"1", ex=FENCE_TTL_S)
+        except self._error as exc:
+            self._failed("put", exc)
+            raise RemoteUnavailable(f"the remote tier cannot be reached: {exc}") from None
+        self._succeeded()
 
     def namespace_pattern(self, tag: bytes) -> str:
         """The glob matching every key of the namespace tagged ``tag``."""
