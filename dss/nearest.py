@@ -149,8 +149,10 @@ class Nearest:
         ``extra``'s versions (the request's own session) and the ``also`` versions
         (``(session_ref, version_id)``) are compared too, proposed or not.
         """
-        bucket = self.bucket(user_ref, layout)
         prompt = np.frombuffer(buf, dtype=np.uint32)
+        if not len(prompt):
+            return [], 0  # nothing is near an empty prompt
+        bucket = self.bucket(user_ref, layout)
         hits = self.lsh.query(bucket, buf, layout.page_tokens)
         wanted: dict[tuple[int, int], int] = {}
         for hit in sorted(hits, key=lambda h: (h.entry.is_window, -h.entry.num_tokens)):

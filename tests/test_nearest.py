@@ -182,6 +182,19 @@ def test_prefetch_candidates_promotes_the_reusable_pages(open_store) -> None:
     assert store.prefetch_candidates(prompt, user_id="u", layout=L2) == []
 
 
+def test_an_empty_prompt_is_near_nothing(open_store) -> None:
+    """An empty prompt has no shingle: nearest, prefetch_candidates and an approximate resume
+    answer with nothing (they used to fail inside the signature's reduction)."""
+    store = open_store()
+    tokens = list(range(2000, 2040))
+    store.create_session("a", user_id="u", layout=L)
+    store.commit("a", tokens, kv_pages(tokens))
+    assert store.nearest([], session_id="a") == []
+    assert store.prefetch_candidates([], session_id="a") == []
+    assert store.resume("a", [], approximate=True).matched_tokens == 0
+    assert store.check() == []
+
+
 def test_index_follows_commit_branch_delete_and_other_processes(open_store) -> None:
     store = open_store()
     tokens = list(range(3000, 3300))
