@@ -30,6 +30,7 @@ from dss.core.errors import (
     InvalidLayout,
     InvalidPage,
     InvalidTokens,
+    NoStore,
     NotFound,
     PayloadTooLarge,
     ReadOnlyViolation,
@@ -38,6 +39,7 @@ from dss.core.errors import (
     SessionExists,
     SqlError,
     StoreClosed,
+    StoreFolderError,
     Unauthorized,
     Unavailable,
     UnknownSession,
@@ -58,9 +60,9 @@ __all__ = [
     "AmbiguousSession", "AuditEntry", "Candidate", "CatalogCorrupt", "CatalogUnavailable", "Compaction",
     "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "Explanation", "Forbidden",
     "InternalError", "PayloadTooLarge", "Unauthorized",
-    "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NotFound",
+    "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NoStore", "NotFound",
     "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
-    "SessionExists", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "UnknownSession",
+    "SessionExists", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "StoreFolderError", "UnknownSession",
     "UnknownVersion", "Version", "VersionId", "configure", "connect", "default_store", "open", "resume",
 ]
 
@@ -76,9 +78,11 @@ def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> S
     with the folder taken from ``home=``/``DSS_HOME``; ``dss.open(home=...)`` names the
     folder too. Other keyword arguments override :class:`StoreConfig` fields
     (``host_bytes="2GiB"``, ``disk_bytes=...``, ...). Raises ``ConfigError`` when the folder
-    or the catalog URL is given twice.
+    or the catalog URL is given twice. ``create=False`` opens only a store that exists
+    (``NoStore`` otherwise, and nothing is made); a file-system failure is a ``StoreFolderError``.
     """
     home = options.pop("home", None)
+    create = options.pop("create", True)
     if path_or_url is not None and not isinstance(path_or_url, (str, os.PathLike)):
         raise ConfigError(f"dss.open needs a store folder or a catalog URL, not {type(path_or_url).__name__}")
     if path_or_url is not None and "://" in str(path_or_url):
@@ -89,7 +93,7 @@ def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> S
         if home is not None:
             raise ConfigError("the store folder is given twice: as the first argument and as home=")
         home = path_or_url
-    return Store(load_config(home, **options))
+    return Store(load_config(home, **options), create=create)
 
 
 def connect(url: str, *, api_key: str | None = None, **options: Any) -> Any:

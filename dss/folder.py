@@ -6,6 +6,11 @@ each folder as a node (table ``nodes``: the folder's id and a name, ``node_id``)
 folder a catalog is opened with becomes its first node. Another folder joins only when its
 opener names it (the ``node_id`` setting): a folder opened on some other store's catalog by
 mistake is refused, not silently made a second node.
+
+Opening a folder touches the file system; every failure there (a read-only file system, a
+missing permission, a file where a folder should be) is a ``StoreFolderError`` naming the path
+and the cause (:func:`file_errors`). :func:`has_store` tells whether a folder holds a store, for
+openers that must not make one.
 """
 
 from __future__ import annotations
@@ -22,16 +27,46 @@ from sqlalchemy.exc import IntegrityError
 
 from dss.catalog import nodes
 from dss.catalog.database import Catalog
-from dss.core.errors import ConfigError
+from dss.core.config import sqlite_file
+from dss.core.errors import ConfigError, StoreFolderError
 
 ID_FILE = "store-id"
 _TAG = "dss-store-id v1"
 
 
 @contextmanager
+def file_errors(action: str, path: Path) -> Iterator[None]:
+    """Raise an ``OSError`` of the block as ``StoreFolderError``: ``cannot <action> <path>:
+    <cause>``, the path being the one the failing call named (else ``path``)."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else path
+        raise StoreFolderError(f"cannot {action} {where}: {exc.strerror or exc}") from None
+
+
+def has_store(home: Path, catalog_url: str) -> bool:
+    """Whether a store is at ``home``: the folder exists and, for a SQLite catalog, so does its
+    database file (a folder without it holds no sessions). Creates nothing."""
+    file = sqlite_file(catalog_url)
+    return home.is_dir() and (file is None or file.is_file())
+
+
+def open_catalog_file(url: str) -> None:
+    """Make sure a SQLite catalog's file can be opened for writing (creating it if missing), so
+    a read-only file system or a folder in its place is a ``StoreFolderError`` naming the file,
+    not SQLite's "unable to open database file". Does nothing for other databases."""
+    file = sqlite_file(url)
+    if file is not None:
+        with file_errors("open the catalog file", file):
+            os.close(os.open(file, os.O_CREAT | os.O_RDWR, 0o600))
+
+
+@contextmanager
 def folder_lock(home: Path) -> Iterator[None]:
     """Serialise store initialisation (schema, master key, store id) between processes."""
-    fd = os.open(home / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    with file_errors("open the lock file", home / ".lock"):
+        fd = os.open(home / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -87,6 +122,8 @@ def _read_id(home: Path) -> bytes | None:
         text = (home / ID_FILE).read_text()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise StoreFolderError(f"cannot read the store id file {home / ID_FILE}: {exc.strerror or exc}") from None
     tag, _, value = text.partition("\n")
     try:
         if tag == _TAG and len(bytes.fromhex(value.strip())) == 16:
@@ -97,7 +134,15 @@ def _read_id(home: Path) -> bytes | None:
 
 
 def _write_id(home: Path) -> bytes:
-    """Publish a new store id in the folder atomically (temp file, fsync, rename, fsync of the folder)."""
+    """Publish a new store id in the folder atomically (temp file, fsync, rename, fsync of the folder);
+    ``StoreFolderError`` when the folder cannot be written."""
+    try:
+        return _publish_id(home)
+    except OSError as exc:
+        raise StoreFolderError(f"cannot write the store id file {home / ID_FILE}: {exc.strerror or exc}") from None
+
+
+def _publish_id(home: Path) -> bytes:
     value = secrets.token_bytes(16)
     tmp = home / f".{ID_FILE}.{secrets.token_hex(6)}"
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)

@@ -95,7 +95,7 @@ def test_check(home: str) -> None:
 
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     home = str(tmp_path / "new")
-    assert run("--home", home, "db", "current") == (0, "empty\n")
+    assert run("--home", home, "db", "current") == (1, f"error: NoStore: no store at {home}\n")
     assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0006\n")
     assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0006\n")
     assert run("--home", home, "db", "current") == (0, "0006\n")
@@ -141,7 +141,11 @@ def test_no_help_shows_rst_markup() -> None:
 def test_python_dash_m(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
                             text=True)
-    assert (result.returncode, result.stdout) == (0, "(none)\n")
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", f"error: NoStore: no store at {tmp_path}\n")
+    dss.open(tmp_path).close()
+    result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
+                            text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "(none)\n", "")
 
 
 # -- --home and --catalog-url after the command name, for every command ------------------------
@@ -317,3 +321,52 @@ def test_forget_user_help_documents_the_exit_statuses() -> None:
     code, out, _ = invoke("forget-user", "--help")
     assert code == 0 and "--tenant TEXT" in out and "[required]" in out
     assert "Exit status: 0 erased and verified; 3 the tenant has no such user" in " ".join(out.split())
+
+
+# -- a missing store: commands that only read refuse it, commands that write make it and say so ---
+
+READS = [
+    ["sessions"], ["versions", "chat"], ["sql", "SELECT 1 AS one"], ["check"], ["stats"], ["explain", "chat", "1", "2"],
+    ["audit"], ["forget-user", "alice", "--tenant", "acme", "--dry-run"], ["compact", "--dry-run"], ["db", "current"],
+]
+
+
+@pytest.mark.parametrize("words", READS, ids=lambda words: " ".join(words[:2]))
+def test_a_command_that_only_reads_refuses_a_missing_store_and_makes_nothing(tmp_path: Path,
+                                                                              words: list[str]) -> None:
+    missing = tmp_path / "missing"
+    assert invoke("--home", str(missing), *words) == (1, "", f"error: NoStore: no store at {missing}\n")
+    assert not missing.exists()
+    empty = tmp_path / "empty"  # a folder that holds no catalog is no store either
+    empty.mkdir()
+    assert invoke("--home", str(empty), *words) == (1, "", f"error: NoStore: no store at {empty}\n")
+    assert list(empty.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_with_a_catalog_url_no_store_means_no_folder(catalog_url: str | None, tmp_path: Path) -> None:
+    """A PostgreSQL catalog (or a SQLite one named by URL) lives outside the folder: a read of a
+    missing folder is refused and makes neither the folder nor a catalog file."""
+    url = catalog_url or f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    missing = tmp_path / "missing"
+    for words in (["sessions"], ["check"], ["db", "current"]):
+        assert invoke("--home", str(missing), "--catalog-url", url, *words) == (
+            1, "", f"error: NoStore: no store at {missing}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    code, out, err = invoke("--home", str(tmp_path / "h"), "--catalog-url", url, "compact", "--yes")
+    assert (code, out, err) == (0, "nothing to compact: no page file is sparse (0 bytes on disk)\n",
+                                f"created a new store at {tmp_path / 'h'}\n")
+    assert invoke("--home", str(tmp_path / "h"), "--catalog-url", url, "sessions") == (0, "(none)\n", "")
+
+
+def test_a_command_that_writes_makes_a_missing_store_and_says_so_once(tmp_path: Path) -> None:
+    home = tmp_path / "new"
+    code, out, err = invoke("--home", str(home), "forget-user", "alice", "--tenant", "acme", "--yes")
+    assert (code, json.loads(out)["status"]) == (3, "no_such_user")
+    assert err == (f"created a new store at {home}\n"
+                   "no such user: tenant 'acme' has no user 'alice'; nothing was erased\n")
+    code, out, err = invoke("--home", str(home), "forget-user", "alice", "--tenant", "acme", "--yes")
+    assert (code, err) == (3, "no such user: tenant 'acme' has no user 'alice'; nothing was erased\n")
+    assert invoke("--home", str(home), "check") == (0, "ok: every invariant holds\n", "")
+    demo = tmp_path / "demo"
+    code, out, err = invoke("--home", str(demo), "demo")
+    assert (code, err) == (0, f"created a new store at {demo}\n") and out.startswith(f"dss demo in {demo}\n")

@@ -38,6 +38,7 @@ import sqlite3
 import threading
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from sqlalchemy import make_url
 from sqlalchemy.engine import Engine
@@ -111,7 +112,7 @@ class ReadOnlySql:
     # -- SQLite ----------------------------------------------------------------------------
 
     def _run_sqlite(self, query: str, params: dict[str, Any], max_rows: int) -> SqlResult:
-        conn = sqlite3.connect(f"file:{self.engine.url.database}?mode=ro", uri=True, timeout=30)
+        conn = sqlite3.connect(f"file:{quote(self.engine.url.database or '')}?mode=ro", uri=True, timeout=30)
         printf = BoundedPrintf(MAX_VALUE_BYTES)
         try:
             conn.execute("PRAGMA query_only = ON")

@@ -2,6 +2,8 @@
 
 Every command takes ``--home`` (default ``DSS_HOME`` or ``./dss-data``) and ``--catalog-url``;
 tabular output has ``--json``; errors print ``error: <Kind>: <message>`` and exit with 1.
+A command that only reads refuses a missing store (``NoStore``: ``no store at PATH``) and
+makes nothing; a command that writes makes one and says so on standard error.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from dss.catalog.database import catalog_errors, open_catalog
 from dss.cli.progress import bar
 from dss.core.config import StoreConfig, load_config
 from dss.core.crypto import read_master_key
-from dss.core.errors import DssError
+from dss.core.errors import DssError, NoStore
 from dss.compaction import Compaction
 from dss.erasure import STEPS, Plan
+from dss.folder import has_store
 from dss.store import Store
 
 
@@ -55,8 +58,18 @@ class Context:
     def config(self) -> StoreConfig:
         return load_config(self.home, catalog_url=self.catalog_url)
 
-    def open(self) -> Store:
-        return Store(self.config())
+    def open(self, *, create: bool = False) -> Store:
+        """The store at ``--home``. A command that only reads opens one that exists (``NoStore``
+        otherwise, and nothing is made); one that writes passes ``create=True``, and a store it
+        makes is announced on standard error: ``created a new store at PATH``."""
+        config = self.config()
+        if not create:
+            return Store(config, create=False)
+        is_new = not has_store(config.home, config.url)
+        store = Store(config)
+        if is_new:
+            click.echo(f"created a new store at {config.home}", err=True)
+        return store
 
 
 pass_ctx = click.make_pass_decorator(Context)
@@ -81,7 +94,7 @@ def demo(ctx: Context) -> None:
     from dss.cli.demo import run
 
     click.echo(f"dss demo in {ctx.config().home}\n")
-    run(ctx.open, click.echo)
+    run(lambda: ctx.open(create=True), click.echo)
 
 
 @main.command()
@@ -255,7 +268,7 @@ NO_SUCH_USER_EXIT = 3
 @_guard
 def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Erase a user of a tenant everywhere (key first), verify, and print the receipt."""
-    with ctx.open() as store:
+    with ctx.open(create=not dry_run) as store:
         plan = store.forget_user(user_id, tenant_id=tenant, dry_run=True)
         if dry_run:
             click.echo(plan.model_dump_json(exclude_none=True) if as_json else _describe_plan(plan))
@@ -284,7 +297,7 @@ def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: boo
 @_guard
 def compact(ctx: Context, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Rewrite sparse page files (mostly dead records) so their dead bytes are freed."""
-    with ctx.open() as store:
+    with ctx.open(create=not dry_run) as store:
         plan = store.compact(dry_run=True)
         if not dry_run and plan.segments and not yes:
             if not sys.stdin.isatty():
@@ -365,6 +378,8 @@ def upgrade(ctx: Context) -> None:
 def current(ctx: Context) -> None:
     """Print the catalog's schema revision."""
     config = ctx.config()
+    if not has_store(config.home, config.url):
+        raise NoStore(f"no store at {config.home}")
     catalog = open_catalog(config.url, fsync=config.fsync)
     try:
         with catalog_errors():

@@ -50,6 +50,11 @@ class UnknownVersion(NotFound):
     """No version has that id in the given session."""
 
 
+class NoStore(NotFound):
+    """No store is at the folder named (or its SQLite catalog file is missing), and the
+    caller asked not to make one."""
+
+
 class Conflict(DssError):
     """The request contradicts what the store already holds."""
 
@@ -100,6 +105,12 @@ class ConfigError(DssError):
     """A configuration value (file, ``DSS_*`` variable or argument) is invalid."""
 
     status = 500
+
+
+class StoreFolderError(ConfigError):
+    """The store folder, or a file or folder in it, cannot be made, opened or written: a
+    read-only file system, a missing permission, a file where a folder should be. The message
+    names the path and the cause."""
 
 
 class StoreClosed(DssError):

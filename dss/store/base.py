@@ -17,14 +17,14 @@ from dss.catalog import pages
 from dss.catalog.change import Applied
 from dss.catalog.database import catalog_errors, open_catalog
 from dss.compaction import Compactor
-from dss.core.config import StoreConfig
+from dss.core.config import StoreConfig, sqlite_url
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import ConfigError, DssError, ErasureIncomplete, InvalidInput
+from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, NoStore
 from dss.core.types import Layout, Version
 from dss.core.validate import check_flag, check_layout, check_name
 from dss.erase import Eraser
-from dss.folder import adopt_folder, folder_lock
+from dss.folder import adopt_folder, file_errors, folder_lock, has_store, open_catalog_file
 from dss.keys import DataKeys, adopt_master_key
 from dss.lsh import LshIndex, Settings
 from dss.matcher import Matcher
@@ -51,23 +51,27 @@ CACHE_PREFIX = "~cache-"
 class Base:
     """An open store's parts, opening and closing; :class:`dss.store.Store` adds its methods by role."""
 
-    def __init__(self, config: StoreConfig) -> None:
-        """Open the store; a refused open (``DssError``) releases what it opened, and leaves
-        no master key file it made."""
+    def __init__(self, config: StoreConfig, *, create: bool = True) -> None:
+        """Open the store, making it first if there is none at ``config.home`` (with
+        ``create=False``: ``NoStore``, and nothing is made). A refused open (``DssError``)
+        releases what it opened, and leaves no master key file it made; a file-system failure
+        (read-only file system, missing permission, a file where a folder should be) is a
+        ``StoreFolderError`` naming the path and the cause."""
+        check_flag("create", create)
         try:
             with catalog_errors():
-                self._open(config)
+                self._open(config, create)
         except BaseException:
             self._release()
             raise
 
-    def _open(self, config: StoreConfig) -> None:
+    def _open(self, config: StoreConfig, create: bool) -> None:
         self.config = config
         home = config.home
-        try:
+        if not create and not has_store(home, config.url):
+            raise NoStore(f"no store at {home}")
+        with file_errors("make the store folder", home):
             home.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot make the store folder {home}: {exc.strerror or exc}") from None
         self.remote = None if config.remote_url is None else RemoteTier(  # a bad URL is refused before anything is made
             config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
             max_pending_bytes=config.remote_pending_bytes)
@@ -75,18 +79,21 @@ class Base:
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             master = read_master_key(config.master_key_file, home, hex_key)
             sql_url = config.sql_url.get_secret_value() if config.sql_url else None
+            open_catalog_file(config.url)
             self.catalog = open_catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s,
                                         sql_url=sql_url)
             self.catalog.ensure_schema()
             self._master = adopt_master_key(self.catalog, master, config.master_key_file)
             self.node = adopt_folder(self.catalog, home, config.node_id)
-            self._epoch = Epoch(home / "epoch")
+            with file_errors("open the epoch file", home / "epoch"):
+                self._epoch = Epoch(home / "epoch")
         self.listener = None
         if not self.catalog.is_sqlite:  # (imported here: psycopg is there only with a PostgreSQL catalog)
             from dss.catalog.listen import FeedListener
 
             self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
-        self.disk = DiskTier(home, fsync=config.fsync)
+        with file_errors("set up the page files at", home):
+            self.disk = DiskTier(home, fsync=config.fsync)
         self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
         self.host = HostTier(config.host_bytes, choose=self.placement.host_room)
         self.device = device_tier(_catalog_key(config), config.residency_ttl_s)
@@ -117,7 +124,7 @@ class Base:
         self._compacting = threading.Lock()
         if config.compact_auto:
             self.pages.before_full = self._before_full
-        with self.catalog.read() as conn:
+        with self.catalog.read() as conn, file_errors("clean up the page file", home):
             removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
         if removed:
             log.info("removed %d page files left behind by dead writers", len(removed))
@@ -278,7 +285,7 @@ def policy_settings(config: StoreConfig) -> policy.Settings:
 
 def _catalog_key(config: StoreConfig) -> str:
     """What names a catalog in this process (the residency of engines is shared per catalog)."""
-    return config.catalog_url or f"sqlite:///{(config.home / 'catalog.db').resolve()}"
+    return config.catalog_url or sqlite_url((config.home / "catalog.db").resolve())
 
 
 def sessionless(tenant_id: Any, user_id: Any, layout: Any) -> tuple[str, str, Layout]:
