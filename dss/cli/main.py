@@ -2,8 +2,8 @@
 
 Every command takes ``--home`` (default ``DSS_HOME`` or ``./dss-data``) and ``--catalog-url``;
 tabular output has ``--json``; errors print ``error: <Kind>: <message>`` and exit with 1.
-A command that only reads refuses a missing store (``NoStore``: ``no store at PATH``) and
-makes nothing; a command that writes makes one and says so on standard error.
+A command that reads or erases refuses a missing store (``NoStore``: ``no store at PATH``) and
+makes nothing; ``demo`` and ``db upgrade`` make one and say so on standard error.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class Context:
         return load_config(self.home, catalog_url=self.catalog_url)
 
     def open(self, *, create: bool = False) -> Store:
-        """The store at ``--home``. A command that only reads opens one that exists (``NoStore``
-        otherwise, and nothing is made); one that writes passes ``create=True``, and a store it
-        makes is announced on standard error: ``created a new store at PATH``."""
+        """The store at ``--home``. A command that reads or erases opens one that exists
+        (``NoStore`` otherwise, and nothing is made); one that makes a store passes
+        ``create=True``, and a store it makes is announced on standard error: ``created a new
+        store at PATH``."""
         config = self.config()
         if not create:
             return Store(config, create=False)
@@ -268,7 +269,7 @@ NO_SUCH_USER_EXIT = 3
 @_guard
 def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Erase a user of a tenant everywhere (key first), verify, and print the receipt."""
-    with ctx.open(create=not dry_run) as store:
+    with ctx.open() as store:
         plan = store.forget_user(user_id, tenant_id=tenant, dry_run=True)
         if dry_run:
             click.echo(plan.model_dump_json(exclude_none=True) if as_json else _describe_plan(plan))
@@ -297,7 +298,7 @@ def forget_user(ctx: Context, user_id: str, tenant: str, dry_run: bool, yes: boo
 @_guard
 def compact(ctx: Context, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Rewrite sparse page files (mostly dead records) so their dead bytes are freed."""
-    with ctx.open(create=not dry_run) as store:
+    with ctx.open() as store:
         plan = store.compact(dry_run=True)
         if not dry_run and plan.segments and not yes:
             if not sys.stdin.isatty():
