@@ -171,10 +171,3 @@ class CatalogUnavailable(InternalError):
 
 class NoBackend(Unavailable):
     """The router has no healthy backend to send a request to; retry once one is back."""
-
-
-class BackendFailed(Unavailable):
-    """The backend a request was sent to failed after the response began (it cannot be retried
-    elsewhere): the router cuts the response off with it."""
-
-    status = 502

@@ -77,34 +77,46 @@ def check_version_id(version_id: Any) -> int:
     return version_id
 
 
-def check_pages(pages: Mapping[int, Any] | None, num_tokens: int, layout: Layout) -> dict[int, bytes]:
-    """Page payloads keyed by page index, as bytes, in index order.
+def page_payloads(pages: Mapping[int, Any]) -> dict[int, memoryview]:
+    """The payloads of ``pages`` as views keyed by page index, in the mapping's order.
 
-    Only full pages of the ``num_tokens`` tokens may be given, each exactly
-    ``layout.page_bytes`` long, each index once and as an ``int``; anything else raises
-    ``InvalidPage`` (a mapping whose iteration names an index twice included: one of the
-    two payloads would be dropped).
+    Each index must be an ``int``, named once, and its payload bytes-like; anything else raises
+    ``InvalidPage`` (a mapping whose iteration names an index twice included: one of the two
+    payloads would be dropped). Ranges and sizes are :func:`check_pages`' to check.
     """
-    if pages is None:
-        return {}
     if not isinstance(pages, Mapping):
         raise InvalidPage(f"pages must be a mapping of page index to bytes, not {type(pages).__name__}")
-    full = num_tokens // layout.page_tokens
-    out: dict[int, bytes] = {}
+    out: dict[int, memoryview] = {}
     for index, payload in pages.items():
         if type(index) is not int:
             raise InvalidPage(f"page index {index!r} must be an int, not {type(index).__name__}")
         if index in out:
             raise InvalidPage(f"page index {index} is given twice: give each page once")
+        try:
+            out[index] = memoryview(payload)
+        except TypeError:
+            raise InvalidPage(f"page {index} must be bytes-like, not {type(payload).__name__}") from None
+    return out
+
+
+def check_pages(pages: Mapping[int, Any] | None, num_tokens: int, layout: Layout) -> dict[int, bytes]:
+    """Page payloads keyed by page index, as bytes, in index order.
+
+    Only full pages of the ``num_tokens`` tokens may be given, each exactly
+    ``layout.page_bytes`` long, each index once and as an ``int`` (:func:`page_payloads`);
+    anything else raises ``InvalidPage``.
+    """
+    if pages is None:
+        return {}
+    full = num_tokens // layout.page_tokens
+    out: dict[int, bytes] = {}
+    for index, view in page_payloads(pages).items():
         if not 0 <= index < full:
             raise InvalidPage(f"page index {index!r} is out of range: {num_tokens} tokens hold {full} full pages "
                               f"of {layout.page_tokens} tokens")
-        try:
-            view = memoryview(payload)
-        except TypeError:
-            raise InvalidPage(f"page {index} must be bytes-like, not {type(payload).__name__}") from None
         if view.nbytes != layout.page_bytes:
             raise InvalidPage(f"page {index} has {view.nbytes} bytes; layout {layout.name!r} pages have "
                               f"{layout.page_bytes}")
+        payload = pages[index]
         out[index] = payload if type(payload) is bytes else view.tobytes()
     return dict(sorted(out.items()))

@@ -33,7 +33,6 @@ import httpx
 from dss.compaction import Compaction
 from dss.core.version import VERSION
 from dss.service import models as m
-from dss.core.errors import InvalidPage
 from dss.erasure import AuditEntry, Plan, Receipt
 from dss.service.problems import Unavailable, error_from_problem
 from dss.nearest import Decode, Explanation
@@ -41,7 +40,7 @@ from dss.resume import Candidate, Rates, ResumeResult
 from dss.service.config import default_api_key
 from dss.core.tokens import TokenInput, pack, unpack
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
-from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id
+from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads
 
 
 class Client:
@@ -355,15 +354,4 @@ def _encode_pages(pages: Mapping[int, Any] | None) -> dict[str, str] | None:
     """Page payloads as base64 keyed by index; ``InvalidPage`` for what cannot be sent."""
     if pages is None:
         return None
-    if not isinstance(pages, Mapping):
-        raise InvalidPage(f"pages must be a mapping of page index to bytes, not {type(pages).__name__}")
-    out: dict[str, str] = {}
-    for index, payload in pages.items():
-        if type(index) is not int:
-            raise InvalidPage(f"page index {index!r} is out of range: page indexes are ints")
-        try:
-            view = memoryview(payload)
-        except TypeError:
-            raise InvalidPage(f"page {index} must be bytes-like, not {type(payload).__name__}") from None
-        out[str(index)] = m.encode_page(view.tobytes()) or ""
-    return out
+    return {str(index): m.encode_page(view.tobytes()) or "" for index, view in page_payloads(pages).items()}
