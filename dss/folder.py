@@ -15,6 +15,7 @@ openers that must not make one.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -57,9 +58,18 @@ def open_catalog_file(url: str) -> None:
     a read-only file system or a folder in its place is a ``StoreFolderError`` naming the file,
     not SQLite's "unable to open database file". Does nothing for other databases."""
     file = sqlite_file(url)
-    if file is not None:
-        with file_errors("open the catalog file", file):
-            os.close(os.open(file, os.O_CREAT | os.O_RDWR, 0o600))
+    if file is None:
+        return
+    with file_errors("open the catalog file", file):
+        if file.is_file():
+            # never open and close a catalog file that exists: closing any descriptor of it drops
+            # the POSIX locks this process's SQLite connections hold on it
+            if not os.access(file, os.R_OK | os.W_OK):
+                raise PermissionError(errno.EACCES, "the file is not readable and writable")
+            if not os.access(file.parent, os.W_OK | os.X_OK):  # SQLite makes its journal beside it
+                raise PermissionError(errno.EACCES, "its folder is not writable")
+            return
+        os.close(os.open(file, os.O_CREAT | os.O_RDWR, 0o600))
 
 
 @contextmanager
