@@ -18,6 +18,7 @@ import click
 
 from dss.core.version import VERSION
 from dss.catalog.database import catalog_errors, open_catalog
+from dss.cli.tables import emit as _emit
 from dss.cli.progress import bar
 from dss.core.config import StoreConfig, load_config
 from dss.core.crypto import read_master_key
@@ -426,36 +427,3 @@ def _override(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 _store_options(main)
-
-
-def _emit(rows: Sequence[dict[str, Any]], as_json: bool, columns: Sequence[str] | None = None) -> None:
-    if as_json:
-        click.echo(json.dumps(list(rows), default=_json_default, indent=None))
-        return
-    columns = list(columns or (rows[0].keys() if rows else []))
-    if not columns:
-        click.echo("(none)")
-        return
-    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
-    for row in cells:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, dt.datetime):
-        return value.strftime("%Y-%m-%d %H:%M:%S")
-    if isinstance(value, bytes):
-        return value.hex()
-    return str(value)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        return value.isoformat()
-    if isinstance(value, bytes):
-        return value.hex()
-    raise TypeError(f"cannot encode {type(value).__name__}")

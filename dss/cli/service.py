@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from dss.cli.tables import emit
+
 from dss.service.apikeys import add_key, read_keys, remove_key
 from dss.core.config import StoreConfig, load_config
 from dss.core.errors import DssError
@@ -122,7 +124,6 @@ def keys_list(ctx: click.Context, as_json: bool, home: str | None, config_file: 
                                 "label": k.label, "created_at": k.created_at.isoformat(timespec="seconds")}
                                for k in entries]))
         return
-    from dss.cli.main import _emit as emit  # the table every command prints (main imports this module first)
 
     emit([{"key_id": k.key_id, "tenant_id": k.tenant_id, "is_admin": k.is_admin, "created_at": k.created_at,
            "label": k.label} for k in entries], False)
