@@ -79,6 +79,15 @@ def remote_url(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("redis_cluster").url
 
 
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The folder of SmolLM2-135M-Instruct in bf16 (real weights; converted once into the model
+    cache by :func:`dss_adapters.models.smollm2`, about a minute the first time)."""
+    from dss_adapters.models import smollm2
+
+    return smollm2()
+
+
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int8")
 
 
