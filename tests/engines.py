@@ -1,10 +1,19 @@
-"""Real engines for the adapter tests: a tiny random-weight Llama and vLLM (CPU build) around it.
+"""Real engines for the adapter tests: vLLM (CPU build) around SmolLM2-135M-Instruct (real
+weights) or a tiny random-weight Llama.
 
-Nothing here is a mock: :func:`make_tiny_llama` writes a real Hugging Face checkpoint
-(random weights, std 0.2, so greedy outputs depend on every KV entry) and :func:`engine`
-starts a real ``vllm.LLM`` on it, single-process by default
+Nothing here is a mock. :func:`engine` starts a real ``vllm.LLM``, single-process by default
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, about 10 s to start on 2 cores) or in vLLM's default
-multi-process mode (about 30 s). Prompts are token ids (``TokensPrompt``); no tokenizer.
+multi-process mode (about 30 s). Prompts are token ids (``TokensPrompt``); the engine has no
+tokenizer of its own.
+
+- SmolLM2 (``smollm2_model`` in ``conftest``): conversations are rendered by the model's own
+  chat template (:func:`chat_tokenizer`, :func:`render`, :func:`reply`). Its greedy outputs
+  in bf16 depend on how a prompt is split into a cached prefix and a computed suffix, so a
+  bf16 oracle is vLLM's own prefix cache with the same split; against no cache at all,
+  compare in float32 (``dtype="float32"``, which casts the bf16 weights).
+- :func:`make_tiny_llama` writes a real Hugging Face checkpoint with random weights (std
+  0.2), for the shapes SmolLM2 lacks (heads that split over 2 tensor-parallel ranks, sliding
+  windows, hybrids) and tests of exact tiny shapes.
 
 Imported by the adapter test modules (not a conftest, so it stays independent of the core
 suite's fixtures).
@@ -15,7 +24,7 @@ from __future__ import annotations
 import gc
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -90,6 +99,26 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
+def chat_tokenizer(model: Path) -> Any:
+    """The Hugging Face tokenizer of a real model's folder, with its chat template."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+def render(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The token ids of ``messages`` rendered by the model's chat template and ending with the
+    assistant's generation prompt, as vLLM's chat API renders them (text, then tokens without
+    added special tokens)."""
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def reply(tokenizer: Any, token_ids: Sequence[int]) -> dict[str, str]:
+    """The assistant message of a reply's token ids (special tokens dropped), for the next turn."""
+    return {"role": "assistant", "content": tokenizer.decode(list(token_ids), skip_special_tokens=True)}
+
+
 def dss_config(store: Path, **extra: Any) -> dict[str, Any]:
     """A ``kv_transfer_config`` that loads the dss connector on ``store``."""
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
@@ -97,13 +126,13 @@ def dss_config(store: Path, **extra: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def engine(model: Path, *, store: Path | None = None, multiprocess: bool = False, prefix_caching: bool = True,
-           max_num_batched_tokens: int = 2048, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-           max_num_seqs: int = 4, num_blocks: int | None = None, max_model_len: int = 2048, log_stats: bool = False,
-           block_size: int | None = BLOCK, gpu_memory_utilization: float = 0.9,
-           **extra: Any) -> Iterator[Any]:
-    """A ``vllm.LLM`` on ``model`` (fp32, block 32 unless ``block_size`` says otherwise; ``None``:
-    vLLM's choice), with the dss connector on ``store`` if given
+def engine(model: Path, *, store: Path | None = None, dtype: str = "float32", multiprocess: bool = False,
+           prefix_caching: bool = True, max_num_batched_tokens: int = 2048, tensor_parallel_size: int = 1,
+           pipeline_parallel_size: int = 1, max_num_seqs: int = 4, num_blocks: int | None = None,
+           max_model_len: int = 2048, log_stats: bool = False, block_size: int | None = BLOCK,
+           gpu_memory_utilization: float = 0.9, **extra: Any) -> Iterator[Any]:
+    """A ``vllm.LLM`` on ``model`` in ``dtype`` (block 32 unless ``block_size`` says otherwise;
+    ``None``: vLLM's choice), without a tokenizer, with the dss connector on ``store`` if given
     (``extra`` goes to its ``kv_connector_extra_config``). Shut down on exit, so the next
     engine of this process is a fresh one.
 
@@ -122,7 +151,7 @@ def engine(model: Path, *, store: Path | None = None, multiprocess: bool = False
     from vllm import LLM
 
     try:
-        llm = LLM(model=str(model), dtype="float32", enforce_eager=pipeline_parallel_size == 1,
+        llm = LLM(model=str(model), dtype=dtype, enforce_eager=pipeline_parallel_size == 1,
                   max_model_len=max_model_len,
                   block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=0,
                   skip_tokenizer_init=True, enable_prefix_caching=prefix_caching,
