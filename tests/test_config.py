@@ -72,7 +72,7 @@ def test_open_takes_the_folder_as_home(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_open_takes_a_catalog_url_and_home(tmp_path: Path) -> None:
-    """The README's own example: the catalog in PostgreSQL, the page files in home."""
+    """The Python API page's own example: the catalog in PostgreSQL, the page files in home."""
     for url in _pg_schema():
         with dss.open(url, home=tmp_path / "pg-home") as store:
             assert (store.config.home, store.config.url) == (tmp_path / "pg-home", url)

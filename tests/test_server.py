@@ -590,15 +590,15 @@ def test_sql_answers_every_attack_with_its_4xx_and_changes_nothing(tmp_path: Pat
 
 
 def admin_only_endpoints() -> set[tuple[str, str]]:
-    """The README's list of admin-only endpoints: ``{(method, path)}``."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    paragraph = readme.split("**Admin-only endpoints.**", 1)[1].split("\n\n", 1)[0]
+    """The HTTP API page's list of admin-only endpoints: ``{(method, path)}``."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "http-api.md").read_text()
+    paragraph = page.split("**Admin-only endpoints.**", 1)[1].split("\n\n", 1)[0]
     return set(re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[\w/.]*)`", paragraph))
 
 
 def test_exactly_the_documented_endpoints_need_an_admin_key(service: Service) -> None:
     """Every route of the app (a new one is walked automatically), asked by a non-admin key with an
-    empty body and no parameters: exactly the README's admin-only endpoints answer "needs an admin
+    empty body and no parameters: exactly the documented admin-only endpoints answer "needs an admin
     API key", and the admin key is refused by none."""
     routes = sorted({(method, route.path) for route in service.app.routes
                      for method in getattr(route, "methods", None) or () if method != "HEAD"})

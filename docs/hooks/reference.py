@@ -144,8 +144,16 @@ def _table(fields: Any, variables: dict[str, str], defaults: dict[str, str], no_
             raise Undocumented(f"the setting {name!r} has no description")
         variable = f"`{variables[name]}`" if name in variables else no_variable
         default = defaults.get(name) or _default(name, field.default)
-        lines.append(f"| `{name}` | {variable} | {default} | {_cell(field.description)} |")
+        lines.append(f"| `{name}` | {variable} | {default} | {_cell(field.description)}{_bounds(field)} |")
     return "\n".join(lines) + "\n"
+
+
+def _bounds(field: Any) -> str:
+    """The range a field's validation enforces (`` Range: > 0, ≤ 1.``), or nothing."""
+    signs = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "length ≥", "max_length": "length ≤"}
+    found = [f"{sign} {getattr(item, key)}" for item in field.metadata for key, sign in signs.items()
+             if getattr(item, key, None) is not None]
+    return f" Range: {', '.join(found)}." if found else ""
 
 
 def connector_settings() -> str:
