@@ -91,7 +91,8 @@ def test_every_cli_command_has_help_and_is_in_the_reference() -> None:
 
     page = reference.generated("cli")
     names = [path for path, _ in reference.commands(main)]
-    assert {"dss", "dss demo", "dss forget-user", "dss keys add", "dss db upgrade", "dss route", "dss serve"} <= set(names)
+    assert {"dss", "dss demo", "dss forget-user", "dss keys add", "dss db upgrade", "dss route",
+            "dss serve"} <= set(names)
     assert [name for name in names if f"## `{name}`" not in page] == []
 
 

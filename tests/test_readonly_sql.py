@@ -237,7 +237,7 @@ def test_sqlite_calls_only_the_listed_functions(filled: dss.Store) -> None:
                  "last_insert_rowid()", "sqlite_log(1, 'x')"):
         name = call.split("(")[0].lower()
         with pytest.raises(ROV, match=f"^sql\\(\\) may not call {name}\\(\\): it is not on the list of functions "
-                           "sql\\(\\) allows \\(see the README, section SQL\\)$"):
+                           "sql\\(\\) allows \\(see the Python API documentation, section SQL\\)$"):
             filled.sql(f"SELECT {call}")
     for view in VIEWS:
         filled.sql(f"SELECT * FROM {view}")

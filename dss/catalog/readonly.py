@@ -254,7 +254,7 @@ class ReadOnlySql:
 
 _HOW_TO = ("sql() on PostgreSQL runs as a LOGIN role that is no superuser and may only SELECT dss's tables; "
            "grant the catalog user CREATEROLE so that dss creates that role itself, or create one and set "
-           "sql_url (DSS_SQL_URL) to it (see the README, section SQL)")
+           "sql_url (DSS_SQL_URL) to it (see the Python API documentation, section SQL)")
 
 
 def _cancel(conn: psycopg.Connection[Any]) -> None:
@@ -412,7 +412,7 @@ def _sqlite_authorizer(refused: list[str]) -> Any:
             if is_allowed(arg2):
                 return sqlite3.SQLITE_OK
             refused.append(f"sql() may not call {arg2}(): it is not on the list of functions sql() allows "
-                           "(see the README, section SQL)")
+                           "(see the Python API documentation, section SQL)")
             return sqlite3.SQLITE_DENY
         if action in _SQLITE_ALLOWED or action == sqlite3.SQLITE_PRAGMA and arg1 in _SQLITE_PRAGMAS:
             return sqlite3.SQLITE_OK
