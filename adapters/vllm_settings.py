@@ -1,42 +1,10 @@
 """Settings of the vLLM connector (``kv_connector_extra_config``) and the dss scope of one request.
 
 All configuration is read and validated here, once, when a connector is built; the
-scheduler and worker sides receive a frozen :class:`Settings`. Keys of
-``kv_connector_extra_config``:
-
-``store`` (required)
-    The dss store: a folder (``/var/lib/dss``) or a catalog URL, as for ``dss.open``.
-``store_options``
-    Keyword arguments for ``dss.open`` (``{"host_bytes": "4GiB", "disk_bytes": "200GiB"}``).
-``namespace_source``
-    ``"request"`` (default): ``tenant_id``/``user_id`` come from the request's
-    ``kv_transfer_params["dss"]`` (the operator's gateway must set them and strip what
-    clients send); ``"config"``: every request is in ``default_tenant_id``/``default_user_id``
-    and namespace fields in requests are ignored.
-``default_tenant_id``, ``default_user_id``
-    The namespace of requests that name none (``"default"``, ``"anonymous"``).
-``model_revision``
-    Recorded in the page layout; default: vLLM's ``revision``, else a fingerprint of the
-    model folder's weight files (name, size, mtime), so new weights never load old KV.
-``page_bytes``
-    If set, the size a page must have (the bytes of one block over all layers); the
-    connector refuses to start when the model's pages differ (a guard for deployments
-    that share a store).
-``load``, ``save``
-    Turn loading or saving off (both default ``true``): e.g. a read-only replica.
-``max_pending_bytes``
-    Page bytes copied out of the KV cache and not yet written before a step waits for
-    the writer (default 1 GiB).
-``session_wait_s``
-    How long a new request of a session waits for the previous request's pages to be
-    written before it runs without them (default 5 s; 0 disables the wait).
-``load_mode``
-    ``"auto"`` (default): a load whose pages are all in the worker's host tier is
-    synchronous (the pages are in the blocks before the step's forward), and so is any load
-    while no other request runs (it stalls nobody); one that must read the disk while other
-    requests run goes through vLLM's asynchronous path (the request waits, the batch runs). Models with several KV cache groups (sliding window with the hybrid KV cache
-    manager) load asynchronously always. ``"async"``: every load is asynchronous.
-    ``"sync"``: every load is synchronous (only for one KV cache group).
+scheduler and worker sides receive a frozen :class:`Settings`. Its fields are the keys of
+``kv_connector_extra_config``; each field's ``metadata["description"]`` says what it means
+(the documentation's configuration reference is generated from them). ``store`` is required;
+every other key has a default.
 
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {"dss": {...}}})`` (or the
 same under ``kv_transfer_params`` of the OpenAI API) carries ``session_id`` (optional),
