@@ -103,7 +103,7 @@ def bf16(smollm2_model: Path, tokenizer: Any) -> dict[str, list[int]]:
     """The conversation's prompts and the bf16 oracle's outputs: one engine with vLLM's prefix
     cache and no dss; each request alone, so its cached prefix is what dss would load.
 
-    ``o2``/``o2b``: turn 1's K pages cached (p2b's blocks beyond them differ from p2's).
+    ``o2``/``o2b``: turn 1's 4 pages cached (p2b's blocks beyond them differ from p2's).
     """
     with engine(smollm2_model, **BF16) as llm:
         out = prompts(tokenizer, alone(llm, render(tokenizer, [SYSTEM, USER1]), max_tokens=TURN1))
