@@ -2,9 +2,12 @@
 others keep decoding; pages the worker holds in RAM load synchronously; preempted requests
 with loads and saves in flight keep their outputs.
 
-Real engines (:mod:`engines`), driven step by step through ``LLM.llm_engine`` in vLLM's
+Real engines on SmolLM2-135M-Instruct (real weights, in float32: the oracle is vLLM without
+any cache, see :mod:`engines`), driven step by step through ``LLM.llm_engine`` in vLLM's
 single-process mode, so that each assertion is about what one engine step did: which
-requests produced a token, which one waits (``WAITING_FOR_REMOTE_KVS``). Outputs are compared
+requests produced a token, which one waits (``WAITING_FOR_REMOTE_KVS``). Prompts are chats
+rendered by the model's chat template: short questions (the decoders, about 40 tokens),
+and meeting notes with a question about them (a few hundred tokens). Outputs are compared
 token for token with vLLM without dss. The tier of a load is read from the connector's
 metrics (``loaded_tokens_host`` / ``loaded_tokens_disk``).
 """
@@ -18,31 +21,82 @@ import pytest
 from dss_adapters.vllm_metrics import read_metrics
 
 import dss
-from tests.engines import engine, generate, make_tiny_llama, prompt, tokens_out
+from tests.engines import BLOCK, chat_tokenizer, engine, generate, render, tokens_out
 
-DECODERS = [prompt(10 + i, 40) for i in range(3)]
-LONG = prompt(20, 600)
-"""Its KV of (600 - 1) // 32 = 18 pages (576 tokens) is loaded; the last 24 tokens are computed."""
 SESSION = {"session_id": "chat-1", "tenant_id": "t", "user_id": "u"}
-GROWING = prompt(30, 200)
-FRESH = prompt(40, 600)
+F32 = {"dtype": "float32"}
+NOTES = (
+    "Notes from the Tuesday planning meeting of the Riverside community garden. Present: Ana, Bilal, Chen, Dora and"
+    " Emeka. Ana opened the meeting by thanking everyone who helped with the spring clean-up, which filled eleven "
+    "bags of weeds and cleared the path behind the tool shed. The water bill for March was higher than expected "
+    "because the tap near the east beds had been dripping for two weeks; Bilal replaced the washer on Saturday and "
+    "will check the meter again next month. Chen reported that the seed swap brought in forty-two packets, mostly "
+    "tomatoes, beans and squash, and that the library has offered its hall for the next swap in September. The "
+    "group agreed to keep a simple list of who takes which seeds, so that varieties that do well can be saved again"
+    " next year. Dora raised the problem of slugs in the lettuce beds. After some discussion the group decided "
+    "against pellets, because children play near the beds, and will try beer traps and copper tape for a month "
+    "before deciding anything else. Emeka has built two new compost bins from old pallets; the old bin is full and "
+    "should be turned every two weeks until it is ready in June. A rota for turning it was drawn up: Ana and Chen "
+    "in April, Bilal and Dora in May. The committee discussed the request from the primary school to use one bed "
+    "for a class project. Everyone was in favour, provided that a teacher is present during visits and that the "
+    "class waters the bed on Fridays. Chen will show the teacher where the tools are kept and explain the rules "
+    "about the shared wheelbarrow. The treasurer's report showed a balance of three hundred and ten pounds after "
+    "paying for the new hose and the pallet screws. Membership fees are due in May, and Bilal suggested sending a "
+    "reminder by text message as well as by email, since several members do not read their email often. The open "
+    "day is planned for the second Saturday in June, with a plant sale, a tea stall and a short tour of the beds "
+    "for new members. Dora will ask the bakery on the high street whether it would donate some bread for the tea "
+    "stall. The next meeting will be on the first Tuesday of May, at seven in the evening, in the shed if the "
+    "weather is dry and in the library otherwise."
+)
+SENTENCES = NOTES.split(". ")
+SECRETARY = "You are a careful secretary. Summarise meeting notes in short bullet points."
+QUESTIONS = ["What is the boiling point of water in Fahrenheit?", "Name three rivers in Africa and the seas they flow "
+             "into.", "How many legs does a spider have, and why?"]
+
+
+def chat(system: str | None, user: str) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def notes(num_sentences: int, question: str) -> str:
+    return ". ".join(SENTENCES[:num_sentences]) + ". " + question
+
+
+CHATS = {
+    # the decoders: 40, 42 and 41 tokens (the template's default system prompt), 40 tokens generated each
+    **{f"d{i}": chat(None, question) for i, question in enumerate(QUESTIONS)},
+    # 510 tokens: its KV of (510 - 1) // 32 = 15 pages (480 tokens) is loaded, the last 30 tokens computed
+    "long": chat(SECRETARY, notes(len(SENTENCES), "Please list every decision and who is responsible for it.")),
+    # 514 tokens, another system prompt: no page in common with "long"
+    "fresh": chat("You answer questions about a document. Quote the sentence that your answer comes from.",
+                  notes(len(SENTENCES), "Who will ask the bakery for bread, and for which event?")),
+    # the preemption test's two requests: 201 tokens (100 generated) and 304 tokens (40 generated)
+    "growing": chat("You keep the minutes of a garden club. Answer in one short paragraph.",
+                    notes(6, "What did the group decide about the slugs?")),
+    "loading": chat(SECRETARY, notes(10, "Please list every decision and who is responsible for it.")),
+}
+LENGTHS = {"d0": 40, "d1": 42, "d2": 41, "long": 510, "fresh": 514, "growing": 201, "loading": 304}
+MAX_TOKENS = {"d0": 40, "d1": 40, "d2": 40, "long": 8, "fresh": 8, "growing": 100, "loading": 40}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+def prompts(smollm2_model: Path) -> dict[str, list[int]]:
+    tokenizer = chat_tokenizer(smollm2_model)
+    out = {name: render(tokenizer, messages) for name, messages in CHATS.items()}
+    assert {name: len(tokens) for name, tokens in out.items()} == LENGTHS
+    return out
 
 
 @pytest.fixture(scope="module")
-def ref(model: Path) -> dict[str, list[int]]:
-    """Greedy outputs without dss: the decoders (40 tokens each), the long prompt (8 tokens),
-    and the preemption test's two requests."""
-    with engine(model, prefix_caching=False) as llm:
-        outs = (generate(llm, DECODERS, max_tokens=40) + generate(llm, [LONG]) + generate(llm, [GROWING], max_tokens=100)
-                + generate(llm, [LONG[:300]], max_tokens=40) + generate(llm, [FRESH]))
-    return {f"d{i}": tokens_out(outs[i]) for i in range(3)} | {
-        "long": tokens_out(outs[3]), "growing": tokens_out(outs[4]), "loading": tokens_out(outs[5]),
-        "fresh": tokens_out(outs[6])}
+def ref(smollm2_model: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Greedy outputs without dss nor vLLM's prefix cache: the decoders (40 tokens each, as one
+    batch), the long and fresh prompts (8 tokens), and the preemption test's two requests."""
+    with engine(smollm2_model, prefix_caching=False, **F32) as llm:
+        decoders = generate(llm, [prompts[f"d{i}"] for i in range(3)], max_tokens=40)
+        out = {f"d{i}": tokens_out(decoders[i]) for i in range(3)}
+        for name in ("long", "fresh", "growing", "loading"):
+            out[name] = tokens_out(generate(llm, [prompts[name]], max_tokens=MAX_TOKENS[name])[0])
+    return out
 
 
 def greedy(max_tokens: int, fields: dict[str, Any] | None = None) -> Any:
@@ -76,16 +130,17 @@ def status(llm: Any, req_id: str) -> str:
     return request.status.name
 
 
-def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(model: Path, store_path: Path,
+def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(smollm2_model: Path, store_path: Path,
+                                                                     prompts: dict[str, list[int]],
                                                                      ref: dict[str, list[int]]) -> None:
-    with engine(model, store=store_path) as llm:  # saves the long prompt's pages
-        generate(llm, [LONG], params=[{"dss": SESSION}])
-    with engine(model, store=store_path, log_stats=True) as llm:  # a fresh worker: its RAM holds no page
+    with engine(smollm2_model, store=store_path, **F32) as llm:  # saves the long prompt's pages
+        generate(llm, [prompts["long"]], params=[{"dss": SESSION}])
+    with engine(smollm2_model, store=store_path, log_stats=True, **F32) as llm:  # a fresh worker: no page in RAM
         done: dict[str, Any] = {}
-        for i, tokens in enumerate(DECODERS):
-            add(llm, f"d{i}", tokens, greedy(40))
+        for i in range(3):
+            add(llm, f"d{i}", prompts[f"d{i}"], greedy(40))
         assert step(llm, done) == {"d0": 1, "d1": 1, "d2": 1}  # their prefills
-        add(llm, "long", LONG, greedy(8, SESSION))
+        add(llm, "long", prompts["long"], greedy(8, SESSION))
         # the long prompt's pages are on disk: it waits for them, the decoders run on
         assert step(llm, done) == {"d0": 2, "d1": 2, "d2": 2}
         assert status(llm, "long") == "WAITING_FOR_REMOTE_KVS"
@@ -99,17 +154,17 @@ def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(model: Path
             assert {d for d, n in produced.items() if n < 40} <= set(s), (produced, s)
             produced.update({d: n for d, n in s.items() if d in produced})
         assert [s["long"] for s in steps if "long" in s] == list(range(1, 9))
-        assert read_metrics(llm)["loaded_tokens_disk"] == 576
+        assert read_metrics(llm)["loaded_tokens_disk"] == 480
         while len(done) < 4:
             step(llm, done)
         # a prompt this worker computes and saves, then again with vLLM's own cache emptied: its
         # pages are in the worker's RAM, so the load is synchronous: the request runs in the step
         # that admits it (before, it only waits for its session's saves, never for a load)
-        add(llm, "fresh", FRESH, greedy(8, {**SESSION, "session_id": "chat-2"}))
+        add(llm, "fresh", prompts["fresh"], greedy(8, {**SESSION, "session_id": "chat-2"}))
         while len(done) < 5:
             step(llm, done)
         assert llm.reset_prefix_cache()
-        add(llm, "again", FRESH, greedy(8, {**SESSION, "session_id": "chat-2", "commit": False}))
+        add(llm, "again", prompts["fresh"], greedy(8, {**SESSION, "session_id": "chat-2", "commit": False}))
         while "again" not in step(llm, done):
             assert status(llm, "again") == "WAITING"
         while len(done) < 6:
@@ -118,27 +173,29 @@ def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(model: Path
     assert [tokens_out(done[f"d{i}"]) for i in range(3)] == [ref["d0"], ref["d1"], ref["d2"]]
     assert tokens_out(done["long"]) == ref["long"]
     assert tokens_out(done["fresh"]) == tokens_out(done["again"]) == ref["fresh"]
-    assert done["long"].kv_transfer_params["dss"]["loaded_tokens"] == 576
-    assert done["again"].kv_transfer_params["dss"]["loaded_tokens"] == 576
-    assert (metrics["loaded_tokens_disk"], metrics["loaded_tokens_host"]) == (576, 576)
+    assert done["long"].kv_transfer_params["dss"]["loaded_tokens"] == 480
+    # "fresh" saved (514 + 8 - 1) // 32 = 16 pages; the same prompt again is offered (514 - 1) // 32 = 16
+    assert done["again"].kv_transfer_params["dss"]["loaded_tokens"] == 512
+    assert (metrics["loaded_tokens_disk"], metrics["loaded_tokens_host"]) == (480, 512)
     assert (metrics["requests_hit"], metrics["requests_miss"]) == (2, 4)
 
 
-def test_preempted_requests_with_loads_and_saves_in_flight_keep_their_outputs(model: Path, store_path: Path,
+def test_preempted_requests_with_loads_and_saves_in_flight_keep_their_outputs(smollm2_model: Path, store_path: Path,
+                                                                             prompts: dict[str, list[int]],
                                                                              ref: dict[str, list[int]]) -> None:
-    """18 blocks of 32 tokens. ``growing`` (200 prompt tokens, 100 generated: 7 blocks, then
-    up to 10) runs first and saves a page every 32 tokens; ``loading`` (300 tokens, 8 pages on
+    """18 blocks of 32 tokens. ``growing`` (201 prompt tokens, 100 generated: 7 blocks, then
+    up to 10) runs first and saves a page every 32 tokens; ``loading`` (304 tokens, 9 pages on
     disk, 40 generated: 10 blocks, then 11) waits for its asynchronous load, then runs beside
     it. When both need a new block the cache is full and vLLM preempts ``loading`` (the later
     arrival) with its pages being saved; it resumes when ``growing`` finishes, loads its own
     pages back and ends with the output of vLLM without dss."""
-    with engine(model, store=store_path) as llm:
-        generate(llm, [LONG[:256]], params=[{"dss": SESSION}])  # 8 pages of the loading prompt
-    with engine(model, store=store_path, num_blocks=18, max_model_len=400, log_stats=True) as llm:
+    with engine(smollm2_model, store=store_path, **F32) as llm:  # the loading prompt, sent before: 9 pages
+        generate(llm, [prompts["loading"]], max_tokens=1, params=[{"dss": SESSION}])
+    with engine(smollm2_model, store=store_path, num_blocks=18, max_model_len=400, log_stats=True, **F32) as llm:
         done: dict[str, Any] = {}
-        add(llm, "growing", GROWING, greedy(100, {"tenant_id": "t", "user_id": "v"}))
+        add(llm, "growing", prompts["growing"], greedy(100, {"tenant_id": "t", "user_id": "v"}))
         assert step(llm, done) == {"growing": 1}
-        add(llm, "loading", LONG[:300], greedy(40, SESSION))
+        add(llm, "loading", prompts["loading"], greedy(40, SESSION))
         assert step(llm, done) == {"growing": 2}
         assert status(llm, "loading") == "WAITING_FOR_REMOTE_KVS"
         trace = []
@@ -152,12 +209,13 @@ def test_preempted_requests_with_loads_and_saves_in_flight_keep_their_outputs(mo
     assert paused and all("growing" in trace[i] for i in paused)
     assert tokens_out(done["growing"]) == ref["growing"]
     assert tokens_out(done["loading"]) == ref["loading"]
-    # 256 tokens from disk at first; after the preemption, those again, plus the pages it had
+    # 288 tokens from disk at first; after the preemption, those again, plus the pages it had
     # saved meanwhile whose writes landed before it was admitted again (a race: the rest is
     # recomputed, never wrong)
     loaded = done["loading"].kv_transfer_params["dss"]["loaded_tokens"]
-    assert loaded >= 256 and loaded % 32 == 0
-    assert metrics["loaded_tokens_disk"] >= 256 and metrics.get("failed_pages", 0) == 0
+    assert loaded >= 288 and loaded % BLOCK == 0
+    assert metrics["loaded_tokens_disk"] >= 288 and metrics.get("failed_pages", 0) == 0
     with dss.open(store_path) as store:
         assert store.check() == []
-        assert store.resume("chat-1", LONG[:300] + ref["loading"], tenant_id="t").matched_tokens == 320
+        history = prompts["loading"] + ref["loading"]
+        assert store.resume("chat-1", history, tenant_id="t").matched_tokens == (len(history) - 1) // BLOCK * BLOCK
