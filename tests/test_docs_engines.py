@@ -30,7 +30,7 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 """A small KV cache for the CPU build (its default takes gigabytes)."""
 
 
-def run_python(text: str, folder: Path, timeout_s: int = 900) -> str:
+def run_python(text: str, folder: Path, timeout_s: int = 1500) -> str:
     (folder / "block.py").write_text(text)
     done = subprocess.run([sys.executable, "block.py"], cwd=folder, env={**page_env(folder), **ENGINE_ENV},
                           capture_output=True, text=True, timeout=timeout_s)
@@ -80,7 +80,7 @@ def run_quick_start(text: str, folder: Path, port: int) -> str:
     process = subprocess.Popen(["bash", "-c", script], cwd=folder, env={**page_env(folder), **ENGINE_ENV}, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        out, err = process.communicate(timeout=900)
+        out, err = process.communicate(timeout=1500)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
