@@ -9,6 +9,7 @@ not handed out again before its copies are done.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -100,6 +101,44 @@ def test_on_cuda_buffers_are_pinned_and_copies_finish_with_their_event(device: s
     assert transfer.wait(timeout=60)
     assert transfer.is_done()
     assert target.cpu().numpy().tobytes() == b"".join(pages)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])
+def test_on_cuda_a_large_copy_runs_on_the_pools_stream_after_copy_returns(device: str) -> None:
+    """No artificial delay: 256 MiB of pinned pages take milliseconds to cross to the GPU, far
+    longer than ``copy`` takes to queue them, so the transfer is not done when ``copy`` returns;
+    timing events recorded around the copy on the pool's stream measure the copy itself, and the
+    caller's stream is not held up by it (an event recorded there completes first)."""
+    size, count = 32 << 20, 8
+    pool = StagingPool(device, max_buffers=1)
+    pages = [bytes([k]) * size for k in range(count)]
+    target = torch.empty((count, size), dtype=torch.uint8, device=device)
+    staged = pool.stage(pages, [(0, size)])
+    assert staged.buffer.is_pinned()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def work(staged: Staged) -> None:
+        assert torch.cuda.current_stream(pool.device) == pool.stream
+        start.record()  # on the current stream: the pool's
+        target.copy_(staged.parts[0], non_blocking=True)  # straight into the target: no allocation to time
+        end.record()
+
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    transfer = pool.copy(staged, work)
+    queued_ms = (time.perf_counter() - began) * 1000
+    done_at_return = transfer.is_done()
+    caller = torch.cuda.Event()
+    caller.record(torch.cuda.current_stream(pool.device))
+    caller.synchronize()
+    caller_first = not end.query()
+    assert transfer.wait(timeout=60)
+    copy_ms = start.elapsed_time(end)
+    print(f"256 MiB host to device: queued in {queued_ms:.2f} ms, copied in {copy_ms:.2f} ms "
+          f"({count * size / copy_ms / 1e6:.1f} GB/s)")
+    assert not done_at_return and queued_ms < copy_ms
+    assert caller_first  # the caller's stream did not wait for the pool's
+    assert torch.equal(target[:, :1].cpu().view(-1), torch.arange(count, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])

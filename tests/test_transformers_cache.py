@@ -1,8 +1,11 @@
 """The transformers adapter: a ``past_key_values`` cache saved as dss pages and built back.
 
-A tiny random Llama (the one of :mod:`engines`, run by transformers itself) continues a
-conversation from a cache restored out of the store, and must generate exactly what it
-generates from scratch, token for token.
+The real model, SmolLM2-135M-Instruct (real weights, :mod:`real_chat`), continues a real chat
+from pages restored out of the store (a fresh store handle: they come from disk): in bf16 the
+restored cache is the one turn 1 left in memory, bit for bit, and the next answer is the one
+that cache gives; in float32 the next answer is the one a full forward over the whole prompt
+gives. A tiny random Llama (the one of :mod:`engines`) covers what the real model cannot show
+on its own: arbitrary shapes, a page layout worked by hand, refused caches.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from dss_adapters.transformers_cache import cache_from_pages, cache_pages, layout_for, load_cache, save_cache
 
 import dss
+from tests import real_chat
 from tests.engines import make_tiny_llama, prompt
 
 
@@ -115,3 +119,50 @@ def test_caches_that_do_not_fit_the_layout_are_refused(model: Any) -> None:
         cache_pages(DynamicCache([(torch.zeros(1, 2, 32, 32),) * 2]), layout)
     with pytest.raises(dss.InvalidInput, match="page 0 has 3 bytes"):
         cache_from_pages([b"abc"], layout)
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_model: Path) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct in bf16 on the CPU, and its tokenizer."""
+    return real_chat.load(smollm2_model, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def smol32(smollm2_model: Path) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct in float32 on the CPU, and its tokenizer."""
+    return real_chat.load(smollm2_model, torch.float32)
+
+
+def test_the_real_models_layout(smol: tuple[Any, Any]) -> None:
+    """30 layers x (k, v) x 3 KV heads x 32 tokens x 64 dims x 2 bytes (bf16) = 737,280 bytes a page."""
+    layout = layout_for(smol[0], page_tokens=32)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (30, 3, 64, "bfloat16")
+    assert layout.page_bytes == 30 * 2 * 3 * 32 * 64 * 2 == 737_280
+
+
+def test_a_real_chat_continues_from_pages_on_disk_as_from_the_cache_in_memory(
+        smol: tuple[Any, Any], store: dss.Store, store_path: Path) -> None:
+    """bf16: the restored cache is turn 1's cache bit for bit, so turn 2's greedy answer is the
+    one the in-memory cache gives (the same split without dss)."""
+    model, tokenizer = smol
+    chat = real_chat.through_the_store(model, tokenizer, store, store_path)
+    assert "Paris" in tokenizer.decode(real_chat.answer(chat.turn1, chat.prompt1))  # real weights
+    in_memory = real_chat.prefix_of(chat.turn1.past_key_values, chat.num_cached)
+    assert real_chat.same_tensors(chat.cache, in_memory)
+    turn2 = chat.turn2
+    restored = real_chat.answer(real_chat.greedy(model, turn2, 16, cache=chat.cache), turn2)
+    assert restored == real_chat.answer(real_chat.greedy(model, turn2, 16, cache=in_memory), turn2)
+    assert len(restored) > 4 and tokenizer.decode(restored).strip()
+
+
+def test_in_float32_a_real_chat_continues_from_pages_as_from_one_full_forward(
+        smol32: tuple[Any, Any], store: dss.Store, store_path: Path) -> None:
+    model, tokenizer = smol32
+    chat = real_chat.through_the_store(model, tokenizer, store, store_path)
+    assert chat.cache.layers[0].keys.dtype == torch.float32
+    turn2 = chat.turn2
+    restored = real_chat.answer(real_chat.greedy(model, turn2, 16, cache=chat.cache), turn2)
+    assert restored == real_chat.answer(real_chat.greedy(model, turn2, 16), turn2)

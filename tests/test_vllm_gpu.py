@@ -8,6 +8,7 @@ are checked on CUDA by the ``cuda`` cases of ``tests/test_vllm_worker.py``.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tests.engines import conversation, engine, make_tiny_llama, run, tokens_out
 
 
 def _cuda_vllm() -> bool:
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         return False
     from vllm.platforms import current_platform
 
