@@ -89,14 +89,15 @@ def prompts(smollm2_model: Path) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def ref(smollm2_model: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Greedy outputs without dss nor vLLM's prefix cache: the decoders (40 tokens each, as one
-    batch), the long and fresh prompts (8 tokens), and the preemption test's two requests."""
-    with engine(smollm2_model, prefix_caching=False, **F32) as llm:
-        decoders = generate(llm, [prompts[f"d{i}"] for i in range(3)], max_tokens=40)
-        out = {f"d{i}": tokens_out(decoders[i]) for i in range(3)}
-        for name in ("long", "fresh", "growing", "loading"):
-            out[name] = tokens_out(generate(llm, [prompts[name]], max_tokens=MAX_TOKENS[name])[0])
-    return out
+    """Greedy outputs without dss nor vLLM's prefix cache, of every prompt (``MAX_TOKENS`` each),
+    in one batch (in float32 greedy outputs do not depend on the batch; the tests run these
+    requests in other batches and compare)."""
+    from vllm.inputs import TokensPrompt
+
+    with engine(smollm2_model, prefix_caching=False, max_num_seqs=len(CHATS), **F32) as llm:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[name]) for name in CHATS],
+                            [greedy(MAX_TOKENS[name]) for name in CHATS], use_tqdm=False)
+    return {name: tokens_out(out) for name, out in zip(CHATS, outs)}
 
 
 def greedy(max_tokens: int, fields: dict[str, Any] | None = None) -> Any:

@@ -1,8 +1,12 @@
 """The dss connector with tensor and pipeline parallelism on the vLLM CPU build.
 
-Every engine is a real ``vllm.LLM`` on the tiny Llama of :mod:`engines` (2 KV heads, so each
-of 2 tensor-parallel ranks holds one), in vLLM's multi-process mode with one worker process
-per rank. Outputs are compared token for token with the same parallel engine without dss.
+Every engine is a real ``vllm.LLM`` on the tiny Llama of :mod:`engines` (4 attention heads and
+2 KV heads, so each of 2 tensor-parallel ranks holds one KV head), in vLLM's multi-process
+mode with one worker process per rank (the machine's two cores), in float32: outputs are
+compared token for token with the same parallel engine without dss. Not SmolLM2: its 9
+attention heads cannot be split over 2 ranks, and vLLM refuses to start ("Total number of
+attention heads (9) must be divisible by tensor parallel size (2)"); 3 ranks would fit its 3
+KV heads, but not two cores.
 
 Each rank saves and loads its own shard: shard 0's pages live in the session, shard 1's in
 the namespace under a layout that differs in ``tp_shard`` only. The scheduler offers a page
