@@ -58,6 +58,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from dss import nearest
+
 import chats
 from progress import track
 
@@ -143,13 +147,8 @@ def serve(llm: Any, tokenizer: Any, args: argparse.Namespace, *, with_dss: bool,
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The number of leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """The number of leading tokens ``a`` and ``b`` share (dss's own comparison of token arrays)."""
+    return nearest.common_prefix(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
 
 
 def ideal(oracle: Run, c: int, t: int) -> int:
