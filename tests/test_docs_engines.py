@@ -30,9 +30,9 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 """A small KV cache for the CPU build (its default takes gigabytes)."""
 
 
-def run_python(text: str, folder: Path, timeout_s: int = 1500) -> str:
+def run_python(text: str, folder: Path, timeout_s: int = 900) -> str:
     (folder / "block.py").write_text(text)
-    done = subprocess.run([sys.executable, "block.py"], cwd=folder, env={**page_env(folder), **ENGINE_ENV},
+    done = subprocess.run([sys.executable, "block.py"], check=False, cwd=folder, env={**page_env(folder), **ENGINE_ENV},
                           capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
@@ -43,16 +43,16 @@ def test_the_model_helper_block(tmp_path: Path, smollm2_model: Path) -> None:
     assert Path(run_python(block.text, tmp_path).strip()) == smollm2_model
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(900)
 def test_the_transformers_block(tmp_path: Path, smollm2_model: Path) -> None:
     """The second turn loads the first turn's full pages (at least one) from dss."""
     (block,) = blocks_run_by("test_the_transformers_block")
     loaded, total = map(int, re.search(r"^(\d+) of (\d+) prompt tokens loaded from dss$", run_python(
-        block.text, tmp_path), re.M).groups())  # type: ignore[union-attr]
+        block.text, tmp_path), re.MULTILINE).groups())  # type: ignore[union-attr]
     assert loaded >= 32 and loaded % 32 == 0 and loaded < total
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(900)
 def test_the_offline_vllm_block(tmp_path: Path, smollm2_model: Path) -> None:
     """One chat request through ``vllm.LLM`` with the connector commits version 1 of ``chat-1``."""
     (block,) = blocks_run_by("test_the_offline_vllm_block")
@@ -80,7 +80,7 @@ def run_quick_start(text: str, folder: Path, port: int) -> str:
     process = subprocess.Popen(["bash", "-c", script], cwd=folder, env={**page_env(folder), **ENGINE_ENV}, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        out, err = process.communicate(timeout=1500)
+        out, err = process.communicate(timeout=900)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -88,7 +88,7 @@ def run_quick_start(text: str, folder: Path, port: int) -> str:
     return out
 
 
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(1800)
 def test_the_vllm_quick_start(tmp_path: Path, smollm2_model: Path) -> None:
     """The README's quick start is the vLLM page's; on a warm server the repeated question is
     vLLM's own prefix-cache hit; after a restart the same question loads its pages from disk."""
@@ -102,5 +102,5 @@ def test_the_vllm_quick_start(tmp_path: Path, smollm2_model: Path) -> None:
     restarted = run_quick_start(page.text, tmp_path, port)
     after, _ = answers(restarted)
     assert after["result"] == "hit" and after["loaded_tokens"] >= 32 and after["loaded_tokens"] % 32 == 0
-    disk = re.search(r'^vllm:dss_loaded_tokens_total\{[^}]*tier="disk"[^}]*\} (\S+)$', restarted, re.M)
+    disk = re.search(r'^vllm:dss_loaded_tokens_total\{[^}]*tier="disk"[^}]*\} (\S+)$', restarted, re.MULTILINE)
     assert disk is not None and float(disk.group(1)) == after["loaded_tokens"]
