@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 import dss
 from dss.service.apikeys import KeyRing, add_key
+from dss.service.config import load_server_config
 from dss.service.problems import problem
 from dss.service.server import create_app
-from dss.service.config import load_server_config
 from tests.test_readonly_sql import ATTACKS, snapshot
 
 LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny")
@@ -568,7 +568,8 @@ def test_sql_cells_json_cannot_carry_are_tagged(service: Service) -> None:
 
 
 def test_sql_answers_every_attack_with_its_4xx_and_changes_nothing(tmp_path: Path, catalog_url: str | None) -> None:
-    svc = Service(tmp_path / "home", catalog_url=catalog_url)
+    # no mover thread: every 5 s it rewrites its tier_policy row (updated_at), which is not the attacks' doing
+    svc = Service(tmp_path / "home", catalog_url=catalog_url, store_options={"mover": False})
     with svc.http:
         svc.create()
         svc.commit(T, pages={0: page(1), 1: page(2)})

@@ -1,7 +1,6 @@
-"""vLLM's OpenAI-compatible server with the dss connector, started as users start it on the
-CPU build (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fails there, see
-the vLLM guide), spoken to over real HTTP, on SmolLM2-135M-Instruct (real weights, its ChatML
-template).
+"""vLLM's OpenAI-compatible server with the dss connector (:mod:`api_servers`: started as users
+start it on the CPU build), spoken to over real HTTP, on SmolLM2-135M-Instruct (real weights,
+its ChatML template).
 
 A two-turn chat across a server restart: the second server loads the first turn's pages
 (``kv_transfer_params`` in the response says how many tokens), and both replies are exactly
@@ -16,14 +15,7 @@ on two cores.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,68 +25,13 @@ import pytest
 
 import dss
 from dss import nearest
-from tests.engines import BLOCK, dss_config
+from tests.api_servers import SESSION, api_server, reply
+from tests.engines import BLOCK
 from tests.real_chat import FOLLOW_UP, QUESTION, SYSTEM
-from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
 
-SESSION = {"session_id": "chat-1", "tenant_id": "acme", "user_id": "u1"}
-START_TIMEOUT_S = 420
 NAME = "smollm2"
-
-
-def launch(model: Path, store: Path | None, logs: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` on a free port, in float32 without
-    vLLM's prefix cache, with the dss connector on ``store`` if given; return the process (its
-    own process group), its base URL and its log file (in ``logs``), without waiting for it."""
-    port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-               "--block-size", str(BLOCK), "--max-num-seqs", "2", "--seed", "0", "--host", "127.0.0.1",
-               "--port", str(port), "--no-enable-prefix-caching"]
-    if store is not None:
-        command += ["--kv-transfer-config", json.dumps(dss_config(store))]
-    log = logs / f"server-{port}.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}", log
-
-def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    """Return once the server answers ``/health``; fail if it exits or takes too long."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-5000:]}"
-        assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()[-5000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL of its process group after 60 s."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-@contextmanager
-def api_server(model: Path, store: Path | None, logs: Path) -> Iterator[str]:
-    """:func:`launch`, yield the base URL once ``/health`` answers, :func:`stop` on exit."""
-    process, url, log = launch(model, store, logs)
-    try:
-        wait_ready(process, url, log)
-        yield url
-    finally:
-        stop(process)
 
 
 def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None) -> Any:
@@ -140,20 +77,16 @@ def wait_for_pages(store: Path, count: int, timeout_s: float = 60) -> None:
             time.sleep(0.2)
 
 
-def reply(response: Any) -> str:
-    return response["choices"][0]["message"]["content"]
-
-
 def test_a_chat_across_a_server_restart_loads_the_first_turns_pages(smollm2_model: Path, tmp_path: Path) -> None:
-    with api_server(smollm2_model, None, tmp_path) as plain:
+    with api_server(smollm2_model, None, tmp_path, name=NAME) as plain:
         ref1 = chat(plain, TURN1, 24, None)
         ref2 = chat(plain, turn2(ref1), 12, None)
     store = tmp_path / "store"
-    with api_server(smollm2_model, store, tmp_path) as first:
+    with api_server(smollm2_model, store, tmp_path, name=NAME) as first:
         one = chat(first, TURN1, 24, SESSION)
         saved = (len(tokens(one)) - 1) // BLOCK  # the last token's KV is never computed
         wait_for_pages(store, saved)  # vLLM's default shutdown kills the workers: let the writes land first
-    with api_server(smollm2_model, store, tmp_path) as second:
+    with api_server(smollm2_model, store, tmp_path, name=NAME) as second:
         two = chat(second, turn2(one), 12, SESSION)
     assert "Paris" in reply(ref1) and reply(ref2)
     assert (reply(one), reply(two)) == (reply(ref1), reply(ref2))

@@ -4,9 +4,11 @@ server without dss answers.
 
 Both servers open one store folder (and its SQLite catalog): the disk tier is shared, so the
 server that takes over reads the pages the dead one wrote. (Separate folders on separate
-hosts share pages through the remote tier instead; this branch has none yet.) The router
-opens the same folder to ask which pages of a session's head are stored. The conversation
-(tokens known exactly, see tests/test_vllm_openai_server.py; pages of 32 tokens)::
+hosts share pages through the remote tier instead.) The router opens the same folder to ask
+which pages of a session's head are stored. The model is the tiny random Llama of
+:mod:`engines` with a word-level tokenizer (token ``i`` is the word ``w<i>``) and a chat
+template that joins the messages' contents, so the conversation's token ids are known exactly
+(pages of 32 tokens)::
 
     turn 1: user1 (100)                            -> reply1 (30)  new session: hashed to node X
     turn 2: + reply1 + user2 (40) = 170 tokens     -> reply2 (8)   kv: X (it served turn 1), loads 128
@@ -31,33 +33,51 @@ import httpx
 import pytest
 
 import dss
-
-from tests.engines import prompt
+from tests.api_servers import SESSION, api_server, launch, reply, stop, wait_ready
+from tests.engines import VOCAB, make_tiny_llama, prompt
 from tests.servers import free_port
-from tests.test_vllm_openai_server import (
-    SESSION,
-    USER1,
-    USER2,
-    api_server,
-    chat_response,
-    launch,
-    make_chat_model,
-    reply,
-    stop,
-    wait_ready,
-    words,
-)
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+SPECIAL = {"<pad>": 0, "<s>": 1, "</s>": 2}
+NAME = "tiny"
+
+
+def make_chat_model(path: Path) -> Path:
+    """The tiny Llama plus a word-level tokenizer and a chat template that joins the messages."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    make_tiny_llama(path)
+    vocab = {**SPECIAL, **{f"w{i}": i for i in range(len(SPECIAL), VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    return path
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+USER1 = {"role": "user", "content": words(prompt(1, 100))}
+USER2 = {"role": "user", "content": words(prompt(2, 40))}
 USER3 = {"role": "user", "content": words(prompt(3, 20))}
 
 
 def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None
          ) -> tuple[Any, httpx.Headers]:
-    """One greedy chat completion; the answer and the response headers."""
-    response = chat_response(url, messages, max_tokens, dss_fields)
+    """One greedy chat completion (special tokens barred, so replies are plain words), answered
+    200; the answer and the response headers."""
+    body: dict[str, Any] = {"model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "logit_bias": {str(i): -100 for i in SPECIAL.values()}}
+    if dss_fields is not None:
+        body["kv_transfer_params"] = {"dss": dss_fields}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
     return response.json(), response.headers
 
 
@@ -78,10 +98,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_router_follows_the_kv_and_fails_over(model: Path, tmp_path: Path) -> None:
-    with api_server(model, None) as plain:
+    with api_server(model, None, tmp_path, name=NAME, max_model_len=512) as plain:
         reference = [r for r, _ in conversation(plain, None)]
     store = tmp_path / "store"
-    servers = {node: launch(model, store) for node in ("a", "b")}
+    servers = {node: launch(model, store, tmp_path, name=NAME, max_model_len=512) for node in ("a", "b")}
     router = None
     try:
         for process, url, log in servers.values():
