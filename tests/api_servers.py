@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+import dss
 from tests.engines import BLOCK, dss_config
 from tests.servers import free_port
 
@@ -82,6 +84,20 @@ def api_server(model: Path, store: Path | None, logs: Path, *, name: str, max_mo
         stop(process)
 
 
-def reply(response: dict) -> str:
+def wait_for_pages(store: Path, count: int, timeout_s: float = 60) -> None:
+    """Wait until :data:`SESSION`'s head resumes ``count`` pages of 32 tokens (the connector
+    writes pages in the background; the reply is sent before the last ones are on disk)."""
+    deadline = time.monotonic() + timeout_s
+    with dss.open(store) as handle:
+        while True:
+            history = handle.tokens(SESSION["session_id"], tenant_id=SESSION["tenant_id"])
+            found = handle.resume(SESSION["session_id"], history, tenant_id=SESSION["tenant_id"]).matched_tokens
+            if found >= count * BLOCK:
+                return
+            assert time.monotonic() < deadline, f"only {found} tokens of the session's head were saved"
+            time.sleep(0.1)
+
+
+def reply(response: dict[str, Any]) -> str:
     """The text of a chat completion's first choice."""
     return response["choices"][0]["message"]["content"]

@@ -15,7 +15,6 @@ on two cores.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-import dss
 from dss import nearest
-from tests.api_servers import SESSION, api_server, reply
+from tests.api_servers import SESSION, api_server, reply, wait_for_pages
 from tests.engines import BLOCK
 from tests.real_chat import FOLLOW_UP, QUESTION, SYSTEM
 
@@ -61,20 +59,6 @@ def tokens(response: Any) -> list[int]:
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading token ids two lists share."""
     return nearest.common_prefix(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
-
-
-def wait_for_pages(store: Path, count: int, timeout_s: float = 60) -> None:
-    """Wait until the session's head resumes ``count`` pages (the connector writes pages in the
-    background; the reply is sent before the last ones are on disk)."""
-    deadline = time.monotonic() + timeout_s
-    with dss.open(store) as handle:
-        while True:
-            history = handle.tokens(SESSION["session_id"], tenant_id=SESSION["tenant_id"])
-            found = handle.resume(SESSION["session_id"], history, tenant_id=SESSION["tenant_id"]).matched_tokens
-            if found >= count * BLOCK:
-                return
-            assert time.monotonic() < deadline, f"only {found} tokens of the first turn were saved"
-            time.sleep(0.2)
 
 
 def test_a_chat_across_a_server_restart_loads_the_first_turns_pages(smollm2_model: Path, tmp_path: Path) -> None:

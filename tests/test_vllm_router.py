@@ -32,8 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-import dss
-from tests.api_servers import SESSION, api_server, launch, reply, stop, wait_ready
+from tests.api_servers import SESSION, api_server, launch, reply, stop, wait_for_pages, wait_ready
 from tests.engines import VOCAB, make_tiny_llama, prompt
 from tests.servers import free_port
 
@@ -125,12 +124,7 @@ def test_the_router_follows_the_kv_and_fails_over(model: Path, tmp_path: Path) -
         def kill_the_first(turns: list[tuple[Any, httpx.Headers]]) -> None:
             # the engine's pages reach the store after its answer (a background writer): wait
             # for turn 2's five pages, so the kill tests fail-over, not a save still in flight
-            with dss.open(store) as seen:
-                head = seen.tokens(SESSION["session_id"], tenant_id=SESSION["tenant_id"])
-                give_up = time.monotonic() + 60
-                while seen.resume(SESSION["session_id"], head, tenant_id=SESSION["tenant_id"]).matched_tokens < 160:
-                    assert time.monotonic() < give_up, "turn 2's pages never reached the store"
-                    time.sleep(0.1)
+            wait_for_pages(store, 5)
             process = servers[turns[0][1]["x-dss-node"]][0]
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
