@@ -24,6 +24,7 @@ import ctypes
 import importlib.util
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -90,11 +91,30 @@ def answers(url: str, default_port: int) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(span: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, as are the ports ``span`` above it
+    (when ``span`` is positive).
+
+    The port lies below the kernel's ephemeral range, so that no outgoing connection (the
+    suite's own readiness probes among them) can be given it between now and the moment a
+    server binds it; a port the kernel hands out for ``bind(0)`` can be."""
+    low = _ephemeral_low()
+    while True:
+        port = random.randrange(FIRST_PORT, low - span)
+        if _is_free(port) and (not span or _is_free(port + span)):
+            return port
+
+
+FIRST_PORT = 10000
+"""The lowest port :func:`free_port` picks (above the well-known and most registered ones)."""
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------
@@ -289,6 +309,9 @@ class RedisCluster:
 CLUSTER_NODE_TIMEOUT_MS = 2000
 """How long a master may be unreachable before the others mark it failed (Redis's default is 15 s)."""
 
+CLUSTER_BUS_OFFSET = 10000
+"""A master's cluster bus listens this many ports above its own port (Redis's fixed rule)."""
+
 
 def start_redis_cluster(masters: int = 3) -> RedisCluster:
     """Start a throwaway Redis Cluster of ``masters`` masters on free loopback ports (each port
@@ -304,8 +327,8 @@ def start_redis_cluster(masters: int = 3) -> RedisCluster:
     cluster = RedisCluster(Path(tempfile.mkdtemp(prefix="dss-test-redis-cluster-")), binary, [])
     ports: list[int] = []
     while len(ports) < masters:
-        port = free_port()
-        if port + 10000 <= 65535 and port not in ports and _is_free(port + 10000):
+        port = free_port(span=CLUSTER_BUS_OFFSET)
+        if port not in ports:
             ports.append(port)
     try:
         for i, port in enumerate(ports):
