@@ -58,7 +58,7 @@ def verify(folder: Path, url: str | None, acked: dict[int, tuple[int, str]], for
         store.close()
 
 
-@pytest.mark.parametrize("catalog, kills", [("sqlite", 50), ("postgresql", 10)])
+@pytest.mark.parametrize("catalog, kills", [("sqlite", 25), ("postgresql", 10)])
 def test_sigkill_loses_no_acknowledged_commit(tmp_path: Path, catalog: str, kills: int) -> None:
     urls = _pg_schema() if catalog == "postgresql" else None
     url = next(urls) if urls else None

@@ -253,8 +253,8 @@ class PostgresMachine(StoreMachine):
 
 
 TestSqliteStore = SqliteMachine.TestCase
-TestSqliteStore.settings = settings(max_examples=200, stateful_step_count=25, deadline=None,
+TestSqliteStore.settings = settings(max_examples=100, stateful_step_count=25, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 TestPostgresStore = PostgresMachine.TestCase
-TestPostgresStore.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
+TestPostgresStore.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
