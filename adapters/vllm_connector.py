@@ -89,8 +89,10 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = self._kv_transfer_config
         self.settings = Settings.from_extra_config(transfer.kv_connector_extra_config)
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-            log.warning("kv_load_failure_policy is not 'recompute': a dss page that cannot be read fails "
-                        "its request instead of being recomputed")
+            log.warning(
+                "kv_load_failure_policy is not 'recompute': a dss page that cannot be read fails "
+                "its request instead of being recomputed"
+            )
         attention_spec(kv_cache_config)
         shards = engine_shards(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
@@ -100,20 +102,35 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
             layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
             self.layout = layouts[0]
             self.store = dss.open(self.settings.store, **self.settings.store_options)
-            self._scheduler = SchedulerSide(self.settings, layouts, shards, len(kv_cache_config.kv_cache_groups),
-                                            self.store, state_groups(kv_cache_config),
-                                            engine_id=transfer.engine_id or "vllm")
+            self._scheduler = SchedulerSide(
+                self.settings,
+                layouts,
+                shards,
+                len(kv_cache_config.kv_cache_groups),
+                self.store,
+                state_groups(kv_cache_config),
+                engine_id=transfer.engine_id or "vllm",
+            )
         else:
             tp_rank, pp_rank = _worker_ranks()
             layers = page_layers(kv_cache_config)
             if stage_layers(vllm_config, kv_cache_config, pp_rank) != layers:
-                raise ConfigError(f"the attention layers of pipeline stage {pp_rank} are not the ones its index "
-                                  "range names; the dss connector serves this model without pipeline parallelism")
+                raise ConfigError(
+                    f"the attention layers of pipeline stage {pp_rank} are not the ones its index "
+                    "range names; the dss connector serves this model without pipeline parallelism"
+                )
             shard = shards.index(tp_rank, pp_rank)
             self.layout = shard_layout(vllm_config, kv_cache_config, self.settings, shards, shard, layers)
             self.store = dss.open(self.settings.store, **self.settings.reader_options)
-            self._worker = WorkerSide(self.settings, self.layout, self.store, layers, kv_cache_config.num_blocks,
-                                      shard=shard, is_saver=shards.is_saver(tp_rank))
+            self._worker = WorkerSide(
+                self.settings,
+                self.layout,
+                self.store,
+                layers,
+                kv_cache_config.num_blocks,
+                shard=shard,
+                is_saver=shards.is_saver(tp_rank),
+            )
         log.info("dss connector (%s) on %s, layout %s", role.name.lower(), self.settings.store, self.layout)
 
     @classmethod
@@ -151,8 +168,9 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker_side().wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         self._worker_side().save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
@@ -213,8 +231,9 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, self._scheduler_side().finished(request)
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return False, self._scheduler_side().finished(request)
 
     # -- metrics (both sides) --------------------------------------------------------------
@@ -229,8 +248,13 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
         return DssConnectorStats(data=data) if data is not None else DssConnectorStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> DssPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> DssPromMetrics:
         return DssPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -269,16 +293,23 @@ def _keep_every_state(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     block = kv_cache_config.kv_cache_groups[groups[0]].kv_cache_spec.block_size
     interval = kv_cache_config.prefix_cache_retention_interval
     if interval is not None and not 0 < interval <= block:
-        log.warning("dss connector: prefix_cache_retention_interval=%s keeps state-space (Mamba) states at some block "
-                    "boundaries only; set to None (every boundary), so that every page can be saved", interval)
+        log.warning(
+            "dss connector: prefix_cache_retention_interval=%s keeps state-space (Mamba) states at some block "
+            "boundaries only; set to None (every boundary), so that every page can be saved",
+            interval,
+        )
         kv_cache_config.prefix_cache_retention_interval = None
         vllm_config.cache_config.prefix_cache_retention_interval = None
     chunk = vllm_config.scheduler_config.max_num_batched_tokens
     if chunk > block:
-        log.warning("dss connector: a step computes up to %d tokens, more than a block (%d); vLLM keeps the "
-                    "state-space (Mamba) state only where a chunk ends, so dss saves a prompt's pages only up to "
-                    "the first block boundary inside a chunk (max_num_batched_tokens=%d saves every page)",
-                    chunk, block, block)
+        log.warning(
+            "dss connector: a step computes up to %d tokens, more than a block (%d); vLLM keeps the "
+            "state-space (Mamba) state only where a chunk ends, so dss saves a prompt's pages only up to "
+            "the first block boundary inside a chunk (max_num_batched_tokens=%d saves every page)",
+            chunk,
+            block,
+            block,
+        )
 
 
 def _worker_ranks() -> tuple[int, int]:

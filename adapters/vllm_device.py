@@ -116,7 +116,7 @@ class DeviceResidency:
             return True
         held = []
         for i, ref in enumerate(result.pages):
-            hashes = entry.hashes[i * per_page:(i + 1) * per_page]
+            hashes = entry.hashes[i * per_page : (i + 1) * per_page]
             if len(hashes) == per_page and self._cached(hashes):
                 held.append(bytes(ref.page_id))
                 self.pages[bytes(ref.page_id)] = hashes
@@ -131,8 +131,7 @@ class DeviceResidency:
         try:
             if scope.session_id is not None:
                 return self.store.resume(scope.session_id, entry.tokens, tenant_id=scope.tenant_id)
-            return self.store.lookup(entry.tokens, layout=self.layout, user_id=scope.user_id,
-                                     tenant_id=scope.tenant_id)
+            return self.store.lookup(entry.tokens, layout=self.layout, user_id=scope.user_id, tenant_id=scope.tenant_id)
         except (UnknownSession, dss.ErasureInProgress):
             return None
 

@@ -104,19 +104,23 @@ def group_kinds(kv_cache_config: KVCacheConfig) -> list[str]:
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
-            kinds.append(f"sliding:{spec.sliding_window}")
-        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and spec.attention_chunk_size is None:
+            kinds.append(f"sliding:{spec.sliding_window}")  # type: ignore[attr-defined]  # the type is checked
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec) and spec.attention_chunk_size is None:  # type: ignore[attr-defined]
             kinds.append("full")
         elif type(spec) is MambaSpec:
             _check_state_spec(spec)
             kinds.append(f"state:{getattr(spec.mamba_type, 'name', spec.mamba_type)}".lower())
         else:
-            raise ConfigError(f"the dss connector does not support {_feature(spec)} (KV cache spec "
-                              f"{type(spec).__name__}); it serves full-attention, sliding-window and "
-                              "state-space (Mamba) layers")
+            raise ConfigError(
+                f"the dss connector does not support {_feature(spec)} (KV cache spec "
+                f"{type(spec).__name__}); it serves full-attention, sliding-window and "
+                "state-space (Mamba) layers"
+            )
         if not group.enable_kv_transfer:
-            raise ConfigError(f"the dss connector does not support KV cache groups that vLLM keeps out of KV "
-                              f"transfer ({type(spec).__name__})")
+            raise ConfigError(
+                f"the dss connector does not support KV cache groups that vLLM keeps out of KV "
+                f"transfer ({type(spec).__name__})"
+            )
     return kinds
 
 
@@ -126,13 +130,15 @@ def _check_state_spec(spec: Any) -> None:
         raise ConfigError(
             "the dss connector serves hybrid models with state-space (Mamba / linear-attention) layers only with "
             "vLLM's prefix caching for them (enable_prefix_caching=True, mamba_cache_mode='align': vLLM then keeps "
-            f"the state at each block boundary); this engine runs mamba_cache_mode={spec.mamba_cache_mode!r}")
+            f"the state at each block boundary); this engine runs mamba_cache_mode={spec.mamba_cache_mode!r}"
+        )
     if spec.num_speculative_blocks:
-        raise ConfigError("the dss connector does not support speculative decoding with state-space (Mamba) "
-                          "layers")
+        raise ConfigError("the dss connector does not support speculative decoding with state-space (Mamba) layers")
     if getattr(spec, "tokens_per_state", -1) not in (-1, spec.block_size):
-        raise ConfigError("the dss connector does not support state-space layers that keep a state every "
-                          f"{spec.tokens_per_state} tokens (it keeps one per block of {spec.block_size})")
+        raise ConfigError(
+            "the dss connector does not support state-space layers that keep a state every "
+            f"{spec.tokens_per_state} tokens (it keeps one per block of {spec.block_size})"
+        )
 
 
 def _feature(spec: Any) -> str:
@@ -183,8 +189,9 @@ def _state_field(kv_cache_config: KVCacheConfig) -> str | None:
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            tensors = "+".join(f"{tuple(shape)}:{str(dtype).removeprefix('torch.')}"
-                               for shape, dtype in zip(spec.shapes, spec.dtypes))
+            tensors = "+".join(
+                f"{tuple(shape)}:{str(dtype).removeprefix('torch.')}" for shape, dtype in zip(spec.shapes, spec.dtypes)
+            )
             parts.append(f"{getattr(spec.mamba_type, 'name', spec.mamba_type)}[{tensors}]".lower())
     return ";".join(parts) or None
 
@@ -192,8 +199,12 @@ def _state_field(kv_cache_config: KVCacheConfig) -> str | None:
 def page_layers(kv_cache_config: KVCacheConfig, names: set[str] | None = None) -> list[PageLayer]:
     """Layers with a KV cache in model order (by layer index, then name), each with its group:
     the order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
-    layers = [PageLayer(name, g) for g, group in enumerate(kv_cache_config.kv_cache_groups)
-              for name in group.layer_names if names is None or name in names]
+    layers = [
+        PageLayer(name, g)
+        for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        for name in group.layer_names
+        if names is None or name in names
+    ]
     return sorted(layers, key=lambda layer: _natural_key(layer.name))
 
 
@@ -207,15 +218,21 @@ def engine_shards(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Sh
     parallel = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) not in (1, None):
-            raise ConfigError(f"the dss connector does not support context parallelism ({name}="
-                              f"{getattr(parallel, name)}); it serves tensor and pipeline parallelism")
+            raise ConfigError(
+                f"the dss connector does not support context parallelism ({name}="
+                f"{getattr(parallel, name)}); it serves tensor and pipeline parallelism"
+            )
     replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
     tp = parallel.tensor_parallel_size
-    if replicas > 1 and any(not getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "tp_replicated", False)
-                            for g in state_groups(kv_cache_config)):
-        raise ConfigError(f"the dss connector does not support state-space layers sharded over {tp} tensor-parallel "
-                          f"ranks whose attention KV is replicated {replicas}x (ranks of one KV shard would hold "
-                          "different states)")
+    if replicas > 1 and any(
+        not getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "tp_replicated", False)
+        for g in state_groups(kv_cache_config)
+    ):
+        raise ConfigError(
+            f"the dss connector does not support state-space layers sharded over {tp} tensor-parallel "
+            f"ranks whose attention KV is replicated {replicas}x (ranks of one KV shard would hold "
+            "different states)"
+        )
     if tp % replicas:
         raise ConfigError(f"tensor_parallel_size={tp} is not a multiple of the KV replicas per shard ({replicas})")
     return Shards(tp, tp // replicas, parallel.pipeline_parallel_size)
@@ -236,15 +253,23 @@ def stage_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_ran
         try:
             index = extract_layer_index(layer.name)
         except (AssertionError, ValueError):
-            raise ConfigError(f"cannot tell the pipeline stage of layer {layer.name!r}; the dss connector "
-                              "serves this model without pipeline parallelism only") from None
+            raise ConfigError(
+                f"cannot tell the pipeline stage of layer {layer.name!r}; the dss connector "
+                "serves this model without pipeline parallelism only"
+            ) from None
         if start <= index < end:
             names.add(layer.name)
     return page_layers(kv_cache_config, names)
 
 
-def shard_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings, shards: Shards,
-                 shard: int, layers: list[PageLayer]) -> dss.Layout:
+def shard_layout(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    settings: Settings,
+    shards: Shards,
+    shard: int,
+    layers: list[PageLayer],
+) -> dss.Layout:
     """The layout of one shard's pages (see the module docstring).
 
     Raises ``ConfigError`` for models the connector cannot serve, and when
@@ -260,17 +285,21 @@ def shard_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settin
     cache = vllm_config.cache_config
     page_bytes = sum(layer_bytes(kv_cache_config.kv_cache_groups[layer.group].kv_cache_spec) for layer in layers)
     if settings.page_bytes is not None and settings.page_bytes != page_bytes:
-        raise ConfigError(f"pages of this model have {page_bytes} bytes, but the dss connector is configured "
-                          f"with page_bytes={settings.page_bytes}")
+        raise ConfigError(
+            f"pages of this model have {page_bytes} bytes, but the dss connector is configured "
+            f"with page_bytes={settings.page_bytes}"
+        )
     layer_kinds = [kinds[layer.group] for layer in layers]
     state = _state_field(kv_cache_config)
     extra: dict[str, Any] = {"state": state} if state is not None else {}
     return dss.Layout(
-        LAYOUT_NAME, block.block_size, page_bytes,
+        LAYOUT_NAME,
+        block.block_size,
+        page_bytes,
         model=str(model.model),
         revision=settings.model_revision or model.revision or model_fingerprint(str(model.model)),
         dtype=str(model.dtype).removeprefix("torch."),
-        kv_dtype=str(spec.dtype if spec is not None else block.dtypes[0]).removeprefix("torch."),
+        kv_dtype=str(spec.dtype if spec is not None else block.dtypes[0]).removeprefix("torch."),  # type: ignore[attr-defined]
         kv_cache_dtype=str(cache.cache_dtype),
         num_layers=len(layers),
         attention="full" if set(layer_kinds) == {"full"} else ",".join(layer_kinds),
@@ -294,8 +323,10 @@ def engine_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, sett
     workers at start (:class:`ShardHandshake`)."""
     shards = engine_shards(vllm_config, kv_cache_config)
     layers = stage_layers(vllm_config, kv_cache_config, 0)
-    return [shard_layout(vllm_config, kv_cache_config, settings, shards, tp_shard, layers)
-            for tp_shard in range(shards.tp_shards)]
+    return [
+        shard_layout(vllm_config, kv_cache_config, settings, shards, tp_shard, layers)
+        for tp_shard in range(shards.tp_shards)
+    ]
 
 
 def attention_backend(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
@@ -311,8 +342,11 @@ def attention_backend(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
     backend = getattr(vllm_config.attention_config, "backend", None)
     name = getattr(backend, "name", backend) or "auto"
     capability = current_platform.get_device_capability()
-    return f"{current_platform.device_type}:{name}:{capability.major}.{capability.minor}" if capability else \
-        f"{current_platform.device_type}:{name}"
+    return (
+        f"{current_platform.device_type}:{name}:{capability.major}.{capability.minor}"
+        if capability
+        else f"{current_platform.device_type}:{name}"
+    )
 
 
 def model_fingerprint(model: str) -> str:

@@ -54,8 +54,9 @@ class PageSource(Protocol):
     def read_pages(self, pages: Sequence[bytes]) -> Sequence[bytes | memoryview | None]: ...
 
 
-def read_pages(store: PageSource, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-               req_id: str) -> tuple[list[int], list[bytes | memoryview], LoadOutcome]:
+def read_pages(
+    store: PageSource, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> tuple[list[int], list[bytes | memoryview], LoadOutcome]:
     """Read the pages some KV cache group needs: (their indexes, their payloads, the outcome so
     far: failed pages and loaded ids). A ``DssError`` from the store fails every page (logged)."""
     start = time.perf_counter()
@@ -68,16 +69,21 @@ def read_pages(store: PageSource, page_ids: Sequence[bytes], block_ids: Sequence
         payloads = [None] * len(needed)
     outcome.failed_pages = [needed[i] for i, payload in enumerate(payloads) if payload is None]
     if outcome.failed_pages:
-        log.warning("%d of %d dss pages of request %s could not be read; vLLM recomputes them",
-                    len(outcome.failed_pages), len(needed), req_id)
+        log.warning(
+            "%d of %d dss pages of request %s could not be read; vLLM recomputes them",
+            len(outcome.failed_pages),
+            len(needed),
+            req_id,
+        )
     rows = [needed[i] for i, payload in enumerate(payloads) if payload is not None]
     outcome.loaded_page_ids = [page_ids[k] for k in rows]
     outcome.seconds = time.perf_counter() - start
     return rows, [payload for payload in payloads if payload is not None], outcome
 
 
-def load_pages(store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes],
-               block_ids: Sequence[Sequence[int]], req_id: str) -> LoadOutcome:
+def load_pages(
+    store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> LoadOutcome:
     """Copy the pages ``page_ids[k]`` into the blocks ``block_ids[group][k]`` (see the module
     docstring); the copies are complete when it returns."""
     outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id)
@@ -85,8 +91,9 @@ def load_pages(store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes]
     return outcome
 
 
-def start_load_pages(store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes],
-                     block_ids: Sequence[Sequence[int]], req_id: str) -> tuple[LoadOutcome, Transfer]:
+def start_load_pages(
+    store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> tuple[LoadOutcome, Transfer]:
     """:func:`load_pages`, returning once the copies are queued, with their transfer."""
     start = time.perf_counter()
     rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
@@ -141,8 +148,9 @@ class PageLoader(JobThread[LoadJob, tuple[LoadOutcome, Transfer]]):
         copying, or ``timeout`` seconds have passed."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._cond.wait_for(lambda: self._done or self._copying or not self._jobs or self._error is not None,
-                                timeout)
+            self._cond.wait_for(
+                lambda: self._done or self._copying or not self._jobs or self._error is not None, timeout
+            )
             self._reap()
             oldest = self._copying[0][2] if self._copying and not self._done else None
         if oldest is not None:

@@ -49,12 +49,26 @@ RESULTS = ("hit", "engine", "miss")
 """A finished request's ``result`` (see the module docstring)."""
 TIERS = ("host", "disk", "remote")
 """Where a page was planned to load from: the worker's host tier (RAM), its disk, the remote tier."""
-COUNTERS = (*(f"requests_{r}" for r in RESULTS), *(f"loaded_tokens_{t}" for t in TIERS),
-            *(f"late_miss_pages_{t}" for t in TIERS), "failed_pages", "saved_pages", "failed_saves")
+COUNTERS = (
+    *(f"requests_{r}" for r in RESULTS),
+    *(f"loaded_tokens_{t}" for t in TIERS),
+    *(f"late_miss_pages_{t}" for t in TIERS),
+    "failed_pages",
+    "saved_pages",
+    "failed_saves",
+)
 LATENCIES = ("load", "save")
-METRICS = ("vllm:dss_requests_total", "vllm:dss_loaded_tokens_total", "vllm:dss_late_miss_pages_total",
-           "vllm:dss_failed_pages_total", "vllm:dss_saved_pages_total", "vllm:dss_failed_saves_total",
-           "vllm:dss_load_seconds", "vllm:dss_save_seconds", "vllm:dss_pending_write_bytes")
+METRICS = (
+    "vllm:dss_requests_total",
+    "vllm:dss_loaded_tokens_total",
+    "vllm:dss_late_miss_pages_total",
+    "vllm:dss_failed_pages_total",
+    "vllm:dss_saved_pages_total",
+    "vllm:dss_failed_saves_total",
+    "vllm:dss_load_seconds",
+    "vllm:dss_save_seconds",
+    "vllm:dss_pending_write_bytes",
+)
 """Every metric :class:`DssPromMetrics` exports."""
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -123,30 +137,63 @@ class DssConnectorStats(KVConnectorStats):
 class DssPromMetrics(KVConnectorPromMetrics):
     """The Prometheus side: one metric family per name in the module docstring."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter, gauge, histogram = self._counter_cls, self._gauge_cls, self._histogram_cls
-        requests = counter(name="vllm:dss_requests_total", documentation="Requests dss was asked about, by result.",
-                           labelnames=[*labelnames, "result"])
-        tokens = counter(name="vllm:dss_loaded_tokens_total", documentation="Prompt tokens loaded from dss, by tier.",
-                         labelnames=[*labelnames, "tier"])
-        late = counter(name="vllm:dss_late_miss_pages_total",
-                       documentation="dss pages matched but gone when loaded (recomputed), by tier.",
-                       labelnames=[*labelnames, "tier"])
+        # vLLM's (or its multiprocess-aware) prometheus classes
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        histogram: Any = self._histogram_cls
+        requests = counter(
+            name="vllm:dss_requests_total",
+            documentation="Requests dss was asked about, by result.",
+            labelnames=[*labelnames, "result"],
+        )
+        tokens = counter(
+            name="vllm:dss_loaded_tokens_total",
+            documentation="Prompt tokens loaded from dss, by tier.",
+            labelnames=[*labelnames, "tier"],
+        )
+        late = counter(
+            name="vllm:dss_late_miss_pages_total",
+            documentation="dss pages matched but gone when loaded (recomputed), by tier.",
+            labelnames=[*labelnames, "tier"],
+        )
         plain = {
-            "failed_pages": counter(name="vllm:dss_failed_pages_total",
-                                    documentation="dss pages that could not be loaded (recomputed).",
-                                    labelnames=labelnames),
-            "saved_pages": counter(name="vllm:dss_saved_pages_total", documentation="dss pages written.",
-                                   labelnames=labelnames),
-            "failed_saves": counter(name="vllm:dss_failed_saves_total",
-                                    documentation="dss save jobs the store refused.", labelnames=labelnames),
+            "failed_pages": counter(
+                name="vllm:dss_failed_pages_total",
+                documentation="dss pages that could not be loaded (recomputed).",
+                labelnames=labelnames,
+            ),
+            "saved_pages": counter(
+                name="vllm:dss_saved_pages_total", documentation="dss pages written.", labelnames=labelnames
+            ),
+            "failed_saves": counter(
+                name="vllm:dss_failed_saves_total",
+                documentation="dss save jobs the store refused.",
+                labelnames=labelnames,
+            ),
         }
-        latency = {name: histogram(name=f"vllm:dss_{name}_seconds", buckets=_BUCKETS, labelnames=labelnames,
-                                   documentation=f"Seconds per dss {name} job, per worker.") for name in LATENCIES}
-        pending = gauge(name="vllm:dss_pending_write_bytes", documentation="Copied pages not yet written, bytes.",
-                        labelnames=labelnames, multiprocess_mode="mostrecent")
+        latency = {
+            name: histogram(
+                name=f"vllm:dss_{name}_seconds",
+                buckets=_BUCKETS,
+                labelnames=labelnames,
+                documentation=f"Seconds per dss {name} job, per worker.",
+            )
+            for name in LATENCIES
+        }
+        pending = gauge(
+            name="vllm:dss_pending_write_bytes",
+            documentation="Copied pages not yet written, bytes.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
         self._counters: dict[int, dict[str, Any]] = {}
         self._latency: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, Any] = {}
@@ -178,8 +225,12 @@ def read_metrics(llm: Any) -> dict[str, float]:
     ``late_miss_pages_<tier>`` (:data:`TIERS`), ``failed_pages``, ``saved_pages``, ``failed_saves``,
     ``load_jobs``, ``load_seconds``, ``save_jobs``, ``save_seconds`` (sums) and
     ``pending_write_bytes``. Names never reported are absent."""
-    names = {"vllm:dss_failed_pages": "failed_pages", "vllm:dss_saved_pages": "saved_pages",
-             "vllm:dss_failed_saves": "failed_saves", "vllm:dss_pending_write_bytes": "pending_write_bytes"}
+    names = {
+        "vllm:dss_failed_pages": "failed_pages",
+        "vllm:dss_saved_pages": "saved_pages",
+        "vllm:dss_failed_saves": "failed_saves",
+        "vllm:dss_pending_write_bytes": "pending_write_bytes",
+    }
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
         name, labels = metric.name.removesuffix("_total"), metric.labels

@@ -64,7 +64,7 @@ class PageReader:
             if length < 0:
                 out.append(None)
             else:
-                out.append(data[offset:offset + length])
+                out.append(data[offset : offset + length])
                 offset += length
         return out
 
@@ -75,8 +75,12 @@ class PageReader:
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "dss_adapters.vllm_reader"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, env=os.environ.copy())
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "dss_adapters.vllm_reader"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=os.environ.copy(),
+            )
             assert self._proc.stdin is not None
             _send(self._proc.stdin, self._args)
         return self._proc
@@ -123,10 +127,10 @@ def _read_exactly(stream: IO[bytes], into: memoryview) -> None:
 
 def main() -> None:
     """The child: serve reads until stdin closes."""
+    from dss_adapters.vllm_jobs import any_cpu, lower_priority
+
     import dss
     from dss import DssError
-
-    from dss_adapters.vllm_jobs import any_cpu, lower_priority
 
     any_cpu()
     lower_priority()

@@ -122,13 +122,18 @@ class RequestBook:
         key = _session_key(tracked.scope)
         if left > 0 and key is not None:
             self._unsettled[request.request_id] = (key, left)
-        out: dict[str, Any] = {"session_id": tracked.commit_session, "version_id": None,
-                               "loaded_tokens": tracked.num_loaded_tokens,
-                               "engine_cached_tokens": tracked.engine_cached_tokens,
-                               "result": request_result(tracked.num_loaded_tokens, tracked.engine_cached_tokens,
-                                                        tracked.stored_tokens)}
-        complete = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
-                                      RequestStatus.FINISHED_REPETITION)
+        out: dict[str, Any] = {
+            "session_id": tracked.commit_session,
+            "version_id": None,
+            "loaded_tokens": tracked.num_loaded_tokens,
+            "engine_cached_tokens": tracked.engine_cached_tokens,
+            "result": request_result(tracked.num_loaded_tokens, tracked.engine_cached_tokens, tracked.stored_tokens),
+        }
+        complete = request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_REPETITION,
+        )
         if tracked.commit_session is not None and tracked.scope.commit and complete:
             out.update(self._commit(tracked, request.all_token_ids[:], tracked.scope.label))
         return {"dss": out}
@@ -151,8 +156,11 @@ class RequestBook:
         assert tracked.waiting_since is not None
         if now - tracked.waiting_since < self.settings.session_wait_s:
             return True
-        log.warning("request %s stops waiting for the pending saves of session %r",
-                    tracked.request.request_id, tracked.scope.session_id)
+        log.warning(
+            "request %s stops waiting for the pending saves of session %r",
+            tracked.request.request_id,
+            tracked.scope.session_id,
+        )
         tracked.waiting_for = set()
         return False
 
@@ -164,13 +172,19 @@ class RequestBook:
         except UnknownSession:
             return
         if session.user_id != scope.user_id:
-            log.warning("request %s names session %r of another user: served in its own namespace without it",
-                        tracked.request.request_id, scope.session_id)
+            log.warning(
+                "request %s names session %r of another user: served in its own namespace without it",
+                tracked.request.request_id,
+                scope.session_id,
+            )
             tracked.commit_session = None
             tracked.save_scope = Scope(scope.tenant_id, scope.user_id, None)
         elif session.layout != self.layout:
-            log.info("session %r has another page layout; request %s keeps its pages outside the session",
-                     scope.session_id, tracked.request.request_id)
+            log.info(
+                "session %r has another page layout; request %s keeps its pages outside the session",
+                scope.session_id,
+                tracked.request.request_id,
+            )
             tracked.save_scope = Scope(scope.tenant_id, scope.user_id, None)
 
     def _commit(self, tracked: Tracked, tokens: list[int], label: str | None) -> dict[str, Any]:
@@ -181,8 +195,9 @@ class RequestBook:
             try:
                 version = self.store.commit(session_id, tokens, label=label, tenant_id=scope.tenant_id)
             except UnknownSession:
-                self.store.create_session(session_id, user_id=scope.user_id, tenant_id=scope.tenant_id,
-                                          layout=self.layout)
+                self.store.create_session(
+                    session_id, user_id=scope.user_id, tenant_id=scope.tenant_id, layout=self.layout
+                )
                 version = self.store.commit(session_id, tokens, label=label, tenant_id=scope.tenant_id)
         except DssError as exc:
             log.error("commit of request %s to session %r failed: %s", tracked.request.request_id, session_id, exc)

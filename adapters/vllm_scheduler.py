@@ -46,14 +46,7 @@ from typing import TYPE_CHECKING, Any
 from dss_adapters.vllm_device import DeviceResidency
 from dss_adapters.vllm_hosts import WorkerHosts
 from dss_adapters.vllm_layout import Shards
-from dss_adapters.vllm_meta import (
-    NO_BLOCK,
-    DssConnectorMetadata,
-    DssWorkerMetadata,
-    LoadJob,
-    SaveJob,
-    ShardHandshake,
-)
+from dss_adapters.vllm_meta import NO_BLOCK, DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob, ShardHandshake
 from dss_adapters.vllm_metrics import DssConnectorStats
 from dss_adapters.vllm_requests import RequestBook, Tracked
 from dss_adapters.vllm_settings import Settings
@@ -85,8 +78,16 @@ class _Plan:
 class SchedulerSide:
     """Scheduler-side state of the connector (see the module docstring)."""
 
-    def __init__(self, settings: Settings, layouts: list[dss.Layout], shards: Shards, num_groups: int,
-                 store: dss.Store, state_groups: Sequence[int] = (), engine_id: str = "vllm") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        layouts: list[dss.Layout],
+        shards: Shards,
+        num_groups: int,
+        store: dss.Store,
+        state_groups: Sequence[int] = (),
+        engine_id: str = "vllm",
+    ) -> None:
         """``layouts``: the shards' layouts the scheduler can tell itself (pipeline stage 0's);
         with pipeline parallelism the others come from :meth:`take_handshakes`, and nothing is
         loaded before. ``state_groups``: the state-space (Mamba) KV cache groups; ``engine_id``: the
@@ -99,8 +100,10 @@ class SchedulerSide:
         self.num_shards = shards.count
         self.can_load_sync = num_groups == 1
         if settings.load_mode == "sync" and not self.can_load_sync:
-            raise ConfigError("load_mode='sync' needs one KV cache group (vLLM takes block-level load failures from "
-                              "one group only); use 'auto' or 'async'")
+            raise ConfigError(
+                "load_mode='sync' needs one KV cache group (vLLM takes block-level load failures from "
+                "one group only); use 'auto' or 'async'"
+            )
         self.num_workers = shards.tp_size * shards.pp_size
         self.book = RequestBook(settings, layouts[0], store)
         self.hosts = WorkerHosts(self.num_shards, int(store.stats()["host"]["capacity"]), layouts[0].page_bytes)
@@ -143,8 +146,10 @@ class SchedulerSide:
         first, end = num_computed_tokens // self.page_tokens, matched // self.page_tokens
         page_ids = [[bytes(p.page_id) for p in r.pages[first:end]] for r in results]
         held = self.hosts.held(page_ids)
-        tiers = ["host" if is_held else "remote" if ref.tier == "remote" else "disk"
-                 for is_held, ref in zip(held, results[0].pages[first:end])]
+        tiers = [
+            "host" if is_held else "remote" if ref.tier == "remote" else "disk"
+            for is_held, ref in zip(held, results[0].pages[first:end])
+        ]
         if self.settings.load_mode == "auto":
             is_async = not self.can_load_sync or (not all(held) and self._num_running > 0)
         else:
@@ -160,19 +165,34 @@ class SchedulerSide:
             return
         count = num_external_tokens // self.page_tokens
         if count * self.page_tokens != num_external_tokens or count > len(plan.page_ids[0]):
-            raise AssertionError(f"vLLM granted {num_external_tokens} external tokens; dss offered "
-                                 f"{len(plan.page_ids[0])} pages of {self.page_tokens}")
+            raise AssertionError(
+                f"vLLM granted {num_external_tokens} external tokens; dss offered "
+                f"{len(plan.page_ids[0])} pages of {self.page_tokens}"
+            )
         first = plan.first_page
-        block_ids = [[NO_BLOCK if block.is_null else block.block_id for block in group[first:first + count]]
-                     for group in blocks.blocks]
+        block_ids = [
+            [NO_BLOCK if block.is_null else block.block_id for block in group[first : first + count]]
+            for group in blocks.blocks
+        ]
         # the request goes on from the state after the last page: vLLM must have given it a block
         stateless = any(block_ids[group][-1] == NO_BLOCK for group in self.state_groups)
         if stateless:
-            log.error("request %s: vLLM allocated no state block at token %d; its dss load fails and vLLM "
-                      "recomputes", request.request_id, (first + count) * self.page_tokens)
+            log.error(
+                "request %s: vLLM allocated no state block at token %d; its dss load fails and vLLM recomputes",
+                request.request_id,
+                (first + count) * self.page_tokens,
+            )
         tiers = plan.tiers[:count]
-        self._loads.append(LoadJob(request.request_id, [ids[:count] for ids in plan.page_ids], block_ids,
-                                   plan.is_async, fail=stateless, tiers=tiers))
+        self._loads.append(
+            LoadJob(
+                request.request_id,
+                [ids[:count] for ids in plan.page_ids],
+                block_ids,
+                plan.is_async,
+                fail=stateless,
+                tiers=tiers,
+            )
+        )
         tracked.num_loaded_tokens += num_external_tokens
         tracked.loaded_blocks = list(block_ids[0])
         tracked.loaded_tiers = tiers
@@ -193,9 +213,13 @@ class SchedulerSide:
         self.device.step()
         self._num_running = len(scheduler_output.num_scheduled_tokens)
         has_sync_loads = any(not job.is_async for job in self._loads)
-        meta = DssConnectorMetadata(loads=self._loads, step=self._step, settled=self._settled,
-                                    hold_saves=self.num_workers > 1 and has_sync_loads,
-                                    idle=scheduler_output.total_num_scheduled_tokens == 0)
+        meta = DssConnectorMetadata(
+            loads=self._loads,
+            step=self._step,
+            settled=self._settled,
+            hold_saves=self.num_workers > 1 and has_sync_loads,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         self._loads, self._settled = [], {}
         if not self.settings.save:
             return meta
@@ -227,14 +251,16 @@ class SchedulerSide:
                 continue
             groups = [g[skip:] for g in groups]
             sent, need = tracked.num_sent_tokens, full * self.page_tokens
-            meta.saves.append(SaveJob(req_id, tracked.save_scope, sent, request.all_token_ids[sent:need],
-                                      first + skip, groups))
+            meta.saves.append(
+                SaveJob(req_id, tracked.save_scope, sent, request.all_token_ids[sent:need], first + skip, groups)
+            )
             tracked.num_sent_tokens = max(sent, need)
             tracked.num_issued += self.num_shards
         return meta
 
-    def _with_states(self, req_id: str, state: KVConnectorBlockState, first: int,
-                     groups: list[list[int]]) -> list[list[int]]:
+    def _with_states(
+        self, req_id: str, state: KVConnectorBlockState, first: int, groups: list[list[int]]
+    ) -> list[list[int]]:
         """The pages ``first ..`` of ``groups`` whose state vLLM keeps, each state-space group's
         block replaced by the block vLLM hands over with that boundary's state this step.
 
@@ -248,15 +274,20 @@ class SchedulerSide:
         count = 0
         for k in range(len(groups[0])):
             boundary = (first + k + 1) * self.page_tokens
-            blocks = [kept.get((group, boundary)) for group in self.state_groups]
-            if any(block is None for block in blocks):
+            found = [kept.get((group, boundary)) for group in self.state_groups]
+            blocks = [block for block in found if block is not None]
+            if len(blocks) < len(found):
                 break
             for group, block in zip(self.state_groups, blocks):
                 groups[group][k] = block
             count += 1
         if count < len(groups[0]):
-            log.debug("request %s: vLLM kept no state at token %d; its pages from %d on are not saved",
-                      req_id, (first + count + 1) * self.page_tokens, first + count)
+            log.debug(
+                "request %s: vLLM kept no state at token %d; its pages from %d on are not saved",
+                req_id,
+                (first + count + 1) * self.page_tokens,
+                first + count,
+            )
         return [group[:count] for group in groups]
 
     def on_worker_output(self, output: KVConnectorOutput) -> None:
@@ -314,8 +345,9 @@ class SchedulerSide:
             raise ConfigError(f"no worker reported the page layout of dss shard(s) {missing}")
         for shard, layout in enumerate(self.layouts):
             if layouts[shard] != layout:
-                raise ConfigError(f"the worker of dss shard {shard} has page layout {layouts[shard]}, the "
-                                  f"scheduler expects {layout}")
+                raise ConfigError(
+                    f"the worker of dss shard {shard} has page layout {layouts[shard]}, the scheduler expects {layout}"
+                )
         self.layouts = [layouts[shard] for shard in range(self.num_shards)]
 
     # -- internals -------------------------------------------------------------------------
@@ -330,16 +362,23 @@ class SchedulerSide:
             except UnknownSession:
                 pass
         if first is None:
-            first = self.store.lookup(tokens, layout=self.layouts[0], user_id=scope.user_id,
-                                      tenant_id=scope.tenant_id)
+            first = self.store.lookup(tokens, layout=self.layouts[0], user_id=scope.user_id, tenant_id=scope.tenant_id)
         near = getattr(first, "near", None)
         if near is not None:  # approximate matching found a near-duplicate (its ids name no user)
-            log.info("request %s: reuses %d of %d tokens (%s); nearest stored version %d diverges at token %s "
-                     "(Jaccard %.2f, %d candidates verified)", tracked.request.request_id, first.matched_tokens,
-                     len(tokens), first.source, near.version_id, near.divergence, near.jaccard,
-                     first.num_candidates)
+            log.info(
+                "request %s: reuses %d of %d tokens (%s); nearest stored version %d diverges at token %s "
+                "(Jaccard %.2f, %d candidates verified)",
+                tracked.request.request_id,
+                first.matched_tokens,
+                len(tokens),
+                first.source,
+                near.version_id,
+                near.divergence,
+                near.jaccard,
+                first.num_candidates,
+            )
         results = [first]
-        prefix = tokens[:first.matched_tokens]
+        prefix = tokens[: first.matched_tokens]
         for layout in self.layouts[1:]:
             results.append(self.store.lookup(prefix, layout=layout, user_id=scope.user_id, tenant_id=scope.tenant_id))
         return results
@@ -361,5 +400,4 @@ class SchedulerSide:
         tracked.num_stored_pages = min(tracked.num_stored_pages, tracked.first_loaded_page + first_failed)
         tracked.loaded_blocks = tracked.loaded_blocks[:first_failed]
         tracked.loaded_tiers = tracked.loaded_tiers[:first_failed]
-        log.warning("request %s: %d dss pages failed to load; vLLM recomputes them",
-                    tracked.request.request_id, lost)
+        log.warning("request %s: %d dss pages failed to load; vLLM recomputes them", tracked.request.request_id, lost)

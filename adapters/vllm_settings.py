@@ -23,8 +23,20 @@ from dss import ConfigError, InvalidInput
 PARAMS_KEY = "dss"
 """The key of ``kv_transfer_params`` that holds this connector's per-request fields."""
 
-_KEYS = {"store", "store_options", "namespace_source", "default_tenant_id", "default_user_id", "model_revision",
-         "page_bytes", "load", "save", "max_pending_bytes", "session_wait_s", "load_mode"}
+_KEYS = {
+    "store",
+    "store_options",
+    "namespace_source",
+    "default_tenant_id",
+    "default_user_id",
+    "model_revision",
+    "page_bytes",
+    "load",
+    "save",
+    "max_pending_bytes",
+    "session_wait_s",
+    "load_mode",
+}
 _REQUEST_KEYS = {"session_id", "tenant_id", "user_id", "label", "commit"}
 
 
@@ -32,36 +44,63 @@ _REQUEST_KEYS = {"session_id", "tenant_id", "user_id", "label", "commit"}
 class Settings:
     """The validated ``kv_connector_extra_config`` (see the module docstring)."""
 
-    store: str = field(metadata={"description": "The dss store: a folder (`/var/lib/dss`) or a catalog URL, as for "
-                                 "`dss.open`."})
-    store_options: Mapping[str, Any] = field(default_factory=dict, metadata={
-        "description": "Keyword arguments of `dss.open` for the engine's store (`{\"host_bytes\": \"4GiB\"}`)."})
-    namespace_source: Literal["request", "config"] = field(default="request", metadata={
-        "description": "`request`: `tenant_id` and `user_id` come from the request's `kv_transfer_params` (the "
-                       "gateway sets them and drops what clients send); `config`: every request is in the default "
-                       "namespace."})
-    default_tenant_id: str = field(default="default", metadata={
-        "description": "Tenant of requests that name none."})
+    store: str = field(
+        metadata={"description": "The dss store: a folder (`/var/lib/dss`) or a catalog URL, as for `dss.open`."}
+    )
+    store_options: Mapping[str, Any] = field(
+        default_factory=dict,
+        metadata={"description": 'Keyword arguments of `dss.open` for the engine\'s store (`{"host_bytes": "4GiB"}`).'},
+    )
+    namespace_source: Literal["request", "config"] = field(
+        default="request",
+        metadata={
+            "description": "`request`: `tenant_id` and `user_id` come from the request's `kv_transfer_params` (the "
+            "gateway sets them and drops what clients send); `config`: every request is in the default "
+            "namespace."
+        },
+    )
+    default_tenant_id: str = field(default="default", metadata={"description": "Tenant of requests that name none."})
     default_user_id: str = field(default="anonymous", metadata={"description": "User of requests that name none."})
-    model_revision: str | None = field(default=None, metadata={
-        "description": "Recorded in the page layout; default vLLM's `revision`, else a fingerprint of the model "
-                       "folder's weight files. Set it when serving from a hub cache."})
-    page_bytes: int | None = field(default=None, metadata={
-        "description": "If set, refuse to start unless a page (one block over all layers) has exactly this many "
-                       "bytes."})
+    model_revision: str | None = field(
+        default=None,
+        metadata={
+            "description": "Recorded in the page layout; default vLLM's `revision`, else a fingerprint of the model "
+            "folder's weight files. Set it when serving from a hub cache."
+        },
+    )
+    page_bytes: int | None = field(
+        default=None,
+        metadata={
+            "description": "If set, refuse to start unless a page (one block over all layers) has exactly this many "
+            "bytes."
+        },
+    )
     load: bool = field(default=True, metadata={"description": "Load stored pages (off: never load)."})
-    save: bool = field(default=True, metadata={"description": "Save new pages and commit versions (off: a "
-                                                              "read-only replica)."})
-    max_pending_bytes: int = field(default=1 << 30, metadata={
-        "description": "Page bytes copied out of the KV cache and not yet written before a step waits for the "
-                       "writer."})
-    session_wait_s: float = field(default=5.0, metadata={
-        "description": "Seconds a session's next request waits for the previous request's pages to be written "
-                       "before it runs without them (0: no wait)."})
-    load_mode: Literal["auto", "sync", "async"] = field(default="auto", metadata={
-        "description": "`auto`: synchronous from the workers' RAM or when nothing else runs, asynchronous from "
-                       "disk while other requests run (always asynchronous with several KV cache groups); "
-                       "`async`: always asynchronous; `sync`: always synchronous (one KV cache group only)."})
+    save: bool = field(
+        default=True, metadata={"description": "Save new pages and commit versions (off: a read-only replica)."}
+    )
+    max_pending_bytes: int = field(
+        default=1 << 30,
+        metadata={
+            "description": "Page bytes copied out of the KV cache and not yet written before a step waits for the "
+            "writer."
+        },
+    )
+    session_wait_s: float = field(
+        default=5.0,
+        metadata={
+            "description": "Seconds a session's next request waits for the previous request's pages to be written "
+            "before it runs without them (0: no wait)."
+        },
+    )
+    load_mode: Literal["auto", "sync", "async"] = field(
+        default="auto",
+        metadata={
+            "description": "`auto`: synchronous from the workers' RAM or when nothing else runs, asynchronous from "
+            "disk while other requests run (always asynchronous with several KV cache groups); "
+            "`async`: always asynchronous; `sync`: always synchronous (one KV cache group only)."
+        },
+    )
 
     @property
     def reader_options(self) -> dict[str, Any]:
@@ -100,13 +139,20 @@ class Settings:
         mode = extra.get("load_mode", "auto")
         if mode not in ("auto", "sync", "async"):
             raise ConfigError(f"'load_mode' must be 'auto', 'sync' or 'async', not {mode!r}")
-        return cls(store=store, store_options=dict(options), namespace_source=source,
-                   default_tenant_id=extra.get("default_tenant_id", "default"),
-                   default_user_id=extra.get("default_user_id", "anonymous"),
-                   model_revision=extra.get("model_revision"), page_bytes=extra.get("page_bytes"),
-                   load=extra.get("load", True), save=extra.get("save", True),
-                   max_pending_bytes=extra.get("max_pending_bytes", 1 << 30), session_wait_s=float(wait),
-                   load_mode=mode)
+        return cls(
+            store=store,
+            store_options=dict(options),
+            namespace_source=source,
+            default_tenant_id=extra.get("default_tenant_id", "default"),
+            default_user_id=extra.get("default_user_id", "anonymous"),
+            model_revision=extra.get("model_revision"),
+            page_bytes=extra.get("page_bytes"),
+            load=extra.get("load", True),
+            save=extra.get("save", True),
+            max_pending_bytes=extra.get("max_pending_bytes", 1 << 30),
+            session_wait_s=float(wait),
+            load_mode=mode,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,17 @@ IDLE_WAIT_S = 0.02
 class WorkerSide:
     """Worker-side state of the connector (see the module docstring)."""
 
-    def __init__(self, settings: Settings, layout: dss.Layout, store: dss.Store, layers: list[PageLayer],
-                 num_blocks: int, *, shard: int = 0, is_saver: bool = True) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        layout: dss.Layout,
+        store: dss.Store,
+        layers: list[PageLayer],
+        num_blocks: int,
+        *,
+        shard: int = 0,
+        is_saver: bool = True,
+    ) -> None:
         self.settings = settings
         self.layout = layout
         self.store = store
@@ -94,11 +103,13 @@ class WorkerSide:
             tensor = kv_caches[layer.name]
             dims = [d for d, size in enumerate(tensor.shape) if size == self.num_blocks]
             if not dims:
-                raise ConfigError(f"KV cache of {layer.name} has no dimension of {self.num_blocks} blocks: "
-                                  f"{tensor.shape}")
+                raise ConfigError(
+                    f"KV cache of {layer.name} has no dimension of {self.num_blocks} blocks: {tensor.shape}"
+                )
             tensors.append(tensor.movedim(dims[0], 0))
-        self.copier = BlockCopier(tensors, [layer.group for layer in self.layers], self.num_blocks,
-                                  self.layout.page_bytes)
+        self.copier = BlockCopier(
+            tensors, [layer.group for layer in self.layers], self.num_blocks, self.layout.page_bytes
+        )
         if self.copier.device.type == "cuda" and self.copier.uniform:  # state-space layers: whole pages
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
         self.loader = PageLoader(PageReader(self.settings.store, self.settings.reader_options), self.copier, self.shard)
@@ -193,20 +204,26 @@ class WorkerSide:
             return
         assert self.copier is not None, "register_kv_caches was not called"
         started = time.perf_counter()
-        rows = (self.layerwise.finish_saves([job.block_ids for job in meta.saves])
-                if self.layerwise is not None and not step_failed else None)
+        rows = (
+            self.layerwise.finish_saves([job.block_ids for job in meta.saves])
+            if self.layerwise is not None and not step_failed
+            else None
+        )
         offset = 0
         for job in meta.saves:
             tokens = self._tokens.setdefault(job.req_id, array.array("I"))
             if len(tokens) != job.num_known:
-                raise AssertionError(f"request {job.req_id}: worker holds {len(tokens)} tokens, "
-                                     f"scheduler assumed {job.num_known}")
+                raise AssertionError(
+                    f"request {job.req_id}: worker holds {len(tokens)} tokens, scheduler assumed {job.num_known}"
+                )
             tokens.extend(job.new_tokens)
             count = len(job.block_ids[0])
             if step_failed:
                 self._drop(job.req_id, job.first_page)
                 continue
-            payload: np.ndarray = rows[offset:offset + count] if rows is not None else self.copier.gather(job.block_ids)
+            payload: np.ndarray = (
+                rows[offset : offset + count] if rows is not None else self.copier.gather(job.block_ids)
+            )
             offset += count
             end = (job.first_page + count) * self.page_tokens
             write = WriteJob(job.req_id, self._scope(job), tokens[:end], job.first_page, payload, started)

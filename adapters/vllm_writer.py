@@ -57,8 +57,9 @@ class WriterDone:
 class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
     """One writer thread over one store, with at most ``max_pending_bytes`` waiting."""
 
-    def __init__(self, store: dss.Store, layout: dss.Layout, max_pending_bytes: int, *,
-                 report_pages: bool = False) -> None:
+    def __init__(
+        self, store: dss.Store, layout: dss.Layout, max_pending_bytes: int, *, report_pages: bool = False
+    ) -> None:
         self.store = store
         self.layout = layout
         self.max_pending_bytes = max_pending_bytes
@@ -122,8 +123,9 @@ class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
                     if self._session(scope):
                         self.store.save_pages(scope.session_id, job.tokens, pages, tenant_id=scope.tenant_id)
             else:
-                self.store.save_pages(None, job.tokens, pages, tenant_id=scope.tenant_id, user_id=scope.user_id,
-                                      layout=self.layout)
+                self.store.save_pages(
+                    None, job.tokens, pages, tenant_id=scope.tenant_id, user_id=scope.user_id, layout=self.layout
+                )
             self.num_pages_written += len(pages)
         except DssError as exc:
             self.num_failed_jobs += 1
@@ -143,7 +145,7 @@ class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
                 return []
         if result is None:
             result = self.store.lookup(tokens, layout=self.layout, user_id=scope.user_id, tenant_id=scope.tenant_id)
-        return [bytes(p.page_id) for p in result.pages[job.first_page:]]
+        return [bytes(p.page_id) for p in result.pages[job.first_page :]]
 
     def _session(self, scope: Scope) -> bool:
         """Make sure the session exists; ``False`` if its id is taken by another owner or layout."""
@@ -152,8 +154,9 @@ class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
             return True
         assert scope.session_id is not None
         try:
-            self.store.create_session(scope.session_id, user_id=scope.user_id, tenant_id=scope.tenant_id,
-                                      layout=self.layout)
+            self.store.create_session(
+                scope.session_id, user_id=scope.user_id, tenant_id=scope.tenant_id, layout=self.layout
+            )
         except SessionExists as exc:
             log.error("session %r: %s", scope.session_id, exc)
             return False

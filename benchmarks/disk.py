@@ -40,9 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import dss
 import pagecache
 from progress import track
+
+import dss
 
 PAGE_TOKENS = 16
 TOKEN_KV_BYTES = 128 << 10
@@ -67,8 +68,15 @@ def tokens_of(tag: int, count: int) -> list[int]:
 
 
 def open_store(folder: Path, keys: Path, encrypt: bool) -> dss.Store:
-    return dss.open(folder, master_key_file=keys, encrypt=encrypt, disk_bytes="64GiB", host_bytes="8GiB",
-                    segment_bytes="256MiB", compact_auto=False)
+    return dss.open(
+        folder,
+        master_key_file=keys,
+        encrypt=encrypt,
+        disk_bytes="64GiB",
+        host_bytes="8GiB",
+        segment_bytes="256MiB",
+        compact_auto=False,
+    )
 
 
 def direct_write(folder: Path, size: int) -> float:
@@ -80,7 +88,7 @@ def direct_write(folder: Path, size: int) -> float:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -101,9 +109,15 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
     a store's figure is the sum of its two. The two stores being close in time, and each going
     first as often as second, keeps their ratio (the sealing cost) out of this shared machine's
     swings and out of whatever going first costs."""
-    out: dict[str, float] = dict.fromkeys((f"{kind}/{part}" for kind in ("commit", *SAVE_CHUNKS)
-                                           for name in stores for part in (name, f"{name}/bytes", f"direct/{name}")),
-                                          0.0)
+    out: dict[str, float] = dict.fromkeys(
+        (
+            f"{kind}/{part}"
+            for kind in ("commit", *SAVE_CHUNKS)
+            for name in stores
+            for part in (name, f"{name}/bytes", f"direct/{name}")
+        ),
+        0.0,
+    )
     order = list(stores.items())
     sessions: list[tuple[dss.Store, str]] = []
     kinds = ("commit", *SAVE_CHUNKS)
@@ -118,8 +132,11 @@ def write_round(stores: dict[str, dss.Store], scratch: Path, tag: int) -> dict[s
             sessions.append((store, session))
             pages = {i: payload(seed, i) for i in range(TURN_TOKENS // PAGE_TOKENS)}
             per_call = SAVE_CHUNKS.get(kind, 0)
-            chunks = [{i: pages[i] for i in range(low, low + per_call)}
-                      for low in range(0, len(pages), per_call)] if per_call else []
+            chunks = (
+                [{i: pages[i] for i in range(low, low + per_call)} for low in range(0, len(pages), per_call)]
+                if per_call
+                else []
+            )
             before = segment_bytes(store)
             start = time.perf_counter()
             if per_call:
@@ -159,8 +176,12 @@ def child_read(folder: Path, keys: Path, encrypt: bool, num_tokens: int) -> dict
         assert all(p is not None for p in payloads) and len(payloads) == num_tokens // PAGE_TOKENS
         assert payloads[-1] == payload(1, len(payloads) - 1)
         io = store.disk.io
-        return {"seconds": elapsed, "bytes": sum(len(p) for p in payloads if p is not None),
-                "preads": io.reads, "pages_read": io.pages_read}
+        return {
+            "seconds": elapsed,
+            "bytes": sum(len(p) for p in payloads if p is not None),
+            "preads": io.reads,
+            "pages_read": io.pages_read,
+        }
     finally:
         store.close()
 
@@ -179,7 +200,9 @@ def child_direct(folder: Path) -> dict[str, float]:
 
 
 def in_child(*args: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=os.environ)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=os.environ, check=False
+    )
     if out.returncode:
         raise SystemExit(f"the measuring process failed:\n{out.stderr}")
     return json.loads(out.stdout.splitlines()[-1])
@@ -226,8 +249,9 @@ def run(root: Path, rounds: int, session_tokens: int) -> None:
         names = ["sealed", "plain"] if k % 2 == 0 else ["plain", "sealed"]  # neither always goes first
         for name in names:
             row[f"direct/{name}"] = in_child("direct", str(folders[name]))["seconds"]
-            row[f"read/{name}"] = in_child("read", str(folders[name]), str(keys), "1" if name == "sealed" else "0",
-                                           str(session_tokens))["seconds"]
+            row[f"read/{name}"] = in_child(
+                "read", str(folders[name]), str(keys), "1" if name == "sealed" else "0", str(session_tokens)
+            )["seconds"]
         reads.append(row)
     sample = in_child("read", str(folders["sealed"]), str(keys), "1", str(session_tokens))
     report(writes, reads, demotion, sample, session_tokens)
@@ -237,12 +261,18 @@ def median_ratio(rows: list[dict[str, float]], num: str, den: str) -> float:
     return statistics.median(r[num] / r[den] for r in rows)
 
 
-def report(writes: list[dict[str, float]], reads: list[dict[str, float]], demotion: dict[str, float],
-           sample: dict[str, float], session_tokens: int) -> None:
+def report(
+    writes: list[dict[str, float]],
+    reads: list[dict[str, float]],
+    demotion: dict[str, float],
+    sample: dict[str, float],
+    session_tokens: int,
+) -> None:
     mib = 1 << 20
     lines = []
     kinds = [("commit", "write: 1K-token commit (64 pages, one call)")] + [
-        (kind, f"write: 1K-token turn saved {n} pages a call, then commit") for kind, n in SAVE_CHUNKS.items()]
+        (kind, f"write: 1K-token turn saved {n} pages a call, then commit") for kind, n in SAVE_CHUNKS.items()
+    ]
     for kind, label in kinds:
         for name in ("sealed", "plain"):
             speed = statistics.median(r[f"{kind}/{name}/bytes"] / r[f"{kind}/{name}"] for r in writes) / mib
@@ -255,8 +285,10 @@ def report(writes: list[dict[str, float]], reads: list[dict[str, float]], demoti
         direct = statistics.median(size / r[f"direct/{name}"] for r in reads) / mib
         ratio = median_ratio(reads, f"direct/{name}", f"read/{name}")
         lines.append((f"read: {session_tokens}-token session, cold, {name}", speed, direct, ratio))
-    print(f"pages of {PAGE_BYTES // 1024} KiB ({PAGE_TOKENS} tokens of {TOKEN_KV_BYTES // 1024} KiB); "
-          f"{len(writes)} write rounds, {len(reads)} read rounds; medians")
+    print(
+        f"pages of {PAGE_BYTES // 1024} KiB ({PAGE_TOKENS} tokens of {TOKEN_KV_BYTES // 1024} KiB); "
+        f"{len(writes)} write rounds, {len(reads)} read rounds; medians"
+    )
     print(f"{'measurement':58} {'dss MiB/s':>10} {'direct MiB/s':>13} {'dss/direct':>11}")
     for label, speed, direct, ratio in lines:
         print(f"{label:58} {speed:10.0f} {direct:13.0f} {ratio:10.0%}")
@@ -264,9 +296,12 @@ def report(writes: list[dict[str, float]], reads: list[dict[str, float]], demoti
         cost = median_ratio(writes, f"{kind}/sealed", f"{kind}/plain") - 1
         print(f"sealing cost, {kind}: {cost:+.1%} time")
     print(f"sealing cost, read: {median_ratio(reads, 'read/sealed', 'read/plain') - 1:+.1%} time")
-    print(f"pages per I/O: promotion (disk -> host) {sample['pages_read'] / max(1, sample['preads']):.1f} "
-          f"({int(sample['preads'])} preads for {int(sample['pages_read'])} pages); demotion (host -> disk) "
-          + ", ".join(f"{name} {v:.1f}" for name, v in demotion.items()) + " per writev")
+    print(
+        f"pages per I/O: promotion (disk -> host) {sample['pages_read'] / max(1, sample['preads']):.1f} "
+        f"({int(sample['preads'])} preads for {int(sample['pages_read'])} pages); demotion (host -> disk) "
+        + ", ".join(f"{name} {v:.1f}" for name, v in demotion.items())
+        + " per writev"
+    )
 
 
 if __name__ == "__main__":

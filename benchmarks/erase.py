@@ -32,8 +32,9 @@ import sys
 import tempfile
 import time
 
-import dss
 from progress import track
+
+import dss
 from dss.core.crypto import Sealer, new_data_key
 
 PAGE_BYTES = 16 << 10
@@ -61,8 +62,12 @@ def erasure(sessions: int, pages: int) -> dict[str, float]:
         seconds = time.perf_counter() - start
         assert receipt.verification.ok and receipt.removed.pages == pages
         assert store.check() == []
-    return {"seconds": seconds, "pages/s": pages / seconds, "sessions/s": sessions / seconds,
-            "bytes": receipt.removed.tiers["disk"].bytes}
+    return {
+        "seconds": seconds,
+        "pages/s": pages / seconds,
+        "sessions/s": sessions / seconds,
+        "bytes": receipt.removed.tiers["disk"].bytes,
+    }
 
 
 READER = """
@@ -87,8 +92,12 @@ def overhead(pages: int, rounds: int) -> dict[str, float]:
                 start = time.perf_counter()
                 build_user(store, "u", 50, pages, rng)
                 results[f"commit {name}"].append(pages * PAGE_BYTES / (time.perf_counter() - start) / 1e6)
-            out = subprocess.run([sys.executable, "-c", READER, folder, "1" if encrypt else "0"], capture_output=True,
-                                 text=True, check=True).stdout.split()
+            out = subprocess.run(
+                [sys.executable, "-c", READER, folder, "1" if encrypt else "0"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
             assert int(out[1]) == pages * PAGE_BYTES
             results[f"read {name}"].append(pages * PAGE_BYTES / float(out[0]) / 1e6)
     return {k: statistics.median(v) for k, v in results.items()}
@@ -112,7 +121,9 @@ def timing(samples: int, prefixes: int = 200) -> dict[str, float]:
     rng = random.Random(3)
     with dss.open(tempfile.mkdtemp(prefix="dss-bench-timing-")) as store:
         stored = []
-        for n in track(range(prefixes), "storing the owner's prefixes"):  # the owner's prefixes: many, so neither side repeats one input
+        for n in track(
+            range(prefixes), "storing the owner's prefixes"
+        ):  # the owner's prefixes: many, so neither side repeats one input
             prefix = [rng.randrange(1 << 20) for _ in range(64)]
             store.create_session(f"owner-{n}", user_id="owner", tenant_id="bench", layout=LAYOUT)
             store.commit(f"owner-{n}", prefix, {0: b"k" * PAGE_BYTES, 1: b"k" * PAGE_BYTES})
@@ -123,7 +134,10 @@ def timing(samples: int, prefixes: int = 200) -> dict[str, float]:
         foreign, nobody = [], []
         for n in track(range(samples), "making the probes"):
             tail = [rng.randrange(1 << 20) for _ in range(4032)]
-            made = {"foreign": stored[n % prefixes] + tail, "nobody": [rng.randrange(1 << 20) for _ in range(64)] + tail}
+            made = {
+                "foreign": stored[n % prefixes] + tail,
+                "nobody": [rng.randrange(1 << 20) for _ in range(64)] + tail,
+            }
             for kind in rng.sample(sorted(made), 2):
                 (foreign if kind == "foreign" else nobody).append(array.array("I", made[kind]).tolist())
         times: dict[str, list[float]] = {"foreign": [], "nobody": []}
@@ -140,8 +154,12 @@ def timing(samples: int, prefixes: int = 200) -> dict[str, float]:
         finally:
             gc.enable()
     statistic, p = ks_2samp(times["foreign"], times["nobody"])
-    return {"foreign us": statistics.median(times["foreign"]), "miss us": statistics.median(times["nobody"]),
-            "ks D": statistic, "ks p": p}
+    return {
+        "foreign us": statistics.median(times["foreign"]),
+        "miss us": statistics.median(times["nobody"]),
+        "ks D": statistic,
+        "ks p": p,
+    }
 
 
 def ks_2samp(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -171,21 +189,29 @@ def main() -> None:
     args = parser.parse_args()
     erased = erasure(args.sessions, args.pages)
     print(f"\nforget_user: {args.sessions} sessions, {args.pages} pages, {erased['bytes'] / 1e6:.0f} MB on disk")
-    print(f"| seconds | pages/s | sessions/s |\n|---|---|---|\n| {erased['seconds']:.2f} | "
-          f"{erased['pages/s']:.0f} | {erased['sessions/s']:.0f} |")
+    print(
+        f"| seconds | pages/s | sessions/s |\n|---|---|---|\n| {erased['seconds']:.2f} | "
+        f"{erased['pages/s']:.0f} | {erased['sessions/s']:.0f} |"
+    )
     cost = overhead(args.overhead_pages, args.rounds)
     raw = raw_cipher_cost()
-    print(f"\nencryption at rest ({args.overhead_pages} pages of {PAGE_BYTES >> 10} KiB, median of {args.rounds} "
-          f"interleaved rounds, MB/s)")
+    print(
+        f"\nencryption at rest ({args.overhead_pages} pages of {PAGE_BYTES >> 10} KiB, median of {args.rounds} "
+        f"interleaved rounds, MB/s)"
+    )
     print("| operation | sealed | plaintext | sealed/plaintext |\n|---|---|---|---|")
     for op in ("commit", "read"):
-        print(f"| {op} | {cost[f'{op} sealed']:.0f} | {cost[f'{op} plain']:.0f} | "
-              f"{cost[f'{op} sealed'] / cost[f'{op} plain']:.2f} |")
+        print(
+            f"| {op} | {cost[f'{op} sealed']:.0f} | {cost[f'{op} plain']:.0f} | "
+            f"{cost[f'{op} sealed'] / cost[f'{op} plain']:.2f} |"
+        )
     print(f"raw AES-256-GCM on this machine: seal {raw['seal s/GB']:.2f} s/GB, open {raw['open s/GB']:.2f} s/GB")
     t = timing(args.samples)
-    print(f"\ntiming check ({args.samples} interleaved samples each): resume of a foreign prefix "
-          f"{t['foreign us']:.1f} us vs plain miss {t['miss us']:.1f} us (medians); "
-          f"KS D = {t['ks D']:.3f}, p = {t['ks p']:.2f}")
+    print(
+        f"\ntiming check ({args.samples} interleaved samples each): resume of a foreign prefix "
+        f"{t['foreign us']:.1f} us vs plain miss {t['miss us']:.1f} us (medians); "
+        f"KS D = {t['ks D']:.3f}, p = {t['ks p']:.2f}"
+    )
 
 
 if __name__ == "__main__":

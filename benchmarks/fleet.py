@@ -42,10 +42,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dss.core.tokens import pack  # noqa: E402
-from dss.routing import LOAD_FACTOR, LOCAL_TIERS, Backend, route  # noqa: E402
-from progress import track  # noqa: E402
-from workload import Request, WorkloadSpec, generate, prompt_tokens, reply_tokens, working_set_tokens  # noqa: E402
+from progress import track
+from workload import Request, WorkloadSpec, generate, prompt_tokens, reply_tokens, working_set_tokens
+
+from dss.core.tokens import pack
+from dss.routing import LOAD_FACTOR, LOCAL_TIERS, Backend, route
 
 PAGE_TOKENS = 32
 NODES = ("node-0", "node-1", "node-2", "node-3")
@@ -102,7 +103,7 @@ def page_keys(user_id: str, tokens: list[int]) -> list[bytes]:
     chain = hashlib.blake2b(user_id.encode(), digest_size=16)
     out = []
     for start in range(0, len(tokens) - PAGE_TOKENS + 1, PAGE_TOKENS):
-        chain.update(pack(tokens[start:start + PAGE_TOKENS]))
+        chain.update(pack(tokens[start : start + PAGE_TOKENS]))
         out.append(chain.copy().digest())
     return out
 
@@ -123,8 +124,9 @@ class Result:
         return max(self.requests) / (sum(self.requests) / len(self.requests))
 
 
-def replay(trace: list[Request], name: str, num_nodes: int, capacity: dict[str, int], service_s: float,
-           load_factor: float) -> Result:
+def replay(
+    trace: list[Request], name: str, num_nodes: int, capacity: dict[str, int], service_s: float, load_factor: float
+) -> Result:
     nodes = {f"node-{i}": Node({t: Lru(capacity[t]) for t in LOCAL_TIERS}) for i in range(num_nodes)}
     policy = "kv" if name == "single" else name
     reused = dict.fromkeys(LOCAL_TIERS, 0)
@@ -134,8 +136,9 @@ def replay(trace: list[Request], name: str, num_nodes: int, capacity: dict[str, 
         keys = page_keys(request.user_id, tokens)
         holdings = {node_id: node.held(keys) for node_id, node in nodes.items()} if policy == "kv" else None
         backends = [Backend(node_id, True, node.load(request.t)) for node_id, node in nodes.items()]
-        node_id = route(backends, policy=policy, key=request.session_id, holdings=holdings, counter=n,
-                        load_factor=load_factor).node_id
+        node_id = route(
+            backends, policy=policy, key=request.session_id, holdings=holdings, counter=n, load_factor=load_factor
+        ).node_id
         node = nodes[node_id]
         held = holdings[node_id] if holdings is not None else node.held(keys)
         for tier, pages in held.items():
@@ -155,32 +158,47 @@ def main() -> int:
     parser.add_argument("--device", type=float, default=0.02, help="device tier of one node, share of the working set")
     parser.add_argument("--host", type=float, default=0.05, help="host tier of one node, share of the working set")
     parser.add_argument("--disk", type=float, default=0.15, help="disk tier of one node, share of the working set")
-    parser.add_argument("--service-s", type=float, default=1.0, help="seconds a request occupies its node, "
-                                                                      "plus 10 ms per reply token")
-    parser.add_argument("--load-factor", type=float, default=LOAD_FACTOR,
-                        help="bound on a node's requests in flight, as a multiple of the mean (dss route's default)")
+    parser.add_argument(
+        "--service-s", type=float, default=1.0, help="seconds a request occupies its node, plus 10 ms per reply token"
+    )
+    parser.add_argument(
+        "--load-factor",
+        type=float,
+        default=LOAD_FACTOR,
+        help="bound on a node's requests in flight, as a multiple of the mean (dss route's default)",
+    )
     args = parser.parse_args()
     trace = generate(WorkloadSpec(turns=args.turns, rate=args.rate), seed=args.seed)
     working = working_set_tokens(trace, PAGE_TOKENS) // PAGE_TOKENS
-    capacity = {"device": int(args.device * working), "host": int(args.host * working),
-                "disk": int(args.disk * working)}
-    print(f"fleet: {len(trace)} requests, working set {working} pages of {PAGE_TOKENS} tokens; per node "
-          f"device {capacity['device']}, host {capacity['host']}, disk {capacity['disk']} pages; "
-          f"4 nodes vs one with 4x each")
-    results = [replay(trace, "single", 1, {t: 4 * c for t, c in capacity.items()}, args.service_s,
-                      args.load_factor)]
+    capacity = {
+        "device": int(args.device * working),
+        "host": int(args.host * working),
+        "disk": int(args.disk * working),
+    }
+    print(
+        f"fleet: {len(trace)} requests, working set {working} pages of {PAGE_TOKENS} tokens; per node "
+        f"device {capacity['device']}, host {capacity['host']}, disk {capacity['disk']} pages; "
+        f"4 nodes vs one with 4x each"
+    )
+    results = [replay(trace, "single", 1, {t: 4 * c for t, c in capacity.items()}, args.service_s, args.load_factor)]
     results += [replay(trace, policy, len(NODES), capacity, args.service_s, args.load_factor) for policy in POLICIES]
     single = results[0].share
-    print(f"\n{'routing':<13}{'device':>9}{'host':>9}{'disk':>9}{'reused':>9}{'vs single':>11}{'imbalance':>11}"
-          f"  requests per node")
+    print(
+        f"\n{'routing':<13}{'device':>9}{'host':>9}{'disk':>9}{'reused':>9}{'vs single':>11}{'imbalance':>11}"
+        f"  requests per node"
+    )
     for r in results:
         shares = [r.reused[t] / r.prompt_tokens for t in LOCAL_TIERS]
-        print(f"{r.name:<13}" + "".join(f"{s:>9.3f}" for s in shares) + f"{r.share:>9.3f}{r.share / single:>10.3f}x"
-              f"{r.imbalance:>11.3f}  {' '.join(map(str, r.requests))}")
+        print(
+            f"{r.name:<13}" + "".join(f"{s:>9.3f}" for s in shares) + f"{r.share:>9.3f}{r.share / single:>10.3f}x"
+            f"{r.imbalance:>11.3f}  {' '.join(map(str, r.requests))}"
+        )
     kv = results[-1]
     ok = kv.share >= 0.95 * single and kv.imbalance <= 1.25
-    print(f"\nbar: kv reuses {kv.share / single:.3f}x of single (>= 0.95) with imbalance {kv.imbalance:.3f} "
-          f"(<= 1.25): {'met' if ok else 'NOT met'}")
+    print(
+        f"\nbar: kv reuses {kv.share / single:.3f}x of single (>= 0.95) with imbalance {kv.imbalance:.3f} "
+        f"(<= 1.25): {'met' if ok else 'NOT met'}"
+    )
     return 0 if ok else 1
 
 

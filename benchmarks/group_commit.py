@@ -29,9 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dss  # noqa: E402
-from progress import run_until  # noqa: E402
-from service_load import fresh_schema, percentile  # noqa: E402
+from progress import run_until
+from service_load import fresh_schema, percentile
+
+import dss
 
 LAYOUT = dss.Layout(name="group-commit", page_tokens=16, page_bytes=1024, model="synthetic")
 
@@ -79,8 +80,11 @@ def run(mode: str, threads: int, duration: float, catalog: str | None) -> Run:
                     acked[i].append((session_id, version.version_id, tokens))
                     history = tokens
 
-        elapsed = run_until([lambda i=i: chat(i) for i in range(threads)], deadline,
-                            f"{threads} threads committing, group commit {mode}")
+        elapsed = run_until(
+            [lambda i=i: chat(i) for i in range(threads)],
+            deadline,
+            f"{threads} threads committing, group commit {mode}",
+        )
         transactions = int(store.sql("SELECT seq FROM catalog_seq").rows[0][0]) - seq_before
         store.close()
         with dss.open(home, catalog_url=url) as again:
@@ -98,18 +102,26 @@ def main() -> int:
     parser.add_argument("--catalog", default=None, metavar="URL", help="PostgreSQL URL (default: SQLite)")
     args = parser.parse_args()
     runs = [run(mode, args.threads, args.duration, args.catalog) for mode in ("off", "on")]
-    print(f"group commit, {args.threads} threads of one process, catalog "
-          f"{'PostgreSQL' if args.catalog else 'SQLite'}, fsync on, {args.duration:.0f} s per mode")
+    print(
+        f"group commit, {args.threads} threads of one process, catalog "
+        f"{'PostgreSQL' if args.catalog else 'SQLite'}, fsync on, {args.duration:.0f} s per mode"
+    )
     print(f"{'mode':<6}{'commits':>9}{'commits/s':>11}{'p50 ms':>9}{'p99 ms':>9}{'tx/commit':>11}")
     for r in runs:
-        print(f"{r.mode:<6}{len(r.latencies):>9}{r.commits_per_s:>11.1f}{percentile(r.latencies, 0.5) * 1e3:>9.1f}"
-              f"{percentile(r.latencies, 0.99) * 1e3:>9.1f}{r.transactions / max(1, len(r.latencies)):>11.2f}")
+        print(
+            f"{r.mode:<6}{len(r.latencies):>9}{r.commits_per_s:>11.1f}{percentile(r.latencies, 0.5) * 1e3:>9.1f}"
+            f"{percentile(r.latencies, 0.99) * 1e3:>9.1f}{r.transactions / max(1, len(r.latencies)):>11.2f}"
+        )
     off, on = runs
-    print(f"on/off: {on.commits_per_s / off.commits_per_s:.2f}x the commits per second, p99 "
-          f"{percentile(on.latencies, 0.99) / percentile(off.latencies, 0.99):.2f}x")
+    print(
+        f"on/off: {on.commits_per_s / off.commits_per_s:.2f}x the commits per second, p99 "
+        f"{percentile(on.latencies, 0.99) / percentile(off.latencies, 0.99):.2f}x"
+    )
     for r in runs:
-        print(f"{r.mode}: acknowledged commits missing or different after reopening: {r.missing}; "
-              f"check(): {r.problems or '[]'}")
+        print(
+            f"{r.mode}: acknowledged commits missing or different after reopening: {r.missing}; "
+            f"check(): {r.problems or '[]'}"
+        )
     return 0 if all(not r.missing and not r.problems for r in runs) else 1
 
 

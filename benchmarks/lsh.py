@@ -40,10 +40,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from progress import track  # noqa: E402
+from progress import track
 
-import dss  # noqa: E402
-from dss.lsh import LshIndex, Settings, shingle_hashes  # noqa: E402
+import dss
+from dss.lsh import LshIndex, Settings, shingle_hashes
 
 LAYOUT = dss.Layout(name="lsh-bench", page_tokens=16, page_bytes=64, model="bench")
 
@@ -71,7 +71,7 @@ def rerendered(rng: random.Random, tokens: list[int], turn_cuts: list[int]) -> l
         return out
     if len(turn_cuts) >= 3:
         i = rng.randrange(1, len(turn_cuts) - 1)
-        return tokens[:turn_cuts[i - 1]] + tokens[turn_cuts[i]:]
+        return tokens[: turn_cuts[i - 1]] + tokens[turn_cuts[i] :]
     return list(tokens)
 
 
@@ -159,7 +159,7 @@ def main() -> None:
         off, on = [], []
         clock = time.perf_counter
         for i in track(range(10_000), "timing resume"):  # call by call, turn about: drift hits both alike
-            for flag in ((False, True) if i % 2 else (True, False)):
+            for flag in (False, True) if i % 2 else (True, False):
                 start = clock()
                 store.resume(session, prompt, approximate=flag)
                 (on if flag else off).append(clock() - start)
@@ -174,10 +174,12 @@ def main() -> None:
     recall90 = hits_at[0.9][1] / max(hits_at[0.9][0], 1)
     recall85 = hits_at[0.85][1] / max(hits_at[0.85][0], 1)
     med = statistics.median
-    print(f"\nMinHash-LSH over {num_versions:,} stored versions ({args.chats:,} chats x {args.turns} turns), "
-          f"{args.queries} re-rendered queries; threshold {settings.threshold}, {settings.permutations} permutations, "
-          f"shingles of {size} tokens, windows of {settings.window_tokens}; {index.stats()['entries']:,} entries; "
-          f"built from the catalog in {build:.1f} s\n")
+    print(
+        f"\nMinHash-LSH over {num_versions:,} stored versions ({args.chats:,} chats x {args.turns} turns), "
+        f"{args.queries} re-rendered queries; threshold {settings.threshold}, {settings.permutations} permutations, "
+        f"shingles of {size} tokens, windows of {settings.window_tokens}; {index.stats()['entries']:,} entries; "
+        f"built from the catalog in {build:.1f} s\n"
+    )
     print("| figure | value | bar |")
     print("|---|---|---|")
     print(f"| recall at Jaccard >= 0.9 | {recall90:.3f} | >= 0.95 |")

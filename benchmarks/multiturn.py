@@ -58,12 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import chats
 import numpy as np
+from progress import track
 
 from dss import nearest
-
-import chats
-from progress import track
 
 BLOCK = 32
 SMALL_KV_BYTES = 32 << 20
@@ -101,13 +100,29 @@ def engine(model_dir: Path, *, kv_bytes: int, max_len: int, store: Path | None =
     transfer = None
     if store is not None:
         options = {"master_key_file": str(store.parent / "master.key")}
-        transfer = {"kv_connector": "DssConnector", "kv_connector_module_path": "dss_adapters.vllm_connector",
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"store": str(store), "store_options": options}}
-    llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, max_model_len=max_len,
-              max_num_batched_tokens=max_len, max_num_seqs=1, enable_prefix_caching=True,
-              kv_cache_memory_bytes=kv_bytes, skip_tokenizer_init=True, disable_log_stats=False, seed=0,
-              use_tqdm_on_load=False, kv_transfer_config=transfer)
+        transfer = {
+            "kv_connector": "DssConnector",
+            "kv_connector_module_path": "dss_adapters.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": str(store), "store_options": options},
+        }
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        max_num_seqs=1,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=kv_bytes,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        seed=0,
+        use_tqdm_on_load=False,
+        kv_transfer_config=transfer,
+    )
     try:
         yield llm
     finally:
@@ -120,20 +135,27 @@ def request(llm: Any, prompt: list[int], eos: int, max_tokens: int, fields: dict
     from vllm.inputs import TokensPrompt
 
     extra = {"kv_transfer_params": {"dss": fields}} if fields is not None else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False,
-                            extra_args=extra)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False, extra_args=extra
+    )
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
     latency = out.metrics.first_token_latency if out.metrics is not None else 0.0
     return Served(prompt, list(out.outputs[0].token_ids), out.num_cached_tokens or 0, latency or 0.0)
 
 
-def serve(llm: Any, tokenizer: Any, args: argparse.Namespace, *, with_dss: bool, oracle: Run | None = None,
-          label: str = "") -> Run:
+def serve(
+    llm: Any, tokenizer: Any, args: argparse.Namespace, *, with_dss: bool, oracle: Run | None = None, label: str = ""
+) -> Run:
     """Serve ``args.turns`` turns of the first ``args.conversations`` chats round robin on ``llm``.
     Later prompts carry the oracle's replies if ``oracle`` is given, else this run's own."""
     warm_up = tokenizer("Hello!").input_ids  # shares no block with the chats; not measured
-    request(llm, warm_up, tokenizer.eos_token_id, 4, {"session_id": "warm-up", "user_id": "warm-up",
-                                                      "tenant_id": TENANT} if with_dss else None)
+    request(
+        llm,
+        warm_up,
+        tokenizer.eos_token_id,
+        4,
+        {"session_id": "warm-up", "user_id": "warm-up", "tenant_id": TENANT} if with_dss else None,
+    )
     run: Run = {}
     replies: list[list[str]] = [[] for _ in range(args.conversations)]
     order = [(c, t) for t in range(args.turns) for c in range(args.conversations)]
@@ -163,22 +185,30 @@ def ideal(oracle: Run, c: int, t: int) -> int:
 def summary(run: Run, oracle: Run) -> dict[str, float]:
     """The table's figures for one condition."""
     ideals = {key: ideal(oracle, *key) for key in run}
-    return {"prompt": sum(len(s.prompt) for s in run.values()), "ideal": sum(ideals.values()),
-            "reused": sum(s.cached for s in run.values()),
-            "beyond": sum(max(0, s.cached - ideals[key]) for key, s in run.items()),
-            "prefill_s": sum(s.ttft_s for s in run.values()),
-            "same": sum(s.reply == oracle[key].reply for key, s in run.items()), "requests": len(run)}
+    return {
+        "prompt": sum(len(s.prompt) for s in run.values()),
+        "ideal": sum(ideals.values()),
+        "reused": sum(s.cached for s in run.values()),
+        "beyond": sum(max(0, s.cached - ideals[key]) for key, s in run.items()),
+        "prefill_s": sum(s.ttft_s for s in run.values()),
+        "same": sum(s.reply == oracle[key].reply for key, s in run.items()),
+        "requests": len(run),
+    }
 
 
 def report(runs: dict[str, Run], args: argparse.Namespace) -> None:
     """Print the table, the ratios against vLLM alone and the rerun command."""
     rows = {name: summary(run, runs["oracle"]) for name, run in runs.items()}
     alone = rows["vllm"]
-    print(f"\n{args.conversations} conversations x {args.turns} turns, round robin, one request at a time; "
-          f"SmolLM2-135M-Instruct bf16, vLLM single-process on CPU, block {BLOCK}, replies up to "
-          f"{args.reply_tokens} tokens; KV cache {SMALL_KV_BYTES >> 20} MiB (oracle {args.oracle_kv_mib} MiB)")
-    head = ("| condition | prompt tokens | ideal | reused | reused / ideal | beyond ideal | prefill s "
-            "| reused vs vLLM alone | prefill: vLLM alone / this | outputs = oracle |")
+    print(
+        f"\n{args.conversations} conversations x {args.turns} turns, round robin, one request at a time; "
+        f"SmolLM2-135M-Instruct bf16, vLLM single-process on CPU, block {BLOCK}, replies up to "
+        f"{args.reply_tokens} tokens; KV cache {SMALL_KV_BYTES >> 20} MiB (oracle {args.oracle_kv_mib} MiB)"
+    )
+    head = (
+        "| condition | prompt tokens | ideal | reused | reused / ideal | beyond ideal | prefill s "
+        "| reused vs vLLM alone | prefill: vLLM alone / this | outputs = oracle |"
+    )
     print(head)
     print("|" + "|".join("---" for _ in head.strip("|").split(" | ")) + "|")
     for name in ("vllm", "dss", "oracle"):
@@ -186,21 +216,28 @@ def report(runs: dict[str, Run], args: argparse.Namespace) -> None:
         share = f"{r['reused'] / r['ideal']:.1%}" if r["ideal"] else "-"
         more = f"{r['reused'] / alone['reused']:.2f}x" if alone["reused"] else "-"
         faster = f"{alone['prefill_s'] / r['prefill_s']:.2f}x" if r["prefill_s"] else "-"
-        print(f"| {LABELS[name]} | {r['prompt']:,} | {r['ideal']:,} | {r['reused']:,} | {share} | "
-              f"{r['beyond']:,} | {r['prefill_s']:.2f} | {more} | {faster} | {r['same']}/{r['requests']} |")
+        print(
+            f"| {LABELS[name]} | {r['prompt']:,} | {r['ideal']:,} | {r['reused']:,} | {share} | "
+            f"{r['beyond']:,} | {r['prefill_s']:.2f} | {more} | {faster} | {r['same']}/{r['requests']} |"
+        )
     short = sum(1 for (c, t) in runs["oracle"] if runs["oracle"][c, t].cached < ideal(runs["oracle"], c, t))
     if short:
-        print(f"\nwarning: the oracle reused less than the ideal on {short} requests: its KV cache is too "
-              f"small for this run (raise --oracle-kv-mib)")
-    print(f"\nrerun: .venv/bin/python benchmarks/multiturn.py --conversations {args.conversations} "
-          f"--turns {args.turns} --reply-tokens {args.reply_tokens} --oracle-kv-mib {args.oracle_kv_mib}")
+        print(
+            f"\nwarning: the oracle reused less than the ideal on {short} requests: its KV cache is too "
+            f"small for this run (raise --oracle-kv-mib)"
+        )
+    print(
+        f"\nrerun: .venv/bin/python benchmarks/multiturn.py --conversations {args.conversations} "
+        f"--turns {args.turns} --reply-tokens {args.reply_tokens} --oracle-kv-mib {args.oracle_kv_mib}"
+    )
     sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--conversations", type=int, default=len(chats.CHATS),
-                        help=f"conversations served (1-{len(chats.CHATS)})")
+    parser.add_argument(
+        "--conversations", type=int, default=len(chats.CHATS), help=f"conversations served (1-{len(chats.CHATS)})"
+    )
     parser.add_argument("--turns", type=int, default=10, help="user turns of each (1-10)")
     parser.add_argument("--reply-tokens", type=int, default=32, help="longest reply, tokens")
     parser.add_argument("--oracle-kv-mib", type=int, default=1024, help="the oracle's KV cache, MiB")

@@ -40,9 +40,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import xxhash
+from progress import track
 
 import dss
-from progress import track
 
 PAGE = 32
 TURNS = 40
@@ -157,14 +157,26 @@ def main() -> None:
         expected = {"full match + 200 new": TOTAL, "divergence at 16,000": 16_000, "no match": 0}[case]
         assert result.matched_tokens == expected, (case, result)
         assert all(chain.lookup(prompt) == expected for chain in chains.values())
-        fast = interleaved_us({"list": lambda p=prompt: store.resume("big", p),
-                               "buffer": lambda b=buffer: store.resume("big", b),
-                               "floor": lambda p=prompt: floor(p)}, rounds=1500)
-        slow = interleaved_us({"list": lambda p=prompt: store.resume("big", p),
-                               **{name: (lambda c=chain, p=prompt: c.lookup(p)) for name, chain in chains.items()}},
-                              rounds=40)
-        row: dict = {"case": case, **{k: statistics.median(v) for k, v in fast.items()},
-                     "list/floor": statistics.median(a / b for a, b in zip(fast["list"], fast["floor"]))}
+        fast = interleaved_us(
+            {
+                "list": lambda p=prompt: store.resume("big", p),
+                "buffer": lambda b=buffer: store.resume("big", b),
+                "floor": lambda p=prompt: floor(p),
+            },
+            rounds=1500,
+        )
+        slow = interleaved_us(
+            {
+                "list": lambda p=prompt: store.resume("big", p),
+                **{name: (lambda c=chain, p=prompt: c.lookup(p)) for name, chain in chains.items()},
+            },
+            rounds=40,
+        )
+        row: dict = {
+            "case": case,
+            **{k: statistics.median(v) for k, v in fast.items()},
+            "list/floor": statistics.median(a / b for a, b in zip(fast["list"], fast["floor"])),
+        }
         for name in chains:
             row[name] = statistics.median(slow[name])
             row[f"x {name}"] = row[name] / statistics.median(slow["list"])
@@ -174,25 +186,46 @@ def main() -> None:
 
 
 def report(rows: list[dict], chains: list[str]) -> None:
-    head = ["case", "dss list", "dss buffer", "floor", *[f"chain/{c}" for c in chains],
-            "list/floor", *[f"x vs {c}" for c in chains]]
+    head = [
+        "case",
+        "dss list",
+        "dss buffer",
+        "floor",
+        *[f"chain/{c}" for c in chains],
+        "list/floor",
+        *[f"x vs {c}" for c in chains],
+    ]
     table = []
     for r in rows:
-        table.append([r["case"], f"{r['list']:.1f}", f"{r['buffer']:.1f}", f"{r['floor']:.1f}",
-                      *[f"{r[c]:.0f}" for c in chains], f"{r['list/floor']:.2f}",
-                      *[f"{r[f'x {c}']:.1f}x" for c in chains]])
+        table.append(
+            [
+                r["case"],
+                f"{r['list']:.1f}",
+                f"{r['buffer']:.1f}",
+                f"{r['floor']:.1f}",
+                *[f"{r[c]:.0f}" for c in chains],
+                f"{r['list/floor']:.2f}",
+                *[f"{r[f'x {c}']:.1f}x" for c in chains],
+            ]
+        )
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
-    print("median microseconds per call; list/floor is the median of per-round ratios; x vs chain is the chain's "
-          "median over dss's (list) in the same interleaved rounds")
+    print(
+        "median microseconds per call; list/floor is the median of per-round ratios; x vs chain is the chain's "
+        "median over dss's (list) in the same interleaved rounds"
+    )
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for t in table:
         print("| " + " | ".join(v.ljust(w) for v, w in zip(t, widths)) + " |")
     full = rows[0]
-    print(f"\ntarget, full match from a list within 1.5x of the floor: {full['list/floor']:.2f}x "
-          f"({'met' if full['list/floor'] <= 1.5 else 'MISSED'})")
-    print(f"target, full match from a buffer under 50 us: {full['buffer']:.1f} us "
-          f"({'met' if full['buffer'] < 50 else 'MISSED'})")
+    print(
+        f"\ntarget, full match from a list within 1.5x of the floor: {full['list/floor']:.2f}x "
+        f"({'met' if full['list/floor'] <= 1.5 else 'MISSED'})"
+    )
+    print(
+        f"target, full match from a buffer under 50 us: {full['buffer']:.1f} us "
+        f"({'met' if full['buffer'] < 50 else 'MISSED'})"
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import dss
-from dss.service.process import ServiceProcess
-from dss.core.tokens import pack
 from progress import run_until
+
+import dss
+from dss.core.tokens import pack
+from dss.service.process import ServiceProcess
 
 ENDPOINTS = ("create_session", "resume", "commit", "rollback", "branch")
 
@@ -58,7 +59,9 @@ def digest(tokens: list[int]) -> bytes:
 class ChatClient:
     """One simulated chat backend worker: sessions, turns, undo, regenerate."""
 
-    def __init__(self, index: int, client: dss.service.client.Client, layout: dss.Layout, deadline: float, seed: int) -> None:
+    def __init__(
+        self, index: int, client: dss.service.client.Client, layout: dss.Layout, deadline: float, seed: int
+    ) -> None:
         self.index = index
         self.client = client
         self.layout = layout
@@ -87,8 +90,13 @@ class ChatClient:
 
     def chat(self) -> None:
         session_id = self.new_session_id()
-        self.timed("create_session", self.client.create_session, session_id, user_id=f"user-{self.index % 8}",
-                   layout=self.layout)
+        self.timed(
+            "create_session",
+            self.client.create_session,
+            session_id,
+            user_id=f"user-{self.index % 8}",
+            layout=self.layout,
+        )
         history: list[int] = []
         versions: dict[int, list[int]] = {}
         parent: int | None = None
@@ -100,12 +108,15 @@ class ChatClient:
             page_tokens = self.layout.page_tokens
             expected = len(history) // page_tokens * page_tokens
             if resumed.matched_tokens != expected:
-                self.tally.errors.append(f"{session_id}: resume matched {resumed.matched_tokens} tokens, "
-                                         f"expected {expected}")
+                self.tally.errors.append(
+                    f"{session_id}: resume matched {resumed.matched_tokens} tokens, expected {expected}"
+                )
             tokens = prompt + [self.rng.randrange(50_000) for _ in range(self.rng.randint(20, 100))]
             first = resumed.matched_tokens // page_tokens
-            pages = {i: i.to_bytes(4, "little") * (self.layout.page_bytes // 4)
-                     for i in range(first, len(tokens) // page_tokens)}
+            pages = {
+                i: i.to_bytes(4, "little") * (self.layout.page_bytes // 4)
+                for i in range(first, len(tokens) // page_tokens)
+            }
             version = self.timed("commit", self.client.commit, session_id, tokens, pages)
             self.tally.acked.append((session_id, version.version_id, len(tokens), digest(tokens)))
             versions[version.version_id] = tokens
@@ -188,8 +199,11 @@ def run_load(args: argparse.Namespace, mode: str) -> Run:
         deadline = time.monotonic() + args.duration
         workers = [ChatClient(i, clients[i], layout, deadline, args.seed) for i in range(args.clients)]
         tallies: list[Tally] = []
-        elapsed = run_until([lambda w=w: tallies.append(w.run()) for w in workers], deadline,
-                            f"{args.clients} clients chatting, group commit {mode}")
+        elapsed = run_until(
+            [lambda w=w: tallies.append(w.run()) for w in workers],
+            deadline,
+            f"{args.clients} clients chatting, group commit {mode}",
+        )
         for client in clients:
             client.close()
         status = service.stop()
@@ -212,8 +226,7 @@ def run_load(args: argparse.Namespace, mode: str) -> Run:
                     missing += 1
     finally:
         drop()
-    return Run(mode, elapsed, latencies, [e for t in tallies for e in t.errors], len(acked), missing,
-               problems, status)
+    return Run(mode, elapsed, latencies, [e for t in tallies for e in t.errors], len(acked), missing, problems, status)
 
 
 def report(run: Run) -> None:
@@ -222,11 +235,15 @@ def report(run: Run) -> None:
     print(f"{'endpoint':<16}{'requests':>10}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
     for endpoint in ENDPOINTS:
         values = run.latencies.get(endpoint, [])
-        print(f"{endpoint:<16}{len(values):>10}{len(values) / run.elapsed:>10.1f}"
-              f"{percentile(values, 0.5) * 1e3:>10.2f}{percentile(values, 0.99) * 1e3:>10.2f}")
+        print(
+            f"{endpoint:<16}{len(values):>10}{len(values) / run.elapsed:>10.1f}"
+            f"{percentile(values, 0.5) * 1e3:>10.2f}{percentile(values, 0.99) * 1e3:>10.2f}"
+        )
     every = [v for values in run.latencies.values() for v in values]
-    print(f"{'all':<16}{total:>10}{total / run.elapsed:>10.1f}{percentile(every, 0.5) * 1e3:>10.2f}"
-          f"{percentile(every, 0.99) * 1e3:>10.2f}")
+    print(
+        f"{'all':<16}{total:>10}{total / run.elapsed:>10.1f}{percentile(every, 0.5) * 1e3:>10.2f}"
+        f"{percentile(every, 0.99) * 1e3:>10.2f}"
+    )
     print(f"errors: {len(run.errors)}")
     for error in run.errors[:10]:
         print(f"  {error}")
@@ -241,19 +258,33 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (per group-commit mode)")
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--page-bytes", type=int, default=1024)
-    parser.add_argument("--home", type=Path, default=None,
-                        help="parent of the store folders, one per mode (default: fresh temporary ones)")
-    parser.add_argument("--catalog", default=None, metavar="URL",
-                        help="PostgreSQL catalog, e.g. postgresql://postgres@127.0.0.1/test (a fresh schema "
-                             "per mode, dropped afterwards); default SQLite in the store folder")
-    parser.add_argument("--group-commit", choices=("on", "off", "both"), default="both",
-                        help="run with group commit on, off, or both in this run and compare [default: both]")
+    parser.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="parent of the store folders, one per mode (default: fresh temporary ones)",
+    )
+    parser.add_argument(
+        "--catalog",
+        default=None,
+        metavar="URL",
+        help="PostgreSQL catalog, e.g. postgresql://postgres@127.0.0.1/test (a fresh schema "
+        "per mode, dropped afterwards); default SQLite in the store folder",
+    )
+    parser.add_argument(
+        "--group-commit",
+        choices=("on", "off", "both"),
+        default="both",
+        help="run with group commit on, off, or both in this run and compare [default: both]",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `dss serve` argument (repeatable)")
     args = parser.parse_args()
     modes = ("off", "on") if args.group_commit == "both" else (args.group_commit,)
-    print(f"dss service load: {args.clients} clients, {args.duration:.0f} s per mode, pages of {args.page_tokens} "
-          f"tokens x {args.page_bytes} B, catalog {'PostgreSQL' if args.catalog else 'SQLite'}")
+    print(
+        f"dss service load: {args.clients} clients, {args.duration:.0f} s per mode, pages of {args.page_tokens} "
+        f"tokens x {args.page_bytes} B, catalog {'PostgreSQL' if args.catalog else 'SQLite'}"
+    )
     runs = {mode: run_load(args, mode) for mode in modes}
     for run in runs.values():
         report(run)
@@ -264,8 +295,10 @@ def main() -> int:
         print(f"\n{'group commit':<14}{'commits/s':>11}{'commit p99 ms':>15}")
         for run, p99 in ((off, p99_off), (on, p99_on)):
             print(f"{run.mode:<14}{run.commits_per_s:>11.1f}{p99 * 1e3:>15.2f}")
-        print(f"on/off: {ratio:.2f}x the acknowledged commits per second, commit p99 {p99_on / p99_off:.2f}x "
-              f"(bar: >= 4x, p99 no worse)")
+        print(
+            f"on/off: {ratio:.2f}x the acknowledged commits per second, commit p99 {p99_on / p99_off:.2f}x "
+            f"(bar: >= 4x, p99 no worse)"
+        )
     return 0 if all(run.ok for run in runs.values()) else 1
 
 

@@ -38,9 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dss  # noqa: E402
-from progress import track  # noqa: E402
-from workload import Request, WorkloadSpec, generate, prompt_tokens, reply_tokens, system_prompt, working_set_tokens  # noqa: E402
+from progress import track
+from workload import Request, WorkloadSpec, generate, prompt_tokens, reply_tokens, system_prompt, working_set_tokens
+
+import dss
 
 CAPACITIES = (0.02, 0.05, 0.10, 0.20)
 POLICIES = ("dss", "lru", "belady", "dss+prefetch")
@@ -87,11 +88,18 @@ class Row:
     def load_s(self) -> float:
         """Estimated time to get every prompt's KV: loads from host and disk, the rest recomputed."""
         kv = KV_BYTES_PER_TOKEN
-        return self.host_tokens * kv / HOST_BPS + self.disk_tokens * kv / DISK_BPS + self.recompute_tokens / RECOMPUTE_TPS
+        return (
+            self.host_tokens * kv / HOST_BPS + self.disk_tokens * kv / DISK_BPS + self.recompute_tokens / RECOMPUTE_TPS
+        )
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "host_share": self.host_share, "disk_share": self.disk_share,
-                "recompute_share": self.recompute_share, "load_s": self.load_s}
+        return {
+            **asdict(self),
+            "host_share": self.host_share,
+            "disk_share": self.disk_share,
+            "recompute_share": self.recompute_share,
+            "load_s": self.load_s,
+        }
 
 
 @dataclass
@@ -109,8 +117,15 @@ def _payload(i: int) -> bytes:
     return (i % 251).to_bytes(1, "big") * PAGE_BYTES
 
 
-def replay(requests: Sequence[Request], policy: str, host_pages: int, disk_pages: int,
-           folder: Path, label: str = "", **options: object) -> tuple[Row, Trace]:
+def replay(
+    requests: Sequence[Request],
+    policy: str,
+    host_pages: int,
+    disk_pages: int,
+    folder: Path,
+    label: str = "",
+    **options: object,
+) -> tuple[Row, Trace]:
     """Replay ``requests`` through a fresh store in ``folder`` with ``policy`` (``dss+prefetch``:
     dss, and a prefetch of the session ``PREFETCH_S`` before each of its turns) and a host of
     ``host_pages`` pages; returns the row and the page trace."""
@@ -121,9 +136,18 @@ def replay(requests: Sequence[Request], policy: str, host_pages: int, disk_pages
     if prefetch:
         events += [(r.t - PREFETCH_S, 0, None, r.session_id) for r in requests if r.turn]
     events.sort(key=lambda e: (e[0], e[1]))
-    store = dss.open(folder, encrypt=False, fsync=False, mover=False, policy=policy, clock=lambda: now[0],
-                     host_bytes=host_pages * PAGE_BYTES, disk_bytes=disk_pages * (PAGE_BYTES + 64),
-                     segment_bytes=1 << 20, **options)
+    store = dss.open(
+        folder,
+        encrypt=False,
+        fsync=False,
+        mover=False,
+        policy=policy,
+        clock=lambda: now[0],
+        host_bytes=host_pages * PAGE_BYTES,
+        disk_bytes=disk_pages * (PAGE_BYTES + 64),
+        segment_bytes=1 << 20,
+        **options,
+    )
     trace = Trace([], [], 0, 0)
     host = disk = recompute = 0
     try:
@@ -133,8 +157,7 @@ def replay(requests: Sequence[Request], policy: str, host_pages: int, disk_pages
                 seen_systems.add(r.system_id)
                 tokens = system_prompt(r.system_id, r.system_tokens, r.seed)
                 n = len(tokens) // PAGE_TOKENS
-                store.register_prefix(tokens, {i: _payload(i) for i in range(n)}, layout=LAYOUT,
-                                      tenant_id=r.tenant_id)
+                store.register_prefix(tokens, {i: _payload(i) for i in range(n)}, layout=LAYOUT, tenant_id=r.tenant_id)
         for t, _, r, session_id in track(events, label or name, total=len(events)):
             now[0] = t
             if r is None:
@@ -155,8 +178,12 @@ def replay(requests: Sequence[Request], policy: str, host_pages: int, disk_pages
             history = prompt + reply_tokens(r)
             first = result.matched_tokens // PAGE_TOKENS
             now[0] = r.t + 0.5
-            store.commit(r.session_id, history, {i: _payload(i) for i in range(first, len(history) // PAGE_TOKENS)},
-                         tenant_id=r.tenant_id)
+            store.commit(
+                r.session_id,
+                history,
+                {i: _payload(i) for i in range(first, len(history) // PAGE_TOKENS)},
+                tenant_id=r.tenant_id,
+            )
             if policy == "lru":  # Belady's trace: the pages the commit stored
                 after = store.resume(r.session_id, history, tenant_id=r.tenant_id).pages
                 trace.writes.append([ref.page_id for ref in after if ref.index >= first])
@@ -166,9 +193,20 @@ def replay(requests: Sequence[Request], policy: str, host_pages: int, disk_pages
         store.close()
     prompt_total = sum(r.prompt_len for r in requests)
     trace.prompt_tokens, trace.recompute_tokens = prompt_total, recompute
-    row = Row(0.0, name, host_pages, prompt_total, host, disk, recompute, stats["host"]["promotions"],
-              stats["host"]["demotions"], stats["host"]["inline_evictions"], stats["prefetch"]["hits"],
-              stats["prefetch"]["wasted"])
+    row = Row(
+        0.0,
+        name,
+        host_pages,
+        prompt_total,
+        host,
+        disk,
+        recompute,
+        stats["host"]["promotions"],
+        stats["host"]["demotions"],
+        stats["host"]["inline_evictions"],
+        stats["prefetch"]["hits"],
+        stats["prefetch"]["wasted"],
+    )
     return row, trace
 
 
@@ -230,12 +268,17 @@ def belady(trace: Trace, host_pages: int) -> Row:
                 admit(p)
     tokens_host = hits * PAGE_TOKENS
     matched = trace.prompt_tokens - trace.recompute_tokens
-    return Row(0.0, "belady", host_pages, trace.prompt_tokens, tokens_host, matched - tokens_host,
-               trace.recompute_tokens)
+    return Row(
+        0.0, "belady", host_pages, trace.prompt_tokens, tokens_host, matched - tokens_host, trace.recompute_tokens
+    )
 
 
-def run(capacities: Iterable[float] = CAPACITIES, policies: Iterable[str] = POLICIES, seed: int = 1,
-        spec: WorkloadSpec | None = None) -> list[Row]:
+def run(
+    capacities: Iterable[float] = CAPACITIES,
+    policies: Iterable[str] = POLICIES,
+    seed: int = 1,
+    spec: WorkloadSpec | None = None,
+) -> list[Row]:
     """Replay the workload of ``spec`` and ``seed`` at each host capacity (share of the working
     set) under each policy; Belady comes from the trace of the LRU replay (every policy has the
     same pages available: the disk holds the whole working set)."""
@@ -252,8 +295,9 @@ def run(capacities: Iterable[float] = CAPACITIES, policies: Iterable[str] = POLI
         trace = None
         for policy in replayed:
             with tempfile.TemporaryDirectory(prefix="dss-tiers-") as tmp:
-                row, got = replay(requests, policy, host_pages, disk_pages, Path(tmp) / "store",
-                                  f"{policy} at {capacity:.0%} host")
+                row, got = replay(
+                    requests, policy, host_pages, disk_pages, Path(tmp) / "store", f"{policy} at {capacity:.0%} host"
+                )
             if policy == "lru":
                 trace = got
             row.capacity = capacity
@@ -293,13 +337,17 @@ def verdict(rows: Sequence[Row]) -> list[str]:
 
 def table(rows: Sequence[Row]) -> str:
     """The rows as a text table."""
-    head = (f"{'host cap':>8}  {'policy':<12} {'host':>7} {'disk':>7} {'recomp':>7} {'load s':>9} "
-            f"{'promo':>7} {'demo':>7} {'inline':>6} {'pf hit':>7} {'pf waste':>8}")
+    head = (
+        f"{'host cap':>8}  {'policy':<12} {'host':>7} {'disk':>7} {'recomp':>7} {'load s':>9} "
+        f"{'promo':>7} {'demo':>7} {'inline':>6} {'pf hit':>7} {'pf waste':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.capacity:>8.0%}  {r.policy:<12} {r.host_share:>7.1%} {r.disk_share:>7.1%} "
-                     f"{r.recompute_share:>7.1%} {r.load_s:>9.1f} {r.promotions:>7} {r.demotions:>7} "
-                     f"{r.inline_evictions:>6} {r.prefetch_hits:>7} {r.prefetch_wasted:>8}")
+        lines.append(
+            f"{r.capacity:>8.0%}  {r.policy:<12} {r.host_share:>7.1%} {r.disk_share:>7.1%} "
+            f"{r.recompute_share:>7.1%} {r.load_s:>9.1f} {r.promotions:>7} {r.demotions:>7} "
+            f"{r.inline_evictions:>6} {r.prefetch_hits:>7} {r.prefetch_wasted:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -312,11 +360,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     spec = WorkloadSpec(turns=args.turns)
     print(f"spec: {spec}")
     requests = generate(spec, args.seed)
-    print(f"workload: {len(requests)} requests, seed {args.seed}, working set "
-          f"{working_set_tokens(requests, PAGE_TOKENS):,} tokens in pages of {PAGE_TOKENS}; disk 1.5x the working set")
+    print(
+        f"workload: {len(requests)} requests, seed {args.seed}, working set "
+        f"{working_set_tokens(requests, PAGE_TOKENS):,} tokens in pages of {PAGE_TOKENS}; disk 1.5x the working set"
+    )
     rows = run(args.capacities, POLICIES, args.seed, spec)
-    print("share of prompt tokens served from each tier (host, disk) or recomputed; "
-          "load s: estimated time to get every prompt's KV")
+    print(
+        "share of prompt tokens served from each tier (host, disk) or recomputed; "
+        "load s: estimated time to get every prompt's KV"
+    )
     print(table(rows))
     for line in verdict(rows):
         print(line)

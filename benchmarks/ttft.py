@@ -83,8 +83,11 @@ def load_model(args: argparse.Namespace) -> tuple[Path, str, int]:
     from dss_adapters.models import smollm2
 
     folder = smollm2()
-    return folder, "SmolLM2-135M-Instruct bf16", json.loads((folder / "config.json").read_text())[
-        "max_position_embeddings"]
+    return (
+        folder,
+        "SmolLM2-135M-Instruct bf16",
+        json.loads((folder / "config.json").read_text())["max_position_embeddings"],
+    )
 
 
 def fit(n: int, positions: int) -> int:
@@ -99,9 +102,19 @@ def make_model(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=16384, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=16384,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=16384,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -109,23 +122,47 @@ def make_model(path: Path) -> Path:
 
 
 @contextmanager
-def engine(model: Path, *, prefix_caching: bool, store: Path | None = None, host_bytes: int | None = None,
-           max_len: int, positions: int, tp: int = 1, max_num_seqs: int = 1, load_mode: str = "auto") -> Iterator[Any]:
+def engine(
+    model: Path,
+    *,
+    prefix_caching: bool,
+    store: Path | None = None,
+    host_bytes: int | None = None,
+    max_len: int,
+    positions: int,
+    tp: int = 1,
+    max_num_seqs: int = 1,
+    load_mode: str = "auto",
+) -> Iterator[Any]:
     """A ``vllm.LLM`` for prompts up to ``max_len`` tokens (the model has ``positions``)."""
     from vllm import LLM
 
     transfer = None
     if store is not None:
         options = {} if host_bytes is None else {"host_bytes": host_bytes}
-        transfer = {"kv_connector": "DssConnector", "kv_connector_module_path": "dss_adapters.vllm_connector",
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"store": str(store), "store_options": options,
-                                                  "load_mode": load_mode}}
+        transfer = {
+            "kv_connector": "DssConnector",
+            "kv_connector_module_path": "dss_adapters.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": str(store), "store_options": options, "load_mode": load_mode},
+        }
     room = min(max_len + 64, positions)
-    llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, max_model_len=room,
-              max_num_batched_tokens=room, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
-              skip_tokenizer_init=True, disable_log_stats=False, seed=0, kv_transfer_config=transfer,
-              tensor_parallel_size=tp)
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=room,
+        max_num_batched_tokens=room,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config=transfer,
+        tensor_parallel_size=tp,
+    )
     try:
         yield llm
     finally:
@@ -155,36 +192,56 @@ def drop_page_cache(folder: Path) -> None:
     pagecache.drop(path for path in folder.rglob("*") if path.is_file())
 
 
-def timed(label: str, llm: Any, tokens: list[int], session: str | None, want_cached: int,
-          want_loaded: int | None = None) -> float:
+def timed(
+    label: str, llm: Any, tokens: list[int], session: str | None, want_cached: int, want_loaded: int | None = None
+) -> float:
     """Run one request; check vLLM's ``num_cached_tokens`` (and what dss loaded); its TTFT."""
     seconds, cached, params = ttft(llm, tokens, session)
     loaded = (params or {}).get("dss", {}).get("loaded_tokens")
     if cached != want_cached or (want_loaded is not None and loaded != want_loaded):
-        raise SystemExit(f"{label}: expected {want_cached} cached and {want_loaded} loaded tokens, "
-                         f"got {cached} and {loaded}")
+        raise SystemExit(
+            f"{label}: expected {want_cached} cached and {want_loaded} loaded tokens, got {cached} and {loaded}"
+        )
     return seconds
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None,
-                        help="prompt lengths in tokens (default 1024,4096,8192, the last trimmed to fit the model)")
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="prompt lengths in tokens (default 1024,4096,8192, the last trimmed to fit the model)",
+    )
     parser.add_argument("--reps", type=int, default=3, help="measured requests per size for recompute")
     parser.add_argument("--hit-reps", type=int, default=9, help="measured requests per size for each hit")
-    parser.add_argument("--multiprocess", action="store_true",
-                        help="vLLM's default multi-process mode (noisy on machines with few cores)")
-    parser.add_argument("--model", choices=("smollm2", "random"), default=None,
-                        help="SmolLM2-135M-Instruct (default) or the random-weight 150M Llama")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help=f"folder of the random model, made there once (default {RANDOM_DIR})")
+    parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="vLLM's default multi-process mode (noisy on machines with few cores)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("smollm2", "random"),
+        default=None,
+        help="SmolLM2-135M-Instruct (default) or the random-weight 150M Llama",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help=f"folder of the random model, made there once (default {RANDOM_DIR})",
+    )
     parser.add_argument("--store-dir", type=Path, default=None, help="dss store (default: a fresh temp folder)")
     parser.add_argument("--cold-disk", action="store_true", help="drop page files from the OS cache before dss-disk")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multi-process, one core per rank)")
     parser.add_argument("--mixed", action="store_true", help="decode step times while prompts load from disk")
     parser.add_argument("--decoders", type=int, default=4, help="--mixed: requests decoding")
-    parser.add_argument("--mixed-tokens", type=int, default=None,
-                        help="--mixed: tokens of the prompt loaded (default 8192, trimmed to fit the model)")
+    parser.add_argument(
+        "--mixed-tokens",
+        type=int,
+        default=None,
+        help="--mixed: tokens of the prompt loaded (default 8192, trimmed to fit the model)",
+    )
     parser.add_argument("--rounds", type=int, default=8, help="--mixed: disk loads per engine")
     args = parser.parse_args(argv)
     model, args.model_name, positions = load_model(args)
@@ -196,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the tables alone on standard output
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess or args.tp > 1 else "0"
     if args.tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1))
-                                                                  for r in range(args.tp)))
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(args.tp))
+        )
     store = args.store_dir or Path(tempfile.mkdtemp(prefix="dss-bench-store-"))
     if args.mixed:
         mixed(args, model, store, positions)
@@ -221,8 +279,15 @@ def main(argv: list[str] | None = None) -> None:
     # With dss: vLLM's own hit and the dss hit alternate in one engine (vLLM's prefix cache is
     # emptied before each dss request), so both see the same machine load; the ratios use them.
     for condition, host_bytes in (("dss-host", None), ("dss-disk", 0)):
-        with engine(model, prefix_caching=True, store=store, host_bytes=host_bytes, max_len=max_len,
-                    positions=positions, tp=args.tp) as llm:
+        with engine(
+            model,
+            prefix_caching=True,
+            store=store,
+            host_bytes=host_bytes,
+            max_len=max_len,
+            positions=positions,
+            tp=args.tp,
+        ) as llm:
             for n in sizes:
                 session, hit = f"bench-{n}", expected_hit(n)
                 if condition == "dss-host":
@@ -235,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                         drop_page_cache(store)
                     res[condition][n].append(timed(f"{condition} {n}", llm, prompts[n], session, hit, hit))
                     res[f"vllm-hit/{condition}"][n].append(
-                        timed(f"vllm-hit beside {condition} {n}", llm, prompts[n], session, hit, 0))
+                        timed(f"vllm-hit beside {condition} {n}", llm, prompts[n], session, hit, 0)
+                    )
     report(res, sizes, args)
 
 
@@ -243,18 +309,24 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
     med = {c: {n: statistics.median(res[c][n]) * 1e3 for n in sizes} for c in COLUMNS}
     mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
     mode += f", tensor_parallel_size={args.tp}" if args.tp > 1 else ""
-    print(f"\nTTFT in ms, median of {args.reps} (recompute) or {args.hit_reps} (hits); vLLM {mode} on CPU, "
-          f"{args.model_name}, block {BLOCK}{'; disk reads bypass the page cache' if args.cold_disk else ''}")
-    head = ("| tokens | recompute | vLLM hit | vLLM hit (dss engine) | dss host | dss disk | host / vLLM hit "
-            "| disk / vLLM hit | recompute / host | recompute / disk |")
+    print(
+        f"\nTTFT in ms, median of {args.reps} (recompute) or {args.hit_reps} (hits); vLLM {mode} on CPU, "
+        f"{args.model_name}, block {BLOCK}{'; disk reads bypass the page cache' if args.cold_disk else ''}"
+    )
+    head = (
+        "| tokens | recompute | vLLM hit | vLLM hit (dss engine) | dss host | dss disk | host / vLLM hit "
+        "| disk / vLLM hit | recompute / host | recompute / disk |"
+    )
     print(head)
     print("|" + "|".join("-" * (len(cell) + 2) for cell in head.strip("|").split(" | ")) + "|")
     for n in sizes:
         host, disk = med["dss-host"][n], med["dss-disk"][n]
         beside_host, beside_disk = med["vllm-hit/dss-host"][n], med["vllm-hit/dss-disk"][n]
-        print(f"| {n} | {med['recompute'][n]:.0f} | {med['vllm-hit'][n]:.0f} | "
-              f"{beside_host:.0f} / {beside_disk:.0f} | {host:.0f} | {disk:.0f} | {host / beside_host:.2f}x | "
-              f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x |")
+        print(
+            f"| {n} | {med['recompute'][n]:.0f} | {med['vllm-hit'][n]:.0f} | "
+            f"{beside_host:.0f} / {beside_disk:.0f} | {host:.0f} | {disk:.0f} | {host / beside_host:.2f}x | "
+            f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x |"
+        )
     sys.stdout.flush()
 
 
@@ -264,14 +336,24 @@ def mixed(args: argparse.Namespace, model: Path, store: Path, positions: int) ->
     n = args.mixed_tokens
     longs = [[rng.randrange(3, 16384) for _ in range(n)] for _ in range(args.rounds)]
     decoders = [[rng.randrange(3, 16384) for _ in range(512)] for _ in range(args.decoders)]
-    with engine(model, prefix_caching=False, store=store, max_len=n, positions=positions,
-                tp=args.tp) as llm:  # saves the prompts
+    with engine(
+        model, prefix_caching=False, store=store, max_len=n, positions=positions, tp=args.tp
+    ) as llm:  # saves the prompts
         for i, tokens in enumerate(longs):
             ttft(llm, tokens, f"mixed-{i}")
     times: dict[str, dict[str, list[float]]] = {}
     for mode in ("auto", "sync"):
-        with engine(model, prefix_caching=True, store=store, host_bytes=0, max_len=n, positions=positions, tp=args.tp,
-                    max_num_seqs=args.decoders + 1, load_mode=mode) as llm:
+        with engine(
+            model,
+            prefix_caching=True,
+            store=store,
+            host_bytes=0,
+            max_len=n,
+            positions=positions,
+            tp=args.tp,
+            max_num_seqs=args.decoders + 1,
+            load_mode=mode,
+        ) as llm:
             times[mode] = mixed_rounds(llm, decoders, longs, n)
     report_mixed(times, args)
 
@@ -296,8 +378,9 @@ def mixed_rounds(llm: Any, decoders: list[list[int]], longs: list[list[int]], ma
             engine_.step()
             out["without"].append(time.perf_counter() - start)
         fields = {"dss": {"session_id": f"mixed-{r}", "commit": False}}
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
-                                extra_args={"kv_transfer_params": fields})
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, extra_args={"kv_transfer_params": fields}
+        )
         engine_.add_request(f"long-{r}", TokensPrompt(prompt_token_ids=tokens), params)
         kind = "admit"
         while True:
@@ -326,17 +409,26 @@ def report_mixed(times: dict[str, dict[str, list[float]]], args: argparse.Namesp
         return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
 
     mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
-    print(f"\nDecode step times in ms (medians), {args.decoders} requests decoding (512-token prompts) while a "
-          f"{args.mixed_tokens}-token prompt loads from disk, {args.rounds} rounds; vLLM {mode}"
-          f"{f', tensor_parallel_size={args.tp}' if args.tp > 1 else ''} on CPU, {args.model_name}")
-    print("| load_mode | steps without a load | steps with the load in flight (n) | with / without "
-          "| step admitting it | step computing its last tokens |")
+    print(
+        f"\nDecode step times in ms (medians), {args.decoders} requests decoding (512-token prompts) while a "
+        f"{args.mixed_tokens}-token prompt loads from disk, {args.rounds} rounds; vLLM {mode}"
+        f"{f', tensor_parallel_size={args.tp}' if args.tp > 1 else ''} on CPU, {args.model_name}"
+    )
+    print(
+        "| load_mode | steps without a load | steps with the load in flight (n) | with / without "
+        "| step admitting it | step computing its last tokens |"
+    )
     print("|---|---|---|---|---|---|")
     for mode, steps in times.items():
-        ratio = (f"{statistics.median(steps['loading']) / statistics.median(steps['without']):.2f}x"
-                 if steps["loading"] else "-")
-        print(f"| {mode} | {ms(steps['without'])} | {ms(steps['loading'])} ({len(steps['loading'])}) | {ratio} "
-              f"| {ms(steps['admit'])} | {ms(steps['prefill'])} |")
+        ratio = (
+            f"{statistics.median(steps['loading']) / statistics.median(steps['without']):.2f}x"
+            if steps["loading"]
+            else "-"
+        )
+        print(
+            f"| {mode} | {ms(steps['without'])} | {ms(steps['loading'])} ({len(steps['loading'])}) | {ratio} "
+            f"| {ms(steps['admit'])} | {ms(steps['prefill'])} |"
+        )
     sys.stdout.flush()
 
 

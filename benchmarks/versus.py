@@ -34,7 +34,11 @@ def figures(output: str) -> dict[tuple[str, str], float]:
         text = line.strip()
         if not text or set(text) <= set("|-: "):
             continue
-        cells = [c.strip() for c in text.strip("|").split("|")] if text.startswith("|") else re.split(r"\s{2,}|\s+(?=\d)", text)
+        cells = (
+            [c.strip() for c in text.strip("|").split("|")]
+            if text.startswith("|")
+            else re.split(r"\s{2,}|\s+(?=\d)", text)
+        )
         numeric = [bool(_NUMBER.match(c)) for c in cells[1:]]
         if cells and not any(numeric):
             header = cells
@@ -47,8 +51,9 @@ def figures(output: str) -> dict[tuple[str, str], float]:
 
 
 def run(root: Path, command: list[str]) -> dict[tuple[str, str], float]:
-    done = subprocess.run([str(root / ".venv" / "bin" / "python"), *command], cwd=root, capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run(
+        [str(root / ".venv" / "bin" / "python"), *command], cwd=root, capture_output=True, text=True, check=False
+    )
     if done.returncode != 0:
         sys.exit(f"{command[0]} failed in {root}:\n{done.stderr[-2000:]}")
     return figures(done.stdout)

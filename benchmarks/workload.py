@@ -123,7 +123,7 @@ class Request:
 
 
 def _zipf_cdf(n: int, s: float) -> list[float]:
-    weights = [1.0 / (k ** s) for k in range(1, n + 1)]
+    weights = [1.0 / (k**s) for k in range(1, n + 1)]
     total = sum(weights)
     out, acc = [], 0.0
     for w in weights:
@@ -159,8 +159,24 @@ def generate(spec: WorkloadSpec | None = None, seed: int = 0) -> list[Request]:
             one_offs += 1
             system = _pick(rng, system_cdf)
             u, r = _length(rng, spec.one_off_tokens, 4), _length(rng, spec.reply_tokens, 8)
-            out.append(Request(index, t, f"oneoff-{one_offs}", f"visitor-{one_offs}", spec.tenant_id, 0, system,
-                               spec.system_tokens, (), u, r, True, True, seed))
+            out.append(
+                Request(
+                    index,
+                    t,
+                    f"oneoff-{one_offs}",
+                    f"visitor-{one_offs}",
+                    spec.tenant_id,
+                    0,
+                    system,
+                    spec.system_tokens,
+                    (),
+                    u,
+                    r,
+                    True,
+                    True,
+                    seed,
+                )
+            )
             continue
         slot = _pick(rng, slot_cdf)
         conv = conversations.get(slot)
@@ -173,8 +189,24 @@ def generate(spec: WorkloadSpec | None = None, seed: int = 0) -> list[Request]:
         prompt = spec.system_tokens + sum(a + b for a, b in history) + u
         nxt = prompt + r + spec.user_tokens * 2
         last = turn + 1 >= spec.max_turns or nxt > spec.max_context or rng.random() < spec.end_p
-        out.append(Request(index, at, session_id, f"user-{slot}", spec.tenant_id, turn, system, spec.system_tokens,
-                           tuple(history), u, r, last, False, seed))
+        out.append(
+            Request(
+                index,
+                at,
+                session_id,
+                f"user-{slot}",
+                spec.tenant_id,
+                turn,
+                system,
+                spec.system_tokens,
+                tuple(history),
+                u,
+                r,
+                last,
+                False,
+                seed,
+            )
+        )
         if last:
             del conversations[slot]
         else:
@@ -183,8 +215,25 @@ def generate(spec: WorkloadSpec | None = None, seed: int = 0) -> list[Request]:
             # the reply takes a moment; the user then thinks before the next turn
             conv[4] = at + 1.0 + rng.expovariate(1.0 / spec.think_s)
     out.sort(key=lambda q: (q.t, q.index))
-    return [Request(i, q.t, q.session_id, q.user_id, q.tenant_id, q.turn, q.system_id, q.system_tokens, q.history,
-                    q.user_tokens, q.reply_tokens, q.last, q.one_off, seed) for i, q in enumerate(out)]
+    return [
+        Request(
+            i,
+            q.t,
+            q.session_id,
+            q.user_id,
+            q.tenant_id,
+            q.turn,
+            q.system_id,
+            q.system_tokens,
+            q.history,
+            q.user_tokens,
+            q.reply_tokens,
+            q.last,
+            q.one_off,
+            seed,
+        )
+        for i, q in enumerate(out)
+    ]
 
 
 def _tokens(key: str, n: int) -> list[int]:
@@ -251,10 +300,14 @@ def summary(requests: list[Request]) -> dict[str, float]:
 
 def _main() -> None:
     import sys
+
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     for key, value in summary(generate(seed=seed)).items():
-        print(f"{key:24} {value:,.2f}" if isinstance(value, float) and not math.isclose(value, round(value))
-              else f"{key:24} {value:,}")
+        print(
+            f"{key:24} {value:,.2f}"
+            if isinstance(value, float) and not math.isclose(value, round(value))
+            else f"{key:24} {value:,}"
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import threading
 from typing import Any
 
+from dss.compaction import Compaction
 from dss.core.config import StoreConfig, load_config
 from dss.core.errors import (
     AmbiguousSession,
@@ -45,25 +46,66 @@ from dss.core.errors import (
     UnknownSession,
     UnknownVersion,
 )
+from dss.core.tokens import TokenInput
+from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.core.version import VERSION
+from dss.erasure import AuditEntry, Plan, Receipt
 from dss.nearest import Explanation
 from dss.resume import Candidate, ResumeResult
 from dss.store import Store
-from dss.core.tokens import TokenInput
-from dss.core.version import VERSION
-from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
-from dss.compaction import Compaction
-from dss.erasure import AuditEntry, Plan, Receipt
 
 __version__ = VERSION
 
 __all__ = [
-    "AmbiguousSession", "AuditEntry", "Candidate", "CatalogCorrupt", "CatalogUnavailable", "Compaction",
-    "ConfigError", "Conflict", "DssError", "ErasureInProgress", "ErasureIncomplete", "Explanation", "Forbidden",
-    "InternalError", "PayloadTooLarge", "Unauthorized",
-    "Unavailable", "InvalidInput", "InvalidLayout", "InvalidPage", "InvalidTokens", "Layout", "NoStore", "NotFound",
-    "PageId", "PageRef", "Plan", "ReadOnlyViolation", "Receipt", "ResumeResult", "SchemaOutdated", "SchemaTooNew", "Session",
-    "SessionExists", "SqlError", "SqlResult", "Store", "StoreClosed", "StoreConfig", "StoreFolderError", "UnknownSession",
-    "UnknownVersion", "Version", "VersionId", "configure", "connect", "default_store", "open", "resume",
+    "AmbiguousSession",
+    "AuditEntry",
+    "Candidate",
+    "CatalogCorrupt",
+    "CatalogUnavailable",
+    "Compaction",
+    "ConfigError",
+    "Conflict",
+    "DssError",
+    "ErasureInProgress",
+    "ErasureIncomplete",
+    "Explanation",
+    "Forbidden",
+    "InternalError",
+    "InvalidInput",
+    "InvalidLayout",
+    "InvalidPage",
+    "InvalidTokens",
+    "Layout",
+    "NoStore",
+    "NotFound",
+    "PageId",
+    "PageRef",
+    "PayloadTooLarge",
+    "Plan",
+    "ReadOnlyViolation",
+    "Receipt",
+    "ResumeResult",
+    "SchemaOutdated",
+    "SchemaTooNew",
+    "Session",
+    "SessionExists",
+    "SqlError",
+    "SqlResult",
+    "Store",
+    "StoreClosed",
+    "StoreConfig",
+    "StoreFolderError",
+    "Unauthorized",
+    "Unavailable",
+    "UnknownSession",
+    "UnknownVersion",
+    "Version",
+    "VersionId",
+    "configure",
+    "connect",
+    "default_store",
+    "open",
+    "resume",
 ]
 
 _default_lock = threading.Lock()
@@ -71,7 +113,7 @@ _default_config: dict[str, Any] = {}
 _default_store: Store | None = None
 
 
-def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> Store:  # noqa: A001
+def open(path_or_url: str | os.PathLike[str] | None = None, **options: Any) -> Store:
     """Open (creating if needed) a store in this process.
 
     ``path_or_url`` is the store folder, or a catalog URL (``postgresql+psycopg://...``)

@@ -33,9 +33,9 @@ from dss.catalog import compaction as rows
 from dss.catalog.change import Change, MovedSegment, Quarantined
 from dss.catalog.compaction import LiveRecord, SegmentUsage
 from dss.catalog.database import Catalog
+from dss.core.types import PageId
 from dss.tiers.base import ReadRequest
 from dss.tiers.disk import HEADER_BYTES, DiskTier
-from dss.core.types import PageId
 
 log = logging.getLogger("dss.compaction")
 
@@ -91,8 +91,16 @@ class Compactor:
     did not commit.
     """
 
-    def __init__(self, catalog: Catalog, disk: DiskTier, apply: Callable[[Change, Sequence[str]], object], *,
-                 node_ref: int, dead_share: float, segment_bytes: int) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        disk: DiskTier,
+        apply: Callable[[Change, Sequence[str]], object],
+        *,
+        node_ref: int,
+        dead_share: float,
+        segment_bytes: int,
+    ) -> None:
         """``node_ref``: this node (only its own segment files are compacted)."""
         self.catalog = catalog
         self.disk = disk
@@ -115,10 +123,19 @@ class Compactor:
         before = sum(s.size for s in usage)
         groups = plan(usage, self.dead_share, self.segment_bytes)
         if dry_run:
-            after = before - sum(s.size for g in groups for s in g) + sum(
-                HEADER_BYTES + sum(s.live for s in g) for g in groups)
-            return Compaction(True, sum(len(g) for g in groups), len(groups),
-                              sum(s.num_pages for g in groups for s in g), before, after)
+            after = (
+                before
+                - sum(s.size for g in groups for s in g)
+                + sum(HEADER_BYTES + sum(s.live for s in g) for g in groups)
+            )
+            return Compaction(
+                True,
+                sum(len(g) for g in groups),
+                len(groups),
+                sum(s.num_pages for g in groups for s in g),
+                before,
+                after,
+            )
         copied = written = quarantined = rewritten = 0
         for group in groups:
             moved, bad, made = self._rewrite(group)
@@ -138,11 +155,20 @@ class Compactor:
         user_ref = group[0].user_ref
         with self.catalog.read() as conn:
             records = rows.live_records(conn, list(names))
-        requests = [ReadRequest(names[r.segment_ref], r.offset, r.length, PageId(r.page_id), r.checksum)
-                    for r in records]
+        requests = [
+            ReadRequest(names[r.segment_ref], r.offset, r.length, PageId(r.page_id), r.checksum) for r in records
+        ]
         found, failures = self.disk.read(requests)
-        bad = tuple(Quarantined(records[f.index].page_id, user_ref, requests[f.index].segment,
-                                requests[f.index].offset, f.reason) for f in failures)
+        bad = tuple(
+            Quarantined(
+                PageId(records[f.index].page_id),
+                user_ref,
+                requests[f.index].segment,
+                requests[f.index].offset,
+                f.reason,
+            )
+            for f in failures
+        )
         good: list[tuple[LiveRecord, int, bytes, int]] = []
         for record, stored in zip(records, found):
             if stored is not None:

@@ -51,8 +51,9 @@ class RemoteCopies:
         for page in (p for segment in written for p, _, _ in segment.pages):
             tag = tags.get(owner.get(page.page_id, -1))
             if tag is not None and page.stored:
-                items.append((key_of(self.remote.prefix, tag, page.page_id),
-                              pack_value(page.checksum, page.flags, page.stored)))
+                items.append(
+                    (key_of(self.remote.prefix, tag, page.page_id), pack_value(page.checksum, page.flags, page.stored))
+                )
         self.remote.put(items)
 
     def drop(self, events: Sequence[Event]) -> None:

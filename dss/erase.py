@@ -46,12 +46,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from typing import TypedDict
 
 from dss.catalog import erasures, feed, namespaces, pages
 from dss.catalog.database import Catalog, Tx, now
 from dss.catalog.feed import NamespaceForgotten
 from dss.core import rawscan
-from dss.core.errors import ErasureIncomplete
+from dss.core.errors import ErasureIncomplete, ErasureInProgress
 from dss.erasure import (
     Check,
     Job,
@@ -65,7 +66,6 @@ from dss.erasure import (
     Verification,
     stored,
 )
-from dss.core.errors import ErasureInProgress
 from dss.keys import remote_tag
 from dss.mirror import Mirror
 from dss.pages import PageStore
@@ -79,6 +79,13 @@ SAMPLE_IDS = 64
 Progress = Callable[[str], None]
 
 
+class Finding(TypedDict):
+    """What one look found: the fields of a :class:`Check` but its name."""
+
+    ok: bool
+    detail: str
+
+
 class Eraser:
     """Runs erasure jobs for a store. Not thread-safe; the store locks."""
 
@@ -90,9 +97,13 @@ class Eraser:
         self.host = pages.host
         self.remote = pages.remote
         self._host_dropped: dict[int, TierCount] = {}
-        self._steps = {JobState.PLANNED: self._destroy_key, JobState.KEY_DESTROYED: self._purge,
-                       JobState.CATALOG_PURGED: self._delete_files, JobState.FILES_DELETED: self._compact,
-                       JobState.COMPACTED: self._verify}
+        self._steps = {
+            JobState.PLANNED: self._destroy_key,
+            JobState.KEY_DESTROYED: self._purge,
+            JobState.CATALOG_PURGED: self._delete_files,
+            JobState.FILES_DELETED: self._compact,
+            JobState.COMPACTED: self._verify,
+        }
 
     # -- planning --------------------------------------------------------------------------
 
@@ -118,27 +129,43 @@ class Eraser:
                 job_id = open_job.id
             else:
                 user_ref = namespaces.find_user(tx.conn, tenant_id, user_id)
-                job = Job(**_plan(tx.conn, tenant_id, user_id, user_ref).model_dump(), started_at=now().isoformat(),
-                          remote_tag=self._tag(user_ref, tx.conn))
+                job = Job(
+                    **_plan(tx.conn, tenant_id, user_id, user_ref).model_dump(),
+                    started_at=now().isoformat(),
+                    remote_tag=self._tag(user_ref, tx.conn),
+                )
                 if user_ref is None:
                     return self._no_such_user(tx, job)
-                job_id = erasures.insert_job(tx.conn, tenant_id, user_id, user_ref, job.model_dump_json(exclude_none=True))
+                job_id = erasures.insert_job(
+                    tx.conn, tenant_id, user_id, user_ref, job.model_dump_json(exclude_none=True)
+                )
         self.mirror.wrote(tx.seq)
         return self.run(job_id, progress)
 
     def _no_such_user(self, tx: Tx, job: Job) -> Receipt:
         """Record, in ``tx``, a job that found no such user, final at once, and its receipt."""
         state = JobState.NO_SUCH_USER
-        job_id = erasures.insert_job(tx.conn, job.tenant_id, job.user_id, None, job.model_dump_json(exclude_none=True),
-                                     state, finished=True)
-        receipt = Receipt(erasure_id=job_id, tenant_id=job.tenant_id, user_id=job.user_id, status="no_such_user",
-                          started_at=job.started_at, finished_at=now().isoformat(), user_known=False,
-                          key_destroyed=False, removed=RemovedCounts(sessions=0, versions=0, pages=0, tiers={}),
-                          page_ids_sha256=erasures.digest_of([]))
-        erasures.record_plan(tx.conn, job_id, state, job.model_copy(update={"receipt": receipt})
-                             .model_dump_json(exclude_none=True))
-        erasures.insert_audit(tx.conn, "forget-user", job.tenant_id, job.user_id,
-                              receipt.model_dump_json(exclude_none=True))
+        job_id = erasures.insert_job(
+            tx.conn, job.tenant_id, job.user_id, None, job.model_dump_json(exclude_none=True), state, finished=True
+        )
+        receipt = Receipt(
+            erasure_id=job_id,
+            tenant_id=job.tenant_id,
+            user_id=job.user_id,
+            status="no_such_user",
+            started_at=job.started_at,
+            finished_at=now().isoformat(),
+            user_known=False,
+            key_destroyed=False,
+            removed=RemovedCounts(sessions=0, versions=0, pages=0, tiers={}),
+            page_ids_sha256=erasures.digest_of([]),
+        )
+        erasures.record_plan(
+            tx.conn, job_id, state, job.model_copy(update={"receipt": receipt}).model_dump_json(exclude_none=True)
+        )
+        erasures.insert_audit(
+            tx.conn, "forget-user", job.tenant_id, job.user_id, receipt.model_dump_json(exclude_none=True)
+        )
         log.info("erasure %d found no such user; its receipt is in the audit table", job_id)
         return receipt
 
@@ -221,16 +248,22 @@ class Eraser:
                 tag_bytes = bytes.fromhex(tag)
                 self.remote.fence(tag_bytes)  # first: no write-through of the namespace lands after the sweep
                 deleted = self.remote.delete([key_of(self.remote.prefix, tag_bytes, p) for p in page_ids])
-                stragglers = [k.decode() for k in self.remote.scan(self.remote.namespace_pattern(tag_bytes))
-                              if page_id_of(k) is not None]  # the fence stays
+                stragglers = [
+                    k.decode()
+                    for k in self.remote.scan(self.remote.namespace_pattern(tag_bytes))
+                    if page_id_of(k) is not None
+                ]  # the fence stays
                 deleted += self.remote.delete(stragglers)
             else:  # no tag was taken (the key was gone when the job began): find the keys by page id
                 wanted = set(page_ids)
-                deleted = self.remote.delete([k.decode() for k in self.remote.scan(f"{self.remote.prefix}*")
-                                              if page_id_of(k) in wanted])
+                deleted = self.remote.delete(
+                    [k.decode() for k in self.remote.scan(f"{self.remote.prefix}*") if page_id_of(k) in wanted]
+                )
         except RemoteUnavailable as exc:
-            raise ErasureIncomplete(f"{exc}; the user's key is destroyed, so what the remote tier holds of them is "
-                                    "unreadable, but its keys must go too: run the erasure again") from None
+            raise ErasureIncomplete(
+                f"{exc}; the user's key is destroyed, so what the remote tier holds of them is "
+                "unreadable, but its keys must go too: run the erasure again"
+            ) from None
         return deleted
 
     def _delete_files(self, row: erasures.JobRecord, job: Job) -> None:
@@ -260,22 +293,37 @@ class Eraser:
             self._sweep_again(row, job)
             return
         removed = job.removed
-        receipt = Receipt(erasure_id=row.id, tenant_id=row.tenant_id, user_id=row.user_id,
-                          status="verified" if is_ok else "failed", started_at=job.started_at,
-                          finished_at=now().isoformat(), user_known=job.user_known, key_destroyed=job.key_destroyed,
-                          removed=RemovedCounts(sessions=removed.sessions, versions=removed.versions,
-                                                pages=removed.pages, tiers=_with_remote(removed.tiers, job)),
-                          page_ids_sha256=removed.page_ids_sha256,
-                          verification=Verification(ok=is_ok, checks=checks))
+        receipt = Receipt(
+            erasure_id=row.id,
+            tenant_id=row.tenant_id,
+            user_id=row.user_id,
+            status="verified" if is_ok else "failed",
+            started_at=job.started_at,
+            finished_at=now().isoformat(),
+            user_known=job.user_known,
+            key_destroyed=job.key_destroyed,
+            removed=RemovedCounts(
+                sessions=removed.sessions,
+                versions=removed.versions,
+                pages=removed.pages,
+                tiers=_with_remote(removed.tiers, job),
+            ),
+            page_ids_sha256=removed.page_ids_sha256,
+            verification=Verification(ok=is_ok, checks=checks),
+        )
         to = JobState.DONE if is_ok else JobState.FAILED
         with self.catalog.write() as tx:
             document = job.model_copy(update={"receipt": receipt}).model_dump_json(exclude_none=True)
             if erasures.advance_job(tx.conn, row.id, row.state, to, document, finished=True):
-                erasures.insert_audit(tx.conn, "forget-user", row.tenant_id, row.user_id,
-                                      receipt.model_dump_json(exclude_none=True))
+                erasures.insert_audit(
+                    tx.conn, "forget-user", row.tenant_id, row.user_id, receipt.model_dump_json(exclude_none=True)
+                )
         self.mirror.wrote(tx.seq)
-        log.info("erasure %d %s; its receipt is in the audit table", row.id,  # logs name no user
-                 "finished" if is_ok else "failed verification")
+        log.info(
+            "erasure %d %s; its receipt is in the audit table",
+            row.id,  # logs name no user
+            "finished" if is_ok else "failed verification",
+        )
 
     def _sweep_again(self, row: erasures.JobRecord, job: Job) -> None:
         """Delete what verification found once more: the namespace's remote keys, any catalog
@@ -286,12 +334,20 @@ class Eraser:
             self._delete_remote(user_ref, job.remote_tag)
         with self.catalog.write() as tx:
             purged = erasures.purge(tx.conn, user_ref) if user_ref is not None else None
-            erasures.record_plan(tx.conn, row.id, row.state, job.model_copy(update={"swept_again": True})
-                                 .model_dump_json(exclude_none=True))
+            erasures.record_plan(
+                tx.conn,
+                row.id,
+                row.state,
+                job.model_copy(update={"swept_again": True}).model_dump_json(exclude_none=True),
+            )
         self.mirror.wrote(tx.seq)
         digests = set(job.removed.file_digests)
-        self.disk.remove([*(purged.files if purged is not None else []),
-                          *(name for name in self.disk.files() if _digest(name) in digests)])
+        self.disk.remove(
+            [
+                *(purged.files if purged is not None else []),
+                *(name for name in self.disk.files() if _digest(name) in digests),
+            ]
+        )
         problem = self.catalog.compact(erasures.VACUUMED)
         if problem is not None:
             raise ErasureIncomplete(f"{problem}; run the erasure again")
@@ -308,21 +364,25 @@ class Eraser:
         checks = [Check(name="catalog rows", **self._catalog_rows(user_ref))]
         on_disk = {_digest(name) for name in self.disk.files()}
         present = [digest for digest in removed.file_digests if digest in on_disk]
-        checks.append(Check(name="page files", ok=not present,
-                            detail=f"{len(present)} of {len(removed.file_digests)} files remain"))
+        checks.append(
+            Check(
+                name="page files", ok=not present, detail=f"{len(present)} of {len(removed.file_digests)} files remain"
+            )
+        )
         with self.catalog.read() as conn:
             self.disk.recover(set(pages.all_segments(conn, "disk", self.pages.node_ref)))
         sampled = {n.sha256 for n in removed.sample}
         cached = sum(hashlib.sha256(page_id).hexdigest() in sampled for page_id in self.host.ids())
-        checks.append(Check(name="host tier", ok=not cached, detail=f"{cached} sampled pages in this process's "
-                                                                    "host tier"))
+        checks.append(
+            Check(name="host tier", ok=not cached, detail=f"{cached} sampled pages in this process's host tier")
+        )
         checks.append(Check(name="catalog files", **self._raw_scan(removed.sample)))
         checks.append(Check(name="lsh index", **self._lsh_index(user_ref)))
         if self.remote is not None:
             checks.append(Check(name="remote tier", **self._remote_scan(removed.sample, tag)))
         return checks
 
-    def _lsh_index(self, user_ref: int | None) -> dict[str, object]:
+    def _lsh_index(self, user_ref: int | None) -> Finding:
         """Look in the MinHash-LSH index itself (this process's memory, and Redis when shared)."""
         lsh = self.mirror.lsh
         if lsh is None:
@@ -331,11 +391,14 @@ class Eraser:
             return {"ok": True, "detail": "the user had no entries"}
         local, remote = lsh.count(user_ref)
         where = "in memory and in Redis" if lsh.is_shared else "in memory"
-        return {"ok": not local and not remote,
-                "detail": f"{local} entries in memory, {remote} keys in Redis" if local or remote
-                else f"no entry of the user {where}"}
+        return {
+            "ok": not local and not remote,
+            "detail": f"{local} entries in memory, {remote} keys in Redis"
+            if local or remote
+            else f"no entry of the user {where}",
+        }
 
-    def _remote_scan(self, sample: list[Needle], tag: str | None) -> dict[str, object]:
+    def _remote_scan(self, sample: list[Needle], tag: str | None) -> Finding:
         """Scan the remote tier's keys for the sampled page ids and the namespace's tag."""
         assert self.remote is not None
         sampled = {n.sha256 for n in sample}
@@ -347,63 +410,91 @@ class Eraser:
                 tagged += page_id is not None and tag is not None and f"{{{tag}}}" in key.decode()
         except RemoteUnavailable as exc:
             return {"ok": False, "detail": str(exc)}
-        return {"ok": not found and not tagged,
-                "detail": f"{found} of {len(sample)} sampled page ids and {tagged} keys of the user's namespace in "
-                          "Redis; copies in Redis replicas and in AOF/RDB files hold only pages sealed under the "
-                          "destroyed key (crypto-shredding): they are unreadable"}
+        return {
+            "ok": not found and not tagged,
+            "detail": f"{found} of {len(sample)} sampled page ids and {tagged} keys of the user's namespace in "
+            "Redis; copies in Redis replicas and in AOF/RDB files hold only pages sealed under the "
+            "destroyed key (crypto-shredding): they are unreadable",
+        }
 
-    def _catalog_rows(self, user_ref: int | None) -> dict[str, object]:
+    def _catalog_rows(self, user_ref: int | None) -> Finding:
         if user_ref is None:
             return {"ok": True, "detail": "the user had no rows"}
         with self.catalog.read() as conn:
             left = {name: n for name, n in erasures.rows_left(conn, user_ref).items() if n}
         return {"ok": not left, "detail": ", ".join(f"{n} in {name}" for name, n in left.items()) or "none left"}
 
-    def _raw_scan(self, sample: list[Needle]) -> dict[str, object]:
+    def _raw_scan(self, sample: list[Needle]) -> Finding:
         """Scan the SQLite catalog's files (database, WAL) byte by byte for sampled page ids,
         binary or hex, in a child process (this one must never open them: see :mod:`dss.core.rawscan`)."""
         if not self.catalog.is_sqlite:
-            return {"ok": True, "detail": "PostgreSQL: rows checked by SQL; dead row versions left in its files hold "
-                                          "only data sealed or page ids keyed under the destroyed key, session keys "
-                                          "(keyed hashes of session ids), and the tenant and user ids this receipt "
-                                          "names"}
+            return {
+                "ok": True,
+                "detail": "PostgreSQL: rows checked by SQL; dead row versions left in its files hold "
+                "only data sealed or page ids keyed under the destroyed key, session keys "
+                "(keyed hashes of session ids), and the tenant and user ids this receipt "
+                "names",
+            }
         path = str(self.catalog.engine.url.database)
         try:
-            found = {file: n for file, n in rawscan.scan([path, f"{path}-wal"],
-                                                          [n.model_dump() for n in sample]).items() if n}
+            found = {
+                file: n
+                for file, n in rawscan.scan([path, f"{path}-wal"], [n.model_dump() for n in sample]).items()
+                if n
+            }
         except rawscan.ScanFailed as exc:
             return {"ok": False, "detail": str(exc)}
-        return {"ok": not found,
-                "detail": f"sampled page ids found in {sorted(found)}" if found else "no sampled page id found"}
+        return {
+            "ok": not found,
+            "detail": f"sampled page ids found in {sorted(found)}" if found else "no sampled page id found",
+        }
 
     def _host_usage(self, user_ref: int | None) -> TierCount:
         """Pages and bytes of a namespace in this process's host tier."""
         if user_ref is None:
             return TierCount()
         index = self.mirror.index
-        held = [e.page_id for e in index.entries.values()
-                if e.namespace.user_ref == user_ref and e.page_id in self.host]
+        held = [
+            e.page_id for e in index.entries.values() if e.namespace.user_ref == user_ref and e.page_id in self.host
+        ]
         return TierCount(pages=len(held), bytes=sum(len(p) for p in self.host.get_many(held) if p is not None))
 
 
 def _plan(conn: object, tenant_id: str, user_id: str, user_ref: int | None) -> Plan:
     counts = erasures.counts(conn, user_ref)  # type: ignore[arg-type]
     key = user_ref is not None and namespaces.wrapped_key(conn, user_ref) is not None  # type: ignore[arg-type]
-    return Plan(tenant_id=tenant_id, user_id=user_id, user_known=user_ref is not None, key_present=key,
-                sessions=counts.sessions, versions=counts.versions, pages=counts.pages,
-                tiers={"disk": TierCount(pages=counts.pages, bytes=counts.disk_bytes, files=counts.disk_files)})
+    return Plan(
+        tenant_id=tenant_id,
+        user_id=user_id,
+        user_known=user_ref is not None,
+        key_present=key,
+        sessions=counts.sessions,
+        versions=counts.versions,
+        pages=counts.pages,
+        tiers={"disk": TierCount(pages=counts.pages, bytes=counts.disk_bytes, files=counts.disk_files)},
+    )
 
 
 def _removed(purged: erasures.Purged | None, host: TierCount) -> Removed:
     if purged is None:
-        return Removed(sessions=0, versions=0, pages=0, page_ids_sha256=erasures.digest_of([]), sample=[],
-                       tiers={"disk": TierCount(files=0), "host": host})
+        return Removed(
+            sessions=0,
+            versions=0,
+            pages=0,
+            page_ids_sha256=erasures.digest_of([]),
+            sample=[],
+            tiers={"disk": TierCount(files=0), "host": host},
+        )
     counts = purged.counts
-    return Removed(sessions=counts.sessions, versions=counts.versions, pages=len(purged.page_ids),
-                   tiers={"disk": TierCount(pages=counts.pages, bytes=counts.disk_bytes, files=counts.disk_files),
-                          "host": host},
-                   page_ids_sha256=erasures.digest_of(purged.page_ids), files=purged.files,
-                   sample=[Needle(**rawscan.needle(p)) for p in purged.page_ids[:SAMPLE_IDS]])
+    return Removed(
+        sessions=counts.sessions,
+        versions=counts.versions,
+        pages=len(purged.page_ids),
+        tiers={"disk": TierCount(pages=counts.pages, bytes=counts.disk_bytes, files=counts.disk_files), "host": host},
+        page_ids_sha256=erasures.digest_of(purged.page_ids),
+        files=purged.files,
+        sample=[Needle(**rawscan.needle(p)) for p in purged.page_ids[:SAMPLE_IDS]],
+    )
 
 
 def _with_remote(tiers: dict[str, TierCount], job: Job) -> dict[str, TierCount]:
@@ -417,8 +508,10 @@ def _failure(receipt: Receipt) -> str:
     """What ``ErasureIncomplete`` says of a job that ended ``failed``."""
     assert receipt.verification is not None
     failed = "; ".join(f"{c.name}: {c.detail}" for c in receipt.verification.checks if not c.ok)
-    return (f"erasure {receipt.erasure_id} failed verification twice (its receipt, status 'failed', is in the "
-            f"audit table): {failed}")
+    return (
+        f"erasure {receipt.erasure_id} failed verification twice (its receipt, status 'failed', is in the "
+        f"audit table): {failed}"
+    )
 
 
 def _digest(name: str) -> str:

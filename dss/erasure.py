@@ -41,8 +41,14 @@ class JobState(StrEnum):
         return self in FINAL
 
 
-STEPS = (JobState.PLANNED, JobState.KEY_DESTROYED, JobState.CATALOG_PURGED, JobState.FILES_DELETED,
-         JobState.COMPACTED, JobState.DONE)
+STEPS = (
+    JobState.PLANNED,
+    JobState.KEY_DESTROYED,
+    JobState.CATALOG_PURGED,
+    JobState.FILES_DELETED,
+    JobState.COMPACTED,
+    JobState.DONE,
+)
 """The states a job goes through, one committed step each, when it erases a user."""
 FINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.NO_SUCH_USER})
 
@@ -174,5 +180,6 @@ def stored(model: type[M], text: str) -> M:
     try:
         return model.model_validate_json(text)
     except ValidationError as exc:
-        raise CatalogCorrupt(f"a catalog row does not decode ({exc.errors()[0]['msg']}): the catalog is damaged") \
-            from None
+        raise CatalogCorrupt(
+            f"a catalog row does not decode ({exc.errors()[0]['msg']}): the catalog is damaged"
+        ) from None

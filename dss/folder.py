@@ -104,18 +104,22 @@ def adopt_folder(catalog: Catalog, home: Path, node_id: str | None = None) -> No
     for node in known:
         if node.folder_id == mine:
             if node_id is not None and node_id != node.node_id:
-                raise ConfigError(f"the store folder {home} is node {node.node_id!r} of its catalog, not "
-                                  f"{node_id!r}: leave node_id unset or set it to {node.node_id!r}")
+                raise ConfigError(
+                    f"the store folder {home} is node {node.node_id!r} of its catalog, not "
+                    f"{node_id!r}: leave node_id unset or set it to {node.node_id!r}"
+                )
             return Node(node.ref, node.node_id)
     if node_id is None and known:
         raise ConfigError(
             f"the catalog {catalog.url} belongs to another store folder (store id {known[0].folder_id.hex()}), "
             f"not to {home}" + (f" (store id {mine.hex()})" if mine else "") + ": one folder per catalog — open "
             "the store with its own folder (home=...), give this folder a catalog of its own, or set node_id to "
-            "join it as another node of a fleet")
+            "join it as another node of a fleet"
+        )
     if node_id is not None and any(node.node_id == node_id for node in known):
-        raise ConfigError(f"node id {node_id!r} is taken by another store folder of this catalog: "
-                          "give each node a name of its own")
+        raise ConfigError(
+            f"node id {node_id!r} is taken by another store folder of this catalog: give each node a name of its own"
+        )
     if mine is None:
         mine = _write_id(home)
     try:

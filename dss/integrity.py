@@ -33,7 +33,9 @@ def check(catalog: Catalog, mirror: Mirror, disk: DiskTier, host: HostTier, disk
             problems += _index(mirror, host, conn)
             problems += _audit(conn)
     except (CatalogCorrupt, CatalogUnavailable) as exc:  # the database itself, as its driver says
-        problems.append(f"the catalog cannot be read: {str(getattr(exc.__cause__, 'orig', None) or exc).splitlines()[0]}")
+        problems.append(
+            f"the catalog cannot be read: {str(getattr(exc.__cause__, 'orig', None) or exc).splitlines()[0]}"
+        )
     problems += host.check()
     return problems
 

@@ -117,8 +117,10 @@ class DataKeys:
         try:
             return unwrap(self._master, wrapped, owner_tag(user_ref))
         except SealError:
-            raise CatalogCorrupt(f"the data key of namespace {user_ref} does not authenticate under the master key: "
-                                 "the catalog row is damaged") from None
+            raise CatalogCorrupt(
+                f"the data key of namespace {user_ref} does not authenticate under the master key: "
+                "the catalog row is damaged"
+            ) from None
 
 
 def ensure_namespace(conn: Any, tenant_id: str, user_id: str, master: bytes) -> tuple[int, int, bool]:
@@ -147,9 +149,11 @@ def adopt_master_key(catalog: Catalog, master: bytes | None, key_file: Path | No
     if master is None:
         with catalog.read() as conn:
             if namespaces.meta(conn, "master_check") is not None:
-                raise ConfigError(f"this store was made with a master key, but the master key file "
-                                  f"{master_key_file(key_file)} does not exist: restore it, or name the right one "
-                                  "(master_key_file / DSS_MASTER_KEY_FILE / DSS_MASTER_KEY)")
+                raise ConfigError(
+                    f"this store was made with a master key, but the master key file "
+                    f"{master_key_file(key_file)} does not exist: restore it, or name the right one "
+                    "(master_key_file / DSS_MASTER_KEY_FILE / DSS_MASTER_KEY)"
+                )
         master = create_master_key(key_file)
     with catalog.read() as conn:
         if namespaces.meta(conn, "master_check") == master_check(master) and not namespaces.users_without_key(conn):
@@ -159,8 +163,10 @@ def adopt_master_key(catalog: Catalog, master: bytes | None, key_file: Path | No
         if check is None:
             namespaces.set_meta(tx.conn, "master_check", master_check(master))
         elif check != master_check(master):
-            raise ConfigError("this store was made with another master key (master_key_file / "
-                              "DSS_MASTER_KEY_FILE / DSS_MASTER_KEY): without it no page or history is readable")
+            raise ConfigError(
+                "this store was made with another master key (master_key_file / "
+                "DSS_MASTER_KEY_FILE / DSS_MASTER_KEY): without it no page or history is readable"
+            )
         for user_ref in namespaces.users_without_key(tx.conn):
             namespaces.insert_key(tx.conn, user_ref, wrap(master, new_data_key(), owner_tag(user_ref)))
     return master

@@ -49,8 +49,9 @@ def _datasketch() -> Any:
     try:
         import datasketch
     except ImportError:
-        raise ConfigError("approximate matching (MinHash-LSH) needs the datasketch package: "
-                          "pip install 'dss-store[lsh]'") from None
+        raise ConfigError(
+            "approximate matching (MinHash-LSH) needs the datasketch package: pip install 'dss-store[lsh]'"
+        ) from None
     return datasketch
 
 
@@ -119,7 +120,7 @@ def shingle_hashes(tokens: np.ndarray, size: int, salt: int = 0) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = np.full(count, np.uint64(salt), np.uint64)
         for j in range(width):
-            h = h * _P + t[j:j + count] + np.uint64(1)
+            h = h * _P + t[j : j + count] + np.uint64(1)
         h = (h ^ (h >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)
         return (h ^ (h >> np.uint64(32))).astype(np.uint32)
 
@@ -190,8 +191,11 @@ class LshIndex:
 
             self._redis = redis.Redis.from_url(redis_url)
             kw = self._redis.connection_pool.connection_kwargs
-            self._redis_config = {"host": kw.get("host", "127.0.0.1"), "port": kw.get("port", 6379),
-                                  "db": kw.get("db", 0)}
+            self._redis_config = {
+                "host": kw.get("host", "127.0.0.1"),
+                "port": kw.get("port", 6379),
+                "db": kw.get("db", 0),
+            }
             if kw.get("password"):
                 self._redis_config["password"] = kw["password"]
         self.buckets: OrderedDict[tuple[int, bytes], Bucket] = OrderedDict()
@@ -229,8 +233,12 @@ class LshIndex:
         if self._redis is not None:
             config = {"type": "redis", "basename": name, "redis": self._redis_config}
             built = bool(self._redis.exists(name + b"built"))
-        lsh = self._ds.MinHashLSH(threshold=self.settings.threshold, num_perm=self.settings.permutations,
-                                  weights=WEIGHTS, storage_config=config)
+        lsh = self._ds.MinHashLSH(
+            threshold=self.settings.threshold,
+            num_perm=self.settings.permutations,
+            weights=WEIGHTS,
+            storage_config=config,
+        )
         bucket = Bucket(user_ref, name, salt, lsh)
         self.buckets[(user_ref, layout_digest)] = bucket
         return bucket, built
@@ -263,8 +271,9 @@ class LshIndex:
             ends = [*starts[1:], len(hashes)]
             for i, (start, end) in enumerate(zip(starts, ends)):
                 length = end - start + size - 1
-                digest = hashlib.blake2b(buf[TOKEN_BYTES * start:TOKEN_BYTES * (start + length)],
-                                         digest_size=8).digest()
+                digest = hashlib.blake2b(
+                    buf[TOKEN_BYTES * start : TOKEN_BYTES * (start + length)], digest_size=8
+                ).digest()
                 seen = bucket.windows.setdefault(session_ref, {})
                 if seen.get(start) == digest:
                     continue
@@ -301,9 +310,12 @@ class LshIndex:
         pattern = f"{self._prefix}:u{user_ref}:*:_keys".encode()
         for name in self._redis.scan_iter(match=pattern, count=1000):
             basename = name[: -len(b"_keys")]
-            lsh = self._ds.MinHashLSH(threshold=self.settings.threshold, num_perm=self.settings.permutations,
-                                      weights=WEIGHTS, storage_config={"type": "redis", "basename": basename,
-                                                                       "redis": self._redis_config})
+            lsh = self._ds.MinHashLSH(
+                threshold=self.settings.threshold,
+                num_perm=self.settings.permutations,
+                weights=WEIGHTS,
+                storage_config={"type": "redis", "basename": basename, "redis": self._redis_config},
+            )
             for raw in self._redis.hkeys(name):
                 key = pickle.loads(raw)
                 if isinstance(key, str) and key.startswith(prefix) and key in lsh:
@@ -358,9 +370,15 @@ class LshIndex:
 
     def stats(self) -> dict[str, Any]:
         """Sizes, for ``Store.stats()``."""
-        return {"indexes": len(self.buckets), "entries": self.num_entries, "capacity": self.settings.max_entries,
-                "dropped_indexes": self.num_dropped, "bands": self.bands[0], "rows": self.bands[1],
-                "storage": "redis" if self._redis is not None else "memory"}
+        return {
+            "indexes": len(self.buckets),
+            "entries": self.num_entries,
+            "capacity": self.settings.max_entries,
+            "dropped_indexes": self.num_dropped,
+            "bands": self.bands[0],
+            "rows": self.bands[1],
+            "storage": "redis" if self._redis is not None else "memory",
+        }
 
     # -- internals -------------------------------------------------------------------------
 

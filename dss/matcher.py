@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 
 from dss.core.hashing import chain_ids, chain_root
 from dss.core.tokens import TOKEN_BYTES
+from dss.core.types import Layout, PageId, VersionId
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
 from dss.residency import Residency
 from dss.resume import Rates, ResumeResult
 from dss.state import SessionState
 from dss.trie import Match, Span
-from dss.core.types import Layout, PageId, VersionId
 
 SHARED_PREFIX = "~shared-"
 """Session ids of a tenant's registered shared prefixes (one session per layout)."""
@@ -40,8 +40,9 @@ class Matcher:
         self.residency = residency
         self._residency_seen = -1
 
-    def match(self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None,
-              state: SessionState | None) -> ResumeResult:
+    def match(
+        self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None, state: SessionState | None
+    ) -> ResumeResult:
         """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
         if self.residency is not None:
             self.residency.expire(at_most_every_s=1.0)
@@ -87,13 +88,22 @@ class Matcher:
                 spans = [*spans, extra]
                 num_pages += extra.count
                 source = "namespace"
-        return ResumeResult(state.session_id if state is not None else None,
-                            VersionId(version_id) if version_id is not None else None, num_pages * page_tokens,
-                            len(buf) // TOKEN_BYTES, history, page_tokens, layout.page_bytes, spans=spans, rates=self.rates,
-                            source=source)
+        return ResumeResult(
+            state.session_id if state is not None else None,
+            VersionId(version_id) if version_id is not None else None,
+            num_pages * page_tokens,
+            len(buf) // TOKEN_BYTES,
+            history,
+            page_tokens,
+            layout.page_bytes,
+            spans=spans,
+            rates=self.rates,
+            source=source,
+        )
 
-    def _fill_from_shared(self, buf: bytes | memoryview, state: SessionState | None, match: Match | None,
-                          shared: SessionState, first: int) -> tuple[Span | None, Sequence[PageId]]:
+    def _fill_from_shared(
+        self, buf: bytes | memoryview, state: SessionState | None, match: Match | None, shared: SessionState, first: int
+    ) -> tuple[Span | None, Sequence[PageId]]:
         """Pages ``first, first+1, ...`` from the session's own trie or, where it lacks them,
         from the shared prefixes; also the session trie's page ids of the prompt."""
         code_of = self.index.code_of
@@ -118,8 +128,15 @@ class Matcher:
             k += 1
         return (Span(first, tuple(ids), codes, len(ids)) if ids else None), own_ids
 
-    def _user_page_id(self, buf: bytes | memoryview, key: bytes, layout: Layout, own_ids: Sequence[PageId] | None,
-                      spans: list[Span], num_pages: int) -> PageId:
+    def _user_page_id(
+        self,
+        buf: bytes | memoryview,
+        key: bytes,
+        layout: Layout,
+        own_ids: Sequence[PageId] | None,
+        spans: list[Span],
+        num_pages: int,
+    ) -> PageId:
         """The namespace's chain id of page ``num_pages - 1`` of the prompt (the root if none).
 
         ``own_ids`` is ``None`` when no shared prefix was consulted: every span then holds
@@ -136,8 +153,9 @@ class Matcher:
         return prev
 
 
-def _chain_span(chain: Callable[[PageId, int], PageId], prev: PageId, first: int, end: int,
-                code_of: Callable[[PageId], int]) -> Span | None:
+def _chain_span(
+    chain: Callable[[PageId, int], PageId], prev: PageId, first: int, end: int, code_of: Callable[[PageId], int]
+) -> Span | None:
     """Pages ``first, first+1, ... < end`` whose chain-hash ids some tier holds, as one span."""
     ids: list[PageId] = []
     codes = bytearray()

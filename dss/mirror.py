@@ -80,9 +80,10 @@ class Mirror:
                     namespace = self.index.namespaces.get(event.user_ref)
                     if namespace is not None and namespace.loaded:
                         with self.catalog.read() as conn:
-                            self.index.apply(namespace, pages.namespace_pages(conn, event.user_ref, self.node_ref,
-                                                                              event.seq))
-                case PagesStored(records=stored):
+                            self.index.apply(
+                                namespace, pages.namespace_pages(conn, event.user_ref, self.node_ref, event.seq)
+                            )
+                case PagesStored(records=stored) if stored is not None:
                     self.index.apply(self.namespace(event.user_ref), stored)
                 case PagesDropped():
                     self.index.forget([PageId(p) for p in event.page_ids])
@@ -107,18 +108,28 @@ class Mirror:
         if change.create is not None:
             state = self._new_state(ref, write)
         else:
-            state = self.sessions.get(ref)
-            if state is None or state.record.seq != change.base_seq:
+            known = self.sessions.get(ref)
+            if known is None or known.record.seq != change.base_seq:
                 self.drop_session(ref)
                 return
+            state = known
         head = change.head
         version = change.version
         if version is not None:
             assert write.version_id is not None
             num_tokens = len(version.tokens) // TOKEN_BYTES
-            record = VersionRecord(write.version_id, ref, version.parent_id, version.base_id, version.base_len,
-                                   num_tokens, version.tokens[TOKEN_BYTES * version.base_len:], version.label, False,
-                                   write.stamp)
+            record = VersionRecord(
+                write.version_id,
+                ref,
+                version.parent_id,
+                version.base_id,
+                version.base_len,
+                num_tokens,
+                version.tokens[TOKEN_BYTES * version.base_len :],
+                version.label,
+                False,
+                write.stamp,
+            )
             state.add(record, version.tokens, version.walk)
             head = write.version_id
             if self.lsh is not None:
@@ -135,8 +146,9 @@ class Mirror:
         if change.pin is not None:
             version_id, pinned = change.pin
             state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
-        state.record = state.record._replace(seq=write.seq, last_access=write.stamp,
-                                             head_id=head if head is not None else state.head_id)
+        state.record = state.record._replace(
+            seq=write.seq, last_access=write.stamp, head_id=head if head is not None else state.head_id
+        )
 
     def _index_version(self, state: SessionState, version_id: int, buf: bytes) -> None:
         """Index a version this process committed, if its namespace's index is open here (or,
@@ -155,9 +167,22 @@ class Mirror:
     def _new_state(self, ref: int, write: SessionWrite) -> SessionState:
         new = write.change.create
         assert new is not None and write.change.user_ref is not None
-        record = SessionRecord(ref, new.session_id, new.tenant_id, new.user_id, new.tenant_ref, write.change.user_ref,
-                               write.layout_ref, new.layout, None, write.stamp, write.stamp, write.seq,
-                               new.session_key, new.sealed_name)
+        record = SessionRecord(
+            ref,
+            new.session_id,
+            new.tenant_id,
+            new.user_id,
+            new.tenant_ref,
+            write.change.user_ref,
+            write.layout_ref,
+            new.layout,
+            None,
+            write.stamp,
+            write.stamp,
+            write.seq,
+            new.session_key,
+            new.sealed_name,
+        )
         return self.build(record, [], {})
 
     # -- catching up -----------------------------------------------------------------------
@@ -257,8 +282,9 @@ class Mirror:
         versions = self.unsealed(record, sessions.session_versions(conn, ref), conn)
         return self.build(record, versions, pages.held_pages(conn, ref), conn)
 
-    def build(self, record: SessionRecord, versions: list[VersionRecord], held: dict[bytes, int],
-              conn: Any = None) -> SessionState:
+    def build(
+        self, record: SessionRecord, versions: list[VersionRecord], held: dict[bytes, int], conn: Any = None
+    ) -> SessionState:
         """Make and cache the state of a session from its (opened) catalog rows."""
         self._no_shared.discard((record.tenant_id, record.layout.digest))
         keys = self.keys.of(record.user_ref, conn)
@@ -276,8 +302,10 @@ class Mirror:
             name = sealer.open(record.sealed_name, name_aad(record.session_key))
             return record._replace(session_id=name.decode())
         except (SealError, UnicodeDecodeError):
-            raise CatalogCorrupt(f"the sealed id of session {record.session_key.hex()} (tenant {record.tenant_id!r}) "
-                                 "does not authenticate: the catalog row is damaged") from None
+            raise CatalogCorrupt(
+                f"the sealed id of session {record.session_key.hex()} (tenant {record.tenant_id!r}) "
+                "does not authenticate: the catalog row is damaged"
+            ) from None
 
     def unsealed(self, record: SessionRecord, versions: list[VersionRecord], conn: Any = None) -> list[VersionRecord]:
         """The version rows with their token histories and labels in clear."""
@@ -287,12 +315,20 @@ class Mirror:
         tokens = keys.sealer or keys.names
         aad, labels = tokens_aad(record.session_key), label_aad(record.session_key)
         try:  # only the sealed blobs, not the key above: a damaged key says so itself
-            return [v._replace(suffix=tokens.open(v.suffix, aad) if v.sealed else v.suffix, sealed=False,
-                               label=keys.names.open(v.sealed_label, labels).decode() if v.sealed_label is not None
-                               else None, sealed_label=None) for v in versions]
+            return [
+                v._replace(
+                    suffix=tokens.open(v.suffix, aad) if v.sealed else v.suffix,
+                    sealed=False,
+                    label=keys.names.open(v.sealed_label, labels).decode() if v.sealed_label is not None else None,
+                    sealed_label=None,
+                )
+                for v in versions
+            ]
         except (SealError, UnicodeDecodeError):
-            raise CatalogCorrupt(f"a token history or label of session {record.session_id!r} (tenant "
-                                 f"{record.tenant_id!r}) does not authenticate: the catalog row is damaged") from None
+            raise CatalogCorrupt(
+                f"a token history or label of session {record.session_id!r} (tenant "
+                f"{record.tenant_id!r}) does not authenticate: the catalog row is damaged"
+            ) from None
 
     def drop_session(self, ref: int) -> None:
         """Forget a session's cached state (it reloads from the catalog when next used)."""

@@ -49,8 +49,18 @@ RECORD_EVERY_S = 5.0
 class Mover:
     """Watermark passes and prefetch jobs for one store (see the module docstring)."""
 
-    def __init__(self, guard: Guard, pages_: PageStore, writer: Writer, catalog: Catalog, placement: Placement, *,
-                 disk_bytes: int, interval_s: float, batch: int) -> None:
+    def __init__(
+        self,
+        guard: Guard,
+        pages_: PageStore,
+        writer: Writer,
+        catalog: Catalog,
+        placement: Placement,
+        *,
+        disk_bytes: int,
+        interval_s: float,
+        batch: int,
+    ) -> None:
         self.guard = guard
         self.pages = pages_
         self.writer = writer
@@ -137,17 +147,29 @@ class Mover:
                 disk_used = pages.tier_bytes(conn, "disk", self.pages.node_ref)
             rows = []
             for tier, capacity, used, user_q, tenant_q in (
-                    ("host", host.capacity_bytes, host.used_bytes, s.host_user_quota, s.host_tenant_quota),
-                    ("disk", self.disk_bytes, disk_used, s.disk_user_quota, s.disk_tenant_quota)):
+                ("host", host.capacity_bytes, host.used_bytes, s.host_user_quota, s.host_tenant_quota),
+                ("disk", self.disk_bytes, disk_used, s.disk_user_quota, s.disk_tenant_quota),
+            ):
                 high, low = policy.watermarks(s, tier, capacity)
                 counts = placement.counts[tier]
-                rows.append({"tier": tier, "policy": s.policy, "capacity_bytes": capacity, "used_bytes": used,
-                             "high_watermark_bytes": high, "low_watermark_bytes": low, "user_quota_bytes": user_q,
-                             "tenant_quota_bytes": tenant_q,
-                             **{name: int(counts[name]) for name in ("hits", "misses", "promotions", "demotions",
-                                                                     "evictions", "moved_bytes")},
-                             "prefetch_hits": int(placement.prefetch["hits"]) if tier == "host" else 0,
-                             "prefetch_wasted": int(placement.prefetch["wasted"]) if tier == "host" else 0})
+                rows.append(
+                    {
+                        "tier": tier,
+                        "policy": s.policy,
+                        "capacity_bytes": capacity,
+                        "used_bytes": used,
+                        "high_watermark_bytes": high,
+                        "low_watermark_bytes": low,
+                        "user_quota_bytes": user_q,
+                        "tenant_quota_bytes": tenant_q,
+                        **{
+                            name: int(counts[name])
+                            for name in ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes")
+                        },
+                        "prefetch_hits": int(placement.prefetch["hits"]) if tier == "host" else 0,
+                        "prefetch_wasted": int(placement.prefetch["wasted"]) if tier == "host" else 0,
+                    }
+                )
             with self.catalog.engine.begin() as conn:  # not a change: no feed sequence number
                 pages.record_policy(conn, self.process, rows)
         self._recorded = time.monotonic()
@@ -175,8 +197,11 @@ class Mover:
                 self.guard.check_open()
                 if host.active_bytes <= low:
                     break
-                batch = [p for p in order[start:start + self.batch]
-                         if p in host and not host.is_inactive(p) and p not in placement.held]
+                batch = [
+                    p
+                    for p in order[start : start + self.batch]
+                    if p in host and not host.is_inactive(p) and p not in placement.held
+                ]
                 sizes = [host.size_of(p) for p in batch]
                 host.demote(batch)
                 self.pages.demoted(batch, sizes=sizes)

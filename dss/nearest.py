@@ -140,9 +140,16 @@ class Nearest:
 
     # -- candidates ------------------------------------------------------------------------
 
-    def candidates(self, buf: bytes | memoryview, layout: Layout, user_ref: int, *, k: int,
-                   extra: SessionState | None = None,
-                   also: tuple[tuple[int, int], ...] = ()) -> tuple[list[Candidate], int]:
+    def candidates(
+        self,
+        buf: bytes | memoryview,
+        layout: Layout,
+        user_ref: int,
+        *,
+        k: int,
+        extra: SessionState | None = None,
+        also: tuple[tuple[int, int], ...] = (),
+    ) -> tuple[list[Candidate], int]:
         """The ``k`` stored versions nearest the prompt (exact Jaccard, then common prefix), all
         of namespace ``user_ref`` and ``layout``, each verified; also how many were verified.
 
@@ -175,8 +182,9 @@ class Nearest:
             for session_ref, version_id in wanted:
                 if verified >= MAX_VERIFIED and (extra is None or session_ref != extra.ref):
                     break
-                state = extra if extra is not None and extra.ref == session_ref else \
-                    self.mirror.loaded(session_ref, conn)
+                state = (
+                    extra if extra is not None and extra.ref == session_ref else self.mirror.loaded(session_ref, conn)
+                )
                 if state is None or state.user_ref != user_ref or state.layout.digest != layout.digest:
                     continue  # gone, or (never, by construction) of another namespace or layout
                 vid = state.head_id if version_id == -1 else version_id
@@ -187,18 +195,25 @@ class Nearest:
         ranked = sorted(out.values(), key=lambda c: (-c.jaccard, -c.common_prefix, c.session_id, c.version_id))
         return ranked[:k], verified
 
-    def _verify(self, prompt: np.ndarray, prompt_sig: np.ndarray, state: SessionState, version_id: int,
-                salt: int) -> Candidate:
+    def _verify(
+        self, prompt: np.ndarray, prompt_sig: np.ndarray, state: SessionState, version_id: int, salt: int
+    ) -> Candidate:
         stored = np.frombuffer(state.tokens(version_id), dtype=np.uint32)
         size = self.lsh.settings.shingle_tokens
         common = common_prefix(prompt, stored)
         shorter = min(len(prompt), len(stored))
         sig, _ = self.lsh.signer.values(shingle_hashes(stored, size, salt))
         page_tokens = state.layout.page_tokens
-        return Candidate(state.session_id, VersionId(version_id), len(stored),
-                         float(np.mean(sig == prompt_sig)), jaccard(prompt, stored, size, salt), common,
-                         common if common < shorter else None,
-                         len(self._available(state, version_id, common // page_tokens)) * page_tokens)
+        return Candidate(
+            state.session_id,
+            VersionId(version_id),
+            len(stored),
+            float(np.mean(sig == prompt_sig)),
+            jaccard(prompt, stored, size, salt),
+            common,
+            common if common < shorter else None,
+            len(self._available(state, version_id, common // page_tokens)) * page_tokens,
+        )
 
     def _available(self, state: SessionState, version_id: int, num_pages: int) -> list[tuple[PageId, int]]:
         """The version's first pages, up to ``num_pages``, that some tier holds, as ``(id, code)``."""
@@ -214,8 +229,15 @@ class Nearest:
 
     # -- approximate resume ----------------------------------------------------------------
 
-    def improve(self, result: ResumeResult, buf: bytes | memoryview, layout: Layout, user_ref: int | None,
-                state: SessionState | None, tenant_id: str) -> ResumeResult:
+    def improve(
+        self,
+        result: ResumeResult,
+        buf: bytes | memoryview,
+        layout: Layout,
+        user_ref: int | None,
+        state: SessionState | None,
+        tenant_id: str,
+    ) -> ResumeResult:
         """``result`` (the exact paths' answer), or a longer exact reuse found through an LSH
         candidate; either way with the candidates' count and the nearest near-duplicate.
         Runs the search only when ``result`` matched less than ``min_share`` of the prompt."""
@@ -235,23 +257,44 @@ class Nearest:
         pages = self._available(owner, best.version_id, best.matched_tokens // layout.page_tokens)
         span = Span(0, tuple(p for p, _ in pages), bytearray(c for _, c in pages), len(pages))
         same = state is not None and owner.ref == state.ref
-        return ResumeResult(result.session_id, best.version_id if same else None, len(pages) * layout.page_tokens,
-                            num_prompt, result.num_history_tokens, result.page_tokens, result.page_bytes,
-                            spans=[span], rates=self.rates, source="lsh", num_candidates=verified, near=near)
+        return ResumeResult(
+            result.session_id,
+            best.version_id if same else None,
+            len(pages) * layout.page_tokens,
+            num_prompt,
+            result.num_history_tokens,
+            result.page_tokens,
+            result.page_bytes,
+            spans=[span],
+            rates=self.rates,
+            source="lsh",
+            num_candidates=verified,
+            near=near,
+        )
 
     # -- explain ---------------------------------------------------------------------------
 
-    def explain(self, result: ResumeResult, buf: bytes | memoryview, layout: Layout, user_ref: int | None,
-                state: SessionState | None, tenant_id: str, *, decode: Decode | None = None,
-                context: int = 8) -> Explanation:
+    def explain(
+        self,
+        result: ResumeResult,
+        buf: bytes | memoryview,
+        layout: Layout,
+        user_ref: int | None,
+        state: SessionState | None,
+        tenant_id: str,
+        *,
+        decode: Decode | None = None,
+        context: int = 8,
+    ) -> Explanation:
         """Where the prompt first diverges from its nearest stored version, the tokens on both
         sides, where they run together again and what the divergence costs (see :class:`Explanation`)."""
         prompt = np.frombuffer(buf, dtype=np.uint32)
         found: list[Candidate] = []
         if user_ref is not None:
             self.bucket(user_ref, layout)  # every session of the namespace loaded
-            found, _ = self.candidates(buf, layout, user_ref, k=1, extra=state,
-                                       also=self._longest_prefix(buf, layout, user_ref))
+            found, _ = self.candidates(
+                buf, layout, user_ref, k=1, extra=state, also=self._longest_prefix(buf, layout, user_ref)
+            )
         base = Explanation(len(prompt), result.matched_tokens, result.source, None, None)
         if not found:
             return replace(base, recurring=self.recurring(tenant_id))
@@ -260,12 +303,16 @@ class Nearest:
         stored = np.frombuffer(owner.tokens(near.version_id), dtype=np.uint32)
         pos = near.divergence
         if pos is None:
-            return replace(base, nearest=near, would_reuse_tokens=max(near.matched_tokens, result.matched_tokens),
-                            recurring=self.recurring(tenant_id))
+            return replace(
+                base,
+                nearest=near,
+                would_reuse_tokens=max(near.matched_tokens, result.matched_tokens),
+                recurring=self.recurring(tenant_id),
+            )
         self.count_divergence(tenant_id, pos)
         start = max(pos - context, 0)
-        p_win = prompt[start:pos + context].tolist()
-        s_win = stored[start:pos + context].tolist()
+        p_win = prompt[start : pos + context].tolist()
+        s_win = stored[start : pos + context].tolist()
         resync = realign(prompt, stored, pos, self.lsh.settings.shingle_tokens)
         would = near.matched_tokens
         r_p = r_s = None
@@ -276,10 +323,24 @@ class Nearest:
             reach = (r_s + shared) // page_tokens
             would = len(self._available(owner, near.version_id, reach)) * page_tokens
         would = max(would, result.matched_tokens)
-        return Explanation(len(prompt), result.matched_tokens, result.source, near, pos, p_win, s_win, start,
-                           decode(p_win) if decode is not None else None,
-                           decode(s_win) if decode is not None else None,
-                           r_p, r_s, shared, would, would - result.matched_tokens, self.recurring(tenant_id))
+        return Explanation(
+            len(prompt),
+            result.matched_tokens,
+            result.source,
+            near,
+            pos,
+            p_win,
+            s_win,
+            start,
+            decode(p_win) if decode is not None else None,
+            decode(s_win) if decode is not None else None,
+            r_p,
+            r_s,
+            shared,
+            would,
+            would - result.matched_tokens,
+            self.recurring(tenant_id),
+        )
 
     def problems(self) -> list[str]:
         """Entries of this process's index whose session is gone or of another namespace (for
@@ -350,11 +411,10 @@ def realign(prompt: np.ndarray, stored: np.ndarray, pos: int, size: int) -> tupl
         first[windows[j].tobytes()] = j
     probe = np.lib.stride_tricks.sliding_window_view(prompt[pos:], size)
     for i in range(len(probe)):
-        j = first.get(probe[i].tobytes())
-        if j is None:
+        at = first.get(probe[i].tobytes())
+        if at is None:
             continue
-        run = common_prefix(prompt[pos + i:], tail[j:])
+        run = common_prefix(prompt[pos + i :], tail[at:])
         if run >= need:
-            return pos + i, pos + j, run
+            return pos + i, pos + at, run
     return None
-

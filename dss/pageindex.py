@@ -12,9 +12,9 @@ import itertools
 from collections.abc import Callable, Container, Iterable
 
 from dss.catalog.pages import PageRecord
+from dss.core.types import TIER_CODE, PageId
 from dss.tiers.base import Located
 from dss.tiers.host import HostTier
-from dss.core.types import TIER_CODE, PageId
 
 DEVICE = TIER_CODE["device"]
 HOST = TIER_CODE["host"]
@@ -32,7 +32,7 @@ class NamespacePages:
     by a generation can never be mistaken for one of a reloaded namespace.
     """
 
-    __slots__ = ("user_ref", "gen", "loaded")
+    __slots__ = ("gen", "loaded", "user_ref")
 
     def __init__(self, user_ref: int) -> None:
         self.user_ref = user_ref
@@ -51,8 +51,16 @@ class PageEntry:
 
     __slots__ = ("checksum", "disk", "is_durable", "namespace", "page_id", "page_index", "size")
 
-    def __init__(self, page_id: PageId, namespace: NamespacePages, page_index: int, size: int, checksum: int,
-                 disk: Located | None, is_durable: bool = True) -> None:
+    def __init__(
+        self,
+        page_id: PageId,
+        namespace: NamespacePages,
+        page_index: int,
+        size: int,
+        checksum: int,
+        disk: Located | None,
+        is_durable: bool = True,
+    ) -> None:
         self.page_id = page_id
         self.namespace = namespace
         self.page_index = page_index
@@ -65,8 +73,7 @@ class PageEntry:
 class PageIndex:
     """Every page entry of this process, keyed by page id (ids never collide across namespaces)."""
 
-    def __init__(self, host: HostTier, *, has_remote: bool = False,
-                 resident: Container[PageId] = frozenset()) -> None:
+    def __init__(self, host: HostTier, *, has_remote: bool = False, resident: Container[PageId] = frozenset()) -> None:
         """``has_remote``: the store has a remote tier; ``resident``: the pages some engine holds
         in its own memory (the device tier)."""
         self.host = host
@@ -78,7 +85,8 @@ class PageIndex:
     def _make_code_of(self, resident: Container[PageId]) -> Callable[[PageId], int]:
         host, entries = self.host, self.entries
         if not self.has_remote:
-            def code_of(page_id: PageId) -> int:
+
+            def local_code_of(page_id: PageId) -> int:
                 """The fastest tier holding the page (0: none); ``device`` only for a page that
                 host or disk holds too (no other engine could load it otherwise)."""
                 if page_id in host:
@@ -88,9 +96,9 @@ class PageIndex:
                     return DEVICE if page_id in resident else DISK
                 return 0
 
-            return code_of
+            return local_code_of
 
-        def code_of(page_id: PageId) -> int:  # noqa: F811 (chosen once, by whether there is a remote tier)
+        def code_of(page_id: PageId) -> int:
             """As above; a page the catalog holds on another node's disk only is on the remote
             tier (a miss there is found when it is read)."""
             if page_id in host:
@@ -119,7 +127,9 @@ class PageIndex:
         """Install or replace entries from catalog rows of namespace ``namespace``."""
         for r in records:
             disk = Located(r.segment, r.offset, r.length) if r.segment else None
-            self.entries[PageId(r.page_id)] = PageEntry(PageId(r.page_id), namespace, r.page_index, r.size, r.checksum, disk)
+            self.entries[PageId(r.page_id)] = PageEntry(
+                PageId(r.page_id), namespace, r.page_index, r.size, r.checksum, disk
+            )
         namespace.bump()
 
     def add(self, entry: PageEntry) -> None:

@@ -29,17 +29,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dss import policy
-from dss.policy import Placement
 from dss.catalog import pages
 from dss.catalog.change import Applied, NewPage, Quarantined, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
 from dss.copies import RemoteCopies
-from dss.records import SealRing, batches, records, segment_size
 from dss.core.crypto import OVERHEAD, Sealer, SealError
 from dss.core.hashing import checksum
 from dss.core.types import PageId
 from dss.keys import DataKeys
 from dss.pageindex import NamespacePages, PageEntry, PageIndex
+from dss.policy import Placement
+from dss.records import SealRing, batches, records, segment_size
 from dss.tiers.base import ReadFailure, ReadRequest
 from dss.tiers.disk import SEALED_FLAG, DiskTier
 from dss.tiers.host import HostTier, Victims
@@ -51,8 +51,9 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 """Write errors that mean no room: the write's pages stay in host only, its catalog rows commit."""
 
 
-def new_pages(ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageIndex,
-              seal: bool) -> tuple[NewPage, ...]:
+def new_pages(
+    ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageIndex, seal: bool
+) -> tuple[NewPage, ...]:
     """The given pages (``payloads[i]`` is page ``ids[i]``), each to be written as it is or
     sealed (``seal``) as :meth:`PageStore.write` writes it — or not at all (``stored`` is
     ``None``) when this process knows a durable tier holds it already (this node's disk,
@@ -82,9 +83,21 @@ class Read(NamedTuple):
 class PageStore:
     """Pages across the host and disk tiers, as recorded in the catalog."""
 
-    def __init__(self, catalog: Catalog, disk: DiskTier, host: HostTier, index: PageIndex, keys: DataKeys, *,
-                 node_ref: int, disk_bytes: int, segment_bytes: int, placement: Placement,
-                 tenant_of: Callable[[int], str | None], remote: RemoteTier | None = None) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        disk: DiskTier,
+        host: HostTier,
+        index: PageIndex,
+        keys: DataKeys,
+        *,
+        node_ref: int,
+        disk_bytes: int,
+        segment_bytes: int,
+        placement: Placement,
+        tenant_of: Callable[[int], str | None],
+        remote: RemoteTier | None = None,
+    ) -> None:
         self.placement = placement
         self.tenant_of = tenant_of
         self.filled: Callable[[], None] = lambda: None
@@ -105,8 +118,9 @@ class PageStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, new: Sequence[NewPage], sealer: Sealer | None = None, *,
-              publish: bool = True) -> list[WrittenSegment]:
+    def write(
+        self, new: Sequence[NewPage], sealer: Sealer | None = None, *, publish: bool = True
+    ) -> list[WrittenSegment]:
         """Write the pages that need it as segment files of at most ``segment_bytes`` each; no
         catalog, no lock. Pages flagged sealed are sealed with ``sealer`` (bound to their id)
         as they are written, while the disk writes the ones before them. Writes nothing when
@@ -127,8 +141,14 @@ class PageStore:
             for batch in batches(fresh, self.segment_bytes):
                 done: list[NewPage] = []
                 name, size, located = self.disk.write(records(batch, sealer, ring, done, keep), publish=publish)
-                out.append(WrittenSegment(name, size, self.node_ref, tuple((p, where.offset, where.length)
-                                                            for p, where in zip(done, located))))
+                out.append(
+                    WrittenSegment(
+                        name,
+                        size,
+                        self.node_ref,
+                        tuple((p, where.offset, where.length) for p, where in zip(done, located)),
+                    )
+                )
         except OSError as exc:
             self.abort(out)
             if exc.errno not in DISK_FULL:
@@ -202,8 +222,12 @@ class PageStore:
             self.placement.count("disk", "inline_evictions", num)
         fits = used - freed + need <= self.disk_bytes
         if not fits:
-            log.warning("disk tier full (%d of %d bytes held by pinned versions): %d new bytes stay in host only",
-                        used - freed, self.disk_bytes, need)
+            log.warning(
+                "disk tier full (%d of %d bytes held by pinned versions): %d new bytes stay in host only",
+                used - freed,
+                self.disk_bytes,
+                need,
+            )
         return Room(tuple(chosen), fits)
 
     def segment_order(self, conn: Any) -> tuple[list[pages.SegmentRow], dict[int, list[bytes]]]:
@@ -217,9 +241,17 @@ class PageStore:
             segments = [seg for seg in segments if not any(PageId(p) in held for p in page_ids.get(seg.ref, ()))]
         return placement.segment_order(segments, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
 
-    def settle(self, applied: Applied, new: Sequence[NewPage], namespace: NamespacePages | None,
-               written: Sequence[WrittenSegment] = (), *, user: int | None = None, turn: bool = False,
-               started: bool = False) -> None:
+    def settle(
+        self,
+        applied: Applied,
+        new: Sequence[NewPage],
+        namespace: NamespacePages | None,
+        written: Sequence[WrittenSegment] = (),
+        *,
+        user: int | None = None,
+        turn: bool = False,
+        started: bool = False,
+    ) -> None:
         """After the transaction committed: delete dead files, tell the policy of the write by
         namespace ``user`` (``turn``: it made a new version of a session; ``started``: the
         session's first, a version without a parent), put the payloads in
@@ -234,12 +266,20 @@ class PageStore:
         self.placement.wrote([p.page_id for p in new], user, turn=turn, started=started, now=now)
         for page in new:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
-                self.index.add(PageEntry(page.page_id, namespace, page.index, len(page.payload),
-                                         checksum(page.payload), None, is_durable=False))
+                self.index.add(
+                    PageEntry(
+                        page.page_id,
+                        namespace,
+                        page.index,
+                        len(page.payload),
+                        checksum(page.payload),
+                        None,
+                        is_durable=False,
+                    )
+                )
             # a durable page competes for room; one only host holds goes in whatever it is worth
             entry = entries.get(page.page_id)
-            evicted = self.host.put(page.page_id, page.payload, owner,
-                                    compete=entry is not None and entry.is_durable)
+            evicted = self.host.put(page.page_id, page.payload, owner, compete=entry is not None and entry.is_durable)
             if evicted is None:
                 if entry is not None and entry.disk is None and not entry.is_durable:
                     self.index.forget([page.page_id])
@@ -294,7 +334,7 @@ class PageStore:
         demoted them; the others were evicted inline."""
         if not victims:
             return
-        evicted = victims[victims.reclaimed:]
+        evicted = victims[victims.reclaimed :]
         if evicted:
             self.demoted(evicted, inline=True)  # while the index still knows their disk copies
         self.dropped(victims)
@@ -336,10 +376,12 @@ class PageStore:
         unknown = [ids[i] for i, v in enumerate(out) if v is None and ids[i] not in entries]
         if unknown:
             self._learn(unknown)
-        wanted = [(i, entries[ids[i]]) for i, v in enumerate(out)
-                  if v is None and ids[i] in entries and entries[ids[i]].disk is not None]
-        requests = [ReadRequest(*entry.disk, entry.page_id, entry.checksum)  # type: ignore[misc]
-                    for _, entry in wanted]
+        wanted = [
+            (i, entries[ids[i]])
+            for i, v in enumerate(out)
+            if v is None and ids[i] in entries and entries[ids[i]].disk is not None
+        ]
+        requests = [ReadRequest.at(entry.disk, entry.page_id, entry.checksum) for _, entry in wanted if entry.disk]
         failures: list[ReadFailure] = []
         for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True, transient=True):
             failures.extend(chunk.failures)
@@ -347,8 +389,12 @@ class PageStore:
                 i, entry = wanted[j]
                 sealed = bool(record.flags & SEALED_FLAG)
                 if len(record.payload) != entry.size + (OVERHEAD if sealed else 0):  # a flipped flag, say
-                    failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
-                                                   "has the wrong length for its flags"))
+                    failures.append(
+                        ReadFailure(
+                            j,
+                            f"record at {requests[j].segment}:{requests[j].offset} has the wrong length for its flags",
+                        )
+                    )
                     continue
                 if sealed:
                     sealer = self.keys.sealer_of(entry.namespace.user_ref)
@@ -357,15 +403,17 @@ class PageStore:
                     try:
                         data = sealer.open(record.payload, entry.page_id)
                     except SealError:
-                        failures.append(ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} "
-                                                       "fails authentication"))
+                        failures.append(
+                            ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} fails authentication")
+                        )
                         continue
                 else:
                     data = bytes(record.payload)
                 out[i] = data
                 if prefetch or placement.should_promote(entry.page_id, load=load, now=now):
-                    evicted = self.host.put(entry.page_id, data, self.owner(entry.namespace.user_ref),
-                                            compete=not prefetch)
+                    evicted = self.host.put(
+                        entry.page_id, data, self.owner(entry.namespace.user_ref), compete=not prefetch
+                    )
                     if evicted is not None:
                         placement.count("host", "promotions")
                         placement.count("host", "moved_bytes", len(data))
@@ -387,8 +435,11 @@ class PageStore:
             entry = wanted[failure.index][1]
             assert entry.disk is not None
             log.error("quarantined a page: %s", failure.reason)  # no page id: logs outlive erasures
-            bad.append(Quarantined(entry.page_id, entry.namespace.user_ref, entry.disk.segment, entry.disk.offset,
-                                   failure.reason))
+            bad.append(
+                Quarantined(
+                    entry.page_id, entry.namespace.user_ref, entry.disk.segment, entry.disk.offset, failure.reason
+                )
+            )
         return Read(out, bad)
 
     def _read_remote(self, ids: Sequence[PageId], out: list[bytes | None]) -> None:

@@ -62,7 +62,7 @@ class Settings(NamedTuple):
 class UserStats:
     """What the policy remembers of one user (namespace)."""
 
-    __slots__ = ("activity", "when", "rhythm", "turns", "starts")
+    __slots__ = ("activity", "rhythm", "starts", "turns", "when")
 
     def __init__(self, activity: float, when: float, rhythm: float) -> None:
         self.activity = activity
@@ -90,7 +90,7 @@ class Scale(NamedTuple):
 class PageStats:
     """What the policy remembers of one page."""
 
-    __slots__ = ("freq", "last", "window_start", "window_count", "demoted_at", "tokens", "tick", "user")
+    __slots__ = ("demoted_at", "freq", "last", "tick", "tokens", "user", "window_count", "window_start")
 
     def __init__(self, now: float) -> None:
         self.freq = 0.0
@@ -142,8 +142,15 @@ class Statistics:
                 s.window_start, s.window_count = t, 0
             s.window_count += 1
 
-    def wrote(self, page_ids: Sequence[PageId], user: int | None, *, turn: bool, started: bool = False,
-              now: float | None = None) -> None:
+    def wrote(
+        self,
+        page_ids: Sequence[PageId],
+        user: int | None,
+        *,
+        turn: bool,
+        started: bool = False,
+        now: float | None = None,
+    ) -> None:
         """Record a write of the pages by namespace ``user`` (``turn``: it made a new version of
         a session; ``started``: the session's first). Each page is accessed once and starts no
         lower than the user's activity (the user's turns, decayed like frequency, this one
@@ -170,8 +177,7 @@ class Statistics:
         for page_id in page_ids:
             s = stats[page_id]
             s.user = user
-            if s.freq < activity:
-                s.freq = activity
+            s.freq = max(s.freq, activity)
 
     def ending(self, user: UserStats) -> float:
         """The chance that a turn of ``user`` is its conversation's last, within [0.01, 0.99]:
@@ -213,8 +219,9 @@ class Statistics:
             del self.users[user]
         return len(gone)
 
-    def scored(self, page_ids: Sequence[PageId], sizes: Sequence[int],
-               now: float | None = None) -> tuple[list[float], Scale]:
+    def scored(
+        self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None
+    ) -> tuple[list[float], Scale]:
         """The score of each page among these candidates, and the scale they were scored on
         (to score other pages alike with :meth:`score`)."""
         t = self.now() if now is None else now
@@ -223,8 +230,10 @@ class Statistics:
             return [(s.last if (s := stats.get(p)) is not None else -math.inf) for p in page_ids], Scale(1.0, 0.0)
         terms = [self._terms(p, size, t) for p, size in zip(page_ids, sizes)]
         ranked = sorted(f for f, _, _ in terms)
-        scale = Scale(math.log1p(ranked[int(len(ranked) * FREQUENCY_QUANTILE)] if ranked else 0.0) or 1.0,
-                      max((v for _, _, v in terms), default=0.0))
+        scale = Scale(
+            math.log1p(ranked[int(len(ranked) * FREQUENCY_QUANTILE)] if ranked else 0.0) or 1.0,
+            max((v for _, _, v in terms), default=0.0),
+        )
         return [self._combine(term, scale) for term in terms], scale
 
     def score(self, page_id: PageId, size: int, scale: Scale, now: float) -> float:
@@ -263,8 +272,9 @@ class Statistics:
         w_f, w_r, w_c = self.settings.weights
         return w_f * min(1.0, math.log1p(f) / scale.top_f) + w_r * r + w_c * (v / scale.top_v if scale.top_v else 1.0)
 
-    def order(self, page_ids: Sequence[PageId], sizes: Sequence[int],
-              now: float | None = None) -> tuple[list[int], Scale]:
+    def order(
+        self, page_ids: Sequence[PageId], sizes: Sequence[int], now: float | None = None
+    ) -> tuple[list[int], Scale]:
         """Indexes of the candidates, the first to leave first (lowest score, then the
         earliest given — callers list candidates least recently used first), and the scale
         they were scored on."""

@@ -85,6 +85,7 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
 from dss.catalog.pages import SegmentRow
@@ -219,9 +220,13 @@ class Placement(Statistics):
             if s is not None:
                 s.demoted_at = t
 
-    def host_victims(self, candidates: Sequence[tuple[PageId, int, Owner | None]], to_free: int,
-                     owner_over: Callable[[Owner | None], bool] | None = None,
-                     now: float | None = None) -> list[PageId]:
+    def host_victims(
+        self,
+        candidates: Sequence[tuple[PageId, int, Owner | None]],
+        to_free: int,
+        owner_over: Callable[[Owner | None], bool] | None = None,
+        now: float | None = None,
+    ) -> list[PageId]:
         """Pages to drop from host to free ``to_free`` bytes, first to leave first; held pages
         never. ``candidates``: ``(page_id, size, owner)``, least recently used first. With
         ``owner_over``, only pages whose owner it accepts are taken (a quota's own pages)."""
@@ -239,8 +244,9 @@ class Placement(Statistics):
             freed += sizes[i]
         return chosen
 
-    def host_room(self, host: HostTier, page_id: PageId, size: int, owner: Owner | None,
-                  compete: bool = False) -> list[PageId] | None:
+    def host_room(
+        self, host: HostTier, page_id: PageId, size: int, owner: Owner | None, compete: bool = False
+    ) -> list[PageId] | None:
         """The pages to drop so page ``page_id`` of ``size`` bytes of ``owner`` fits the host
         tier: first the owner's own pages while the user (then the tenant) would exceed its
         quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
@@ -257,10 +263,10 @@ class Placement(Statistics):
             # fits costs O(1), not O(pages held)
             pool = [c for c in host.candidates() if c[0] not in taken]
             got = 0
-            for page_id in self.host_victims(pool, to_free, accept):
-                chosen.append(page_id)
-                taken.add(page_id)
-                got += host.size_of(page_id)
+            for victim in self.host_victims(pool, to_free, accept):
+                chosen.append(victim)
+                taken.add(victim)
+                got += host.size_of(victim)
             return got
 
         if owner is not None and s.host_user_quota:
@@ -304,7 +310,9 @@ class Placement(Statistics):
                 return None
         return chosen + room
 
-    def next_victims(self, host: HostTier, need: int, exclude: set[PageId] = frozenset()) -> list[PageId] | None:
+    def next_victims(
+        self, host: HostTier, need: int, exclude: AbstractSet[PageId] = frozenset()
+    ) -> list[PageId] | None:
         """The pages that leave host next, to free ``need`` bytes (``None``: held pages fill it).
 
         Scoring every page at every put would cost O(pages) a put: the order is computed once
@@ -342,15 +350,20 @@ class Placement(Statistics):
             page_id = self._order[self._pos]
             self._pos += 1
             st = stats.get(page_id)
-            if (page_id not in host or page_id in held or page_id in exclude
-                    or (st is not None and st.tick > self._order_tick)):
+            if (
+                page_id not in host
+                or page_id in held
+                or page_id in exclude
+                or (st is not None and st.tick > self._order_tick)
+            ):
                 continue
             chosen.append(page_id)
             need -= host.size_of(page_id)
         return chosen
 
-    def segment_order(self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]],
-                      now: float | None = None) -> list[SegmentRow]:
+    def segment_order(
+        self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]], now: float | None = None
+    ) -> list[SegmentRow]:
         """Disk segments in the order they leave (pinned ones left out): LRU keeps the catalog's
         order (oldest newest-version first); ``dss`` keeps it for segments without a hot page and
         puts the hot ones last, least frequently used first."""

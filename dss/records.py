@@ -58,19 +58,23 @@ class SealRing:
         return blob
 
 
-def records(batch: Sequence[NewPage], sealer: Sealer | None, ring: SealRing | None,
-             done: list[NewPage], keep: bool = False) -> Iterator[tuple[PageId, int, Any, int]]:
+def records(
+    batch: Sequence[NewPage], sealer: Sealer | None, ring: SealRing | None, done: list[NewPage], keep: bool = False
+) -> Iterator[tuple[PageId, int, Any, int]]:
     """The records of ``batch`` for :meth:`DiskTier.write`, sealed one by one as the tier asks
     for them (into ``ring``'s buffers if given); each page, with its checksum, is appended to
     ``done`` (its sealed bytes are on disk once the write returned: ``stored`` is emptied,
     unless ``keep``, when it is a copy of them — for the remote tier's write-through)."""
     for page in batch:
-        stored = page.stored
+        stored: bytes | bytearray | memoryview | None = page.stored
         assert stored is not None
         if page.flags & SEALED_FLAG:
             assert sealer is not None
-            stored = ring.seal(sealer, page.payload, page.page_id) if ring is not None else \
-                sealer.seal_into(page.payload, page.page_id)
+            stored = (
+                ring.seal(sealer, page.payload, page.page_id)
+                if ring is not None
+                else sealer.seal_into(page.payload, page.page_id)
+            )
             page = page._replace(stored=bytes(stored) if keep else b"", checksum=checksum(stored))
         done.append(page)
         yield page.page_id, page.checksum, stored, page.flags

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from dss.trie import Span
 from dss.core.types import TIER_CODE, TIERS, PageId, PageRef, VersionId
+from dss.trie import Span
 
 
 class Rates(NamedTuple):
@@ -59,13 +59,39 @@ class ResumeResult:
     the prompt included); ``0`` and ``None`` otherwise.
     """
 
-    __slots__ = ("session_id", "version_id", "matched_tokens", "num_prompt_tokens", "num_history_tokens",
-                 "page_tokens", "page_bytes", "source", "num_candidates", "near", "_spans", "_pages", "_rates")
+    __slots__ = (
+        "_pages",
+        "_rates",
+        "_spans",
+        "matched_tokens",
+        "near",
+        "num_candidates",
+        "num_history_tokens",
+        "num_prompt_tokens",
+        "page_bytes",
+        "page_tokens",
+        "session_id",
+        "source",
+        "version_id",
+    )
 
-    def __init__(self, session_id: str | None, version_id: VersionId | None, matched_tokens: int, num_prompt_tokens: int,
-                 num_history_tokens: int, page_tokens: int, page_bytes: int, *, spans: Sequence[Span] = (),
-                 pages: list[PageRef] | None = None, rates: Rates | None = None, source: str | None = None,
-                 num_candidates: int = 0, near: Candidate | None = None) -> None:
+    def __init__(
+        self,
+        session_id: str | None,
+        version_id: VersionId | None,
+        matched_tokens: int,
+        num_prompt_tokens: int,
+        num_history_tokens: int,
+        page_tokens: int,
+        page_bytes: int,
+        *,
+        spans: Sequence[Span] = (),
+        pages: list[PageRef] | None = None,
+        rates: Rates | None = None,
+        source: str | None = None,
+        num_candidates: int = 0,
+        near: Candidate | None = None,
+    ) -> None:
         self.session_id = session_id
         self.version_id = version_id
         self.matched_tokens = matched_tokens
@@ -82,10 +108,21 @@ class ResumeResult:
 
     def annotated(self, num_candidates: int, near: Candidate | None) -> ResumeResult:
         """This result with what approximate matching verified (the match itself unchanged)."""
-        return ResumeResult(self.session_id, self.version_id, self.matched_tokens, self.num_prompt_tokens,
-                            self.num_history_tokens, self.page_tokens, self.page_bytes, spans=self._spans,
-                            pages=self._pages, rates=self._rates, source=self.source,
-                            num_candidates=num_candidates, near=near)
+        return ResumeResult(
+            self.session_id,
+            self.version_id,
+            self.matched_tokens,
+            self.num_prompt_tokens,
+            self.num_history_tokens,
+            self.page_tokens,
+            self.page_bytes,
+            spans=self._spans,
+            pages=self._pages,
+            rates=self._rates,
+            source=self.source,
+            num_candidates=num_candidates,
+            near=near,
+        )
 
     @property
     def num_new_tokens(self) -> int:
@@ -124,8 +161,11 @@ class ResumeResult:
         if self._rates is None:
             return 0.0
         per_page = self.page_bytes / self.page_tokens
-        return sum(tokens * per_page / self._rates.tier_bytes_per_s.get(tier, 1e9) for tier, tokens in self.tiers.items()
-                   if tier != "device")
+        return sum(
+            tokens * per_page / self._rates.tier_bytes_per_s.get(tier, 1e9)
+            for tier, tokens in self.tiers.items()
+            if tier != "device"
+        )
 
     @property
     def recompute_seconds(self) -> float:
@@ -140,6 +180,8 @@ class ResumeResult:
         return self.matched_tokens > 0 and self.load_seconds < self.recompute_seconds
 
     def __repr__(self) -> str:
-        return (f"ResumeResult(session_id={self.session_id!r}, matched_tokens={self.matched_tokens}, "
-                f"num_prompt_tokens={self.num_prompt_tokens}, version_id={self.version_id}, tiers={self.tiers}, "
-                f"source={self.source!r})")
+        return (
+            f"ResumeResult(session_id={self.session_id!r}, matched_tokens={self.matched_tokens}, "
+            f"num_prompt_tokens={self.num_prompt_tokens}, version_id={self.version_id}, tiers={self.tiers}, "
+            f"source={self.source!r})"
+        )

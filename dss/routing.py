@@ -79,8 +79,15 @@ Holdings = Mapping[str, Mapping[str, int]]
 nodes and tiers absent hold none."""
 
 
-def route(backends: Sequence[Backend], *, policy: str = "kv", key: str | None = None,
-          holdings: Holdings | None = None, counter: int = 0, load_factor: float = LOAD_FACTOR) -> Decision:
+def route(
+    backends: Sequence[Backend],
+    *,
+    policy: str = "kv",
+    key: str | None = None,
+    holdings: Holdings | None = None,
+    counter: int = 0,
+    load_factor: float = LOAD_FACTOR,
+) -> Decision:
     """The node a request goes to; see the module docstring. Pure: reads only its arguments."""
     if policy not in POLICIES:
         raise InvalidInput(f"routing policy must be one of {', '.join(POLICIES)}, not {policy!r}")
@@ -116,8 +123,11 @@ def score(held: Mapping[str, int]) -> tuple[int, ...]:
 def kv_choice(healthy: Sequence[Backend], holdings: Holdings, bound: int, key: str | None) -> Backend | None:
     """The node under its load bound with the best :func:`score` (ties: the key's ring order,
     else the given order); ``None`` when none under its bound holds a page."""
-    order = {node: i for i, node in enumerate(ring_order(tuple(sorted(b.node_id for b in healthy)), key))} \
-        if key is not None else {b.node_id: i for i, b in enumerate(healthy)}
+    order = (
+        {node: i for i, node in enumerate(ring_order(tuple(sorted(b.node_id for b in healthy)), key))}
+        if key is not None
+        else {b.node_id: i for i, b in enumerate(healthy)}
+    )
     best: tuple[tuple[int, ...], int] | None = None
     chosen = None
     for backend in healthy:
@@ -164,5 +174,19 @@ def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-__all__ = ["Backend", "Decision", "Holdings", "LOAD_FACTOR", "LOCAL_TIERS", "POINTS", "POLICIES", "Policy",
-           "hash_choice", "kv_choice", "load_bound", "ring_order", "route", "score"]
+__all__ = [
+    "LOAD_FACTOR",
+    "LOCAL_TIERS",
+    "POINTS",
+    "POLICIES",
+    "Backend",
+    "Decision",
+    "Holdings",
+    "Policy",
+    "hash_choice",
+    "kv_choice",
+    "load_bound",
+    "ring_order",
+    "route",
+    "score",
+]

@@ -24,8 +24,14 @@ class SessionState:
 
     __slots__ = ("held", "key", "namespace", "positions", "record", "trie", "versions")
 
-    def __init__(self, record: SessionRecord, key: bytes, namespace: NamespacePages, versions: list[VersionRecord],
-                 held: dict[bytes, int]) -> None:
+    def __init__(
+        self,
+        record: SessionRecord,
+        key: bytes,
+        namespace: NamespacePages,
+        versions: list[VersionRecord],
+        held: dict[bytes, int],
+    ) -> None:
         self.record = record
         self.key = key
         """The namespace's page-id hashing key."""
@@ -122,14 +128,26 @@ class SessionState:
     def version(self, version_id: int) -> Version:
         record = self.versions[version_id]
         return Version(
-            VersionId(record.version_id), self.session_id,
+            VersionId(record.version_id),
+            self.session_id,
             VersionId(record.parent_id) if record.parent_id is not None else None,
-            record.num_tokens, record.created_at, record.label, record.version_id == self.head_id, record.pinned,
+            record.num_tokens,
+            record.created_at,
+            record.label,
+            record.version_id == self.head_id,
+            record.pinned,
         )
 
 
 def session_of(record: SessionRecord, num_versions: int) -> Session:
     """The public view of a session row (whose id was opened)."""
-    return Session(record.session_id, record.tenant_id, record.user_id, record.layout,
-                   VersionId(record.head_id) if record.head_id is not None else None, num_versions,
-                   record.created_at, record.last_access)
+    return Session(
+        record.session_id,
+        record.tenant_id,
+        record.user_id,
+        record.layout,
+        VersionId(record.head_id) if record.head_id is not None else None,
+        num_versions,
+        record.created_at,
+        record.last_access,
+    )

@@ -63,7 +63,7 @@ class Span(NamedTuple):
     first: int
     page_ids: tuple[PageId, ...]
     codes: bytearray
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count
 
 
 class Match:
@@ -80,7 +80,7 @@ class Match:
 class Trie:
     """A session's radix trie. Not thread-safe; the store serialises access."""
 
-    __slots__ = ("root", "page_tokens", "root_id", "_page_ids", "num_nodes")
+    __slots__ = ("_page_ids", "num_nodes", "page_tokens", "root", "root_id")
 
     def __init__(self, page_tokens: int, root_id: PageId, page_ids: PageIdsFn) -> None:
         self.root = Node(b"", 0, 0, None)

@@ -32,19 +32,30 @@ class Context(NamedTuple):
     and this process's page index (to know which pages are stored already)."""
 
     keys: Keys
-    index: PageIndex
+    index: PageIndex  # type: ignore[assignment]  # a field named like tuple.index
 
 
-def create(session_id: str, session_key: bytes, keys: Keys, *, tenant_id: str, tenant_ref: int, user_id: str,
-           user_ref: int, layout: Layout) -> Change:
+def create(
+    session_id: str,
+    session_key: bytes,
+    keys: Keys,
+    *,
+    tenant_id: str,
+    tenant_ref: int,
+    user_id: str,
+    user_ref: int,
+    layout: Layout,
+) -> Change:
     """Make a session (its id sealed under the owner's key, found by ``session_key``)."""
     sealed = keys.names.seal(session_id.encode(), name_aad(session_key))
-    return Change(user_ref=user_ref, session_id=session_id,
-                  create=NewSession(session_id, session_key, sealed, tenant_id, tenant_ref, user_id, layout))
+    return Change(
+        user_ref=user_ref,
+        session_id=session_id,
+        create=NewSession(session_id, session_key, sealed, tenant_id, tenant_ref, user_id, layout),
+    )
 
 
-def commit(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, Any] | None,
-           label: str | None) -> Change:
+def commit(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, Any] | None, label: str | None) -> Change:
     """A new version of ``buf``, child of the head, that becomes the head; it holds every page
     of ``buf`` some tier holds, and stores ``pages`` (full pages of ``buf`` by index)."""
     if not buf:
@@ -53,17 +64,34 @@ def commit(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, An
     walk = state.trie.walk(buf)
     ids = state.prompt_page_ids(buf, walk)
     base_id = state.trie.version_along(walk.path[-1], walk.num_tokens, state.head) if walk.num_tokens else None
-    suffix = buf[TOKEN_BYTES * walk.num_tokens:]
+    suffix = buf[TOKEN_BYTES * walk.num_tokens :]
     key = state.record.session_key
-    version = NewVersion(state.head_id, base_id, walk.num_tokens, *_seal_tokens(ctx.keys, key, suffix),
-                         _seal_label(ctx.keys, key, label), buf, label, walk)
+    version = NewVersion(
+        state.head_id,
+        base_id,
+        walk.num_tokens,
+        *_seal_tokens(ctx.keys, key, suffix),
+        _seal_label(ctx.keys, key, label),
+        buf,
+        label,
+        walk,
+    )
     held = state.held
     retag, touch = _moves(held, [p for p in ids if p in held])
     fresh = tuple(p for p in ids if p not in held)
-    return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
-                  base_seq=state.record.seq, layout_ref=state.record.layout_ref,
-                  pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None), version=version,
-                  hold=fresh, hold_pinned=_pinned_among(state, fresh), retag=retag, touch=touch)
+    return Change(
+        user_ref=state.user_ref,
+        session_ref=state.ref,
+        session_id=state.session_id,
+        base_seq=state.record.seq,
+        layout_ref=state.record.layout_ref,
+        pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None),
+        version=version,
+        hold=fresh,
+        hold_pinned=_pinned_among(state, fresh),
+        retag=retag,
+        touch=touch,
+    )
 
 
 def save(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, Any]) -> Change:
@@ -72,17 +100,29 @@ def save(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, Any]
     payloads = check_pages(pages, len(buf) // TOKEN_BYTES, state.layout)
     ids = state.prompt_page_ids(buf, state.trie.walk(buf))
     fresh = tuple(ids[i] for i in payloads if ids[i] not in state.held)
-    return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
-                  base_seq=state.record.seq, layout_ref=state.record.layout_ref,
-                  pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None), hold=fresh,
-                  hold_pinned=_pinned_among(state, fresh))
+    return Change(
+        user_ref=state.user_ref,
+        session_ref=state.ref,
+        session_id=state.session_id,
+        base_seq=state.record.seq,
+        layout_ref=state.record.layout_ref,
+        pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None),
+        hold=fresh,
+        hold_pinned=_pinned_among(state, fresh),
+    )
 
 
 def rollback(state: SessionState, ctx: Context, version_id: Any) -> Change:
     """Move the head to ``version_id`` (copies and deletes nothing)."""
     state.version_record(version_id)
-    return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
-                  base_seq=state.record.seq, layout_ref=state.record.layout_ref, head=version_id)
+    return Change(
+        user_ref=state.user_ref,
+        session_ref=state.ref,
+        session_id=state.session_id,
+        base_seq=state.record.seq,
+        layout_ref=state.record.layout_ref,
+        head=version_id,
+    )
 
 
 def pin(state: SessionState, ctx: Context, version_id: Any, pinned: bool) -> Change:
@@ -93,32 +133,64 @@ def pin(state: SessionState, ctx: Context, version_id: Any, pinned: bool) -> Cha
     if pinned:
         marks: tuple[tuple[PageId, ...], tuple[PageId, ...]] = (tuple(pages), ())
     else:
-        others = {p for vid, v in state.versions.items() if v.pinned and vid != version_id
-                  for p in state.page_ids(vid)}
+        others = {p for vid, v in state.versions.items() if v.pinned and vid != version_id for p in state.page_ids(vid)}
         marks = ((), tuple(p for p in pages if p not in others))
-    return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
-                  base_seq=state.record.seq, layout_ref=state.record.layout_ref, pin=(version_id, pinned),
-                  pin_pages=marks)
+    return Change(
+        user_ref=state.user_ref,
+        session_ref=state.ref,
+        session_id=state.session_id,
+        base_seq=state.record.seq,
+        layout_ref=state.record.layout_ref,
+        pin=(version_id, pinned),
+        pin_pages=marks,
+    )
 
 
-def branch(state: SessionState, ctx: Context, version_id: Any, new_session_id: str, new_key: bytes,
-           label: str | None) -> Change:
+def branch(
+    state: SessionState, ctx: Context, version_id: Any, new_session_id: str, new_key: bytes, label: str | None
+) -> Change:
     """A new session whose first version has ``version_id``'s tokens (stored whole) and holds
     its pages; no page is copied."""
     source = state.version_record(version_id)
     buf = state.tokens(version_id)
-    made = create(new_session_id, new_key, ctx.keys, tenant_id=state.record.tenant_id, tenant_ref=state.record.tenant_ref,
-                  user_id=state.record.user_id, user_ref=state.user_ref, layout=state.layout)
-    version = NewVersion(source.version_id, None, 0, *_seal_tokens(ctx.keys, new_key, buf),
-                         _seal_label(ctx.keys, new_key, label), buf, label, None)
-    return Change(user_ref=state.user_ref, session_id=new_session_id, create=made.create, version=version,
-                  hold=tuple(state.page_ids(version_id)))
+    made = create(
+        new_session_id,
+        new_key,
+        ctx.keys,
+        tenant_id=state.record.tenant_id,
+        tenant_ref=state.record.tenant_ref,
+        user_id=state.record.user_id,
+        user_ref=state.user_ref,
+        layout=state.layout,
+    )
+    version = NewVersion(
+        source.version_id,
+        None,
+        0,
+        *_seal_tokens(ctx.keys, new_key, buf),
+        _seal_label(ctx.keys, new_key, label),
+        buf,
+        label,
+        None,
+    )
+    return Change(
+        user_ref=state.user_ref,
+        session_id=new_session_id,
+        create=made.create,
+        version=version,
+        hold=tuple(state.page_ids(version_id)),
+    )
 
 
 def delete(state: SessionState, ctx: Context) -> Change:
     """Delete the session and its versions; the pages no other session holds go."""
-    return Change(user_ref=state.user_ref, session_ref=state.ref, session_id=state.session_id,
-                  layout_ref=state.record.layout_ref, delete=True)
+    return Change(
+        user_ref=state.user_ref,
+        session_ref=state.ref,
+        session_id=state.session_id,
+        layout_ref=state.record.layout_ref,
+        delete=True,
+    )
 
 
 # -- helpers ---------------------------------------------------------------------------------

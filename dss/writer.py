@@ -91,7 +91,7 @@ class Restart(Exception):
 class Member:
     """One write waiting in a commit group: its change and files; once done, what it did or why not."""
 
-    __slots__ = ("change", "written", "applied", "error", "is_done", "wake")
+    __slots__ = ("applied", "change", "error", "is_done", "wake", "written")
 
     def __init__(self, change: Change, written: list[WrittenSegment]) -> None:
         self.change = change
@@ -154,8 +154,18 @@ class CommitQueue:
 class Writer:
     """Applies changes for one store (see the module docstring)."""
 
-    def __init__(self, catalog: Catalog, mirror: Mirror, pages: PageStore, keys: DataKeys, index: PageIndex,
-                 guard: Guard, master: bytes, *, group_commit: bool = True) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        mirror: Mirror,
+        pages: PageStore,
+        keys: DataKeys,
+        index: PageIndex,
+        guard: Guard,
+        master: bytes,
+        *,
+        group_commit: bool = True,
+    ) -> None:
         self.group_commit = group_commit
         self.queue = CommitQueue()
         self.catalog = catalog
@@ -180,8 +190,7 @@ class Writer:
         docstring); ``alone`` applies it in a transaction of its own (a caller that holds
         the lock must: a leader needs it; so does a change with ``files``)."""
         sealer = None
-        if change.user_ref is not None and any(p.flags & SEALED_FLAG and p.stored is not None
-                                               for p in change.pages):
+        if change.user_ref is not None and any(p.flags & SEALED_FLAG and p.stored is not None for p in change.pages):
             with self.guard.lock:
                 sealer = self.keys.of(change.user_ref).sealer
         if self.group_commit and not alone and not files and not self.guard.lock._is_owned():  # type: ignore[attr-defined]
@@ -301,8 +310,15 @@ class Writer:
         self.mirror.apply(applied.events)
         namespace = self.index.namespaces.get(change.user_ref) if change.user_ref is not None else None
         version = change.version
-        self.pages.settle(applied, change.pages, namespace, written, user=change.user_ref,
-                          turn=version is not None, started=version is not None and version.parent_id is None)
+        self.pages.settle(
+            applied,
+            change.pages,
+            namespace,
+            written,
+            user=change.user_ref,
+            turn=version is not None,
+            started=version is not None and version.parent_id is None,
+        )
 
     def write(self, session_id: str, tenant_id: str | None, build: Callable[..., Change], *args: Any) -> Applied:
         """Build a session's change with ``build(state, context, *args)`` (a :mod:`dss.versions`
@@ -320,8 +336,9 @@ class Writer:
                     continue
         raise Conflict(f"session {session_id!r} keeps being changed by other writers; try again")
 
-    def branch(self, session_id: str, tenant_id: str | None, version_id: int, new_session_id: str,
-               label: str | None) -> SessionState:
+    def branch(
+        self, session_id: str, tenant_id: str | None, version_id: int, new_session_id: str, label: str | None
+    ) -> SessionState:
         """Start ``new_session_id`` at a version of a session; ``SessionExists`` if the id is taken."""
         for _ in range(ATTEMPTS):
             with self.guard.reading():
@@ -329,8 +346,9 @@ class Writer:
                 tenant = state.record.tenant_id
                 if self._exists(new_session_id, tenant):
                     raise SessionExists(f"session {new_session_id!r} already exists in tenant {tenant!r}")
-                change = versions.branch(state, self.context(state), version_id, new_session_id,
-                                         self.keys.session_key(new_session_id), label)
+                change = versions.branch(
+                    state, self.context(state), version_id, new_session_id, self.keys.session_key(new_session_id), label
+                )
             try:
                 return self.state_of(self.apply(change))
             except Stale:
@@ -362,7 +380,8 @@ class Writer:
                 else:
                     if state.record.user_id != user_id or state.layout != layout:
                         raise SessionExists(
-                            f"session {session_id!r} exists in tenant {tenant_id!r} with another owner or layout")
+                            f"session {session_id!r} exists in tenant {tenant_id!r} with another owner or layout"
+                        )
                     return state
                 known = self._namespaces.get((tenant_id, user_id)) if attempt == 0 else None
                 if known is not None:
@@ -381,8 +400,15 @@ class Writer:
                 try:
                     with catalog_errors(), self.catalog.write() as tx:
                         tenant_ref, user_ref, made = ensure_namespace(tx.conn, tenant_id, user_id, self._master)
-                        change = self._created(session_id, user_id, tenant_id, layout, tenant_ref, user_ref,
-                                               self.keys.of(user_ref, tx.conn))
+                        change = self._created(
+                            session_id,
+                            user_id,
+                            tenant_id,
+                            layout,
+                            tenant_ref,
+                            user_ref,
+                            self.keys.of(user_ref, tx.conn),
+                        )
                         applied = changes.apply(tx, change)
                     committed = True
                 except Stale:
@@ -392,14 +418,24 @@ class Writer:
                         self.keys.forget(user_ref)  # its transaction rolled back: that key never existed
                 self._namespaces[(tenant_id, user_id)] = (tenant_ref, user_ref)
                 self._taken(change, applied)
-                state = self.mirror.sessions.get(applied.session_ref)  # type: ignore[arg-type]
-                return state if state is not None else self.state_of(applied)
+                assert applied.session_ref is not None
+                cached = self.mirror.sessions.get(applied.session_ref)
+                return cached if cached is not None else self.state_of(applied)
         raise Conflict(f"session {session_id!r} keeps being created and deleted by other writers; try again")
 
-    def _created(self, session_id: str, user_id: str, tenant_id: str, layout: Layout, tenant_ref: int,
-                 user_ref: int, keys: Keys) -> Change:
-        return versions.create(session_id, self.keys.session_key(session_id), keys, tenant_id=tenant_id,
-                               tenant_ref=tenant_ref, user_id=user_id, user_ref=user_ref, layout=layout)
+    def _created(
+        self, session_id: str, user_id: str, tenant_id: str, layout: Layout, tenant_ref: int, user_ref: int, keys: Keys
+    ) -> Change:
+        return versions.create(
+            session_id,
+            self.keys.session_key(session_id),
+            keys,
+            tenant_id=tenant_id,
+            tenant_ref=tenant_ref,
+            user_id=user_id,
+            user_ref=user_ref,
+            layout=layout,
+        )
 
     def state_of(self, applied: Applied) -> SessionState:
         """The state of the session a change wrote (loaded again if another writer moved it on)."""

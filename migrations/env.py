@@ -17,8 +17,7 @@ def applied(ctx, step, heads, run_args) -> None:
 
 
 def run(conn) -> None:
-    context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=True,
-                      on_version_apply=applied)
+    context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=True, on_version_apply=applied)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -81,7 +81,7 @@ def check_imports() -> None:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            extra, allowed = NEEDS_EXTRA.get(name, ("", set()))
+            _extra, allowed = NEEDS_EXTRA.get(name, ("", set()))
             if (exc.name or "").split(".")[0] not in allowed:
                 fail(f"{name} does not import in a bare install: {exc!r}")
             skipped += 1
@@ -92,8 +92,10 @@ def check_imports() -> None:
         if site not in origin.parents:
             fail(f"{name} was imported from {origin}, not from the installed wheel in {site}")
         imported += 1
-    print(f"wheel-smoke: imported {imported} modules from {site}; {skipped} need an extra, "
-          f"{len(NOT_IMPORTED)} are run, not imported")
+    print(
+        f"wheel-smoke: imported {imported} modules from {site}; {skipped} need an extra, "
+        f"{len(NOT_IMPORTED)} are run, not imported"
+    )
 
 
 def check_data_files() -> None:
@@ -113,9 +115,13 @@ def check_hints() -> None:
     from dss.core.errors import ConfigError
 
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [(lambda: dss.open(Path(tmp, "a"), approximate=True), "pip install 'dss-store[lsh]'"),
-                 (lambda: dss.open("postgresql+psycopg://127.0.0.1:1/none", home=Path(tmp, "b")),
-                  "pip install 'dss-store[postgres]'")]
+        cases = [
+            (lambda: dss.open(Path(tmp, "a"), approximate=True), "pip install 'dss-store[lsh]'"),
+            (
+                lambda: dss.open("postgresql+psycopg://127.0.0.1:1/none", home=Path(tmp, "b")),
+                "pip install 'dss-store[postgres]'",
+            ),
+        ]
         for call, hint in cases:
             try:
                 call().close()

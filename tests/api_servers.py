@@ -28,17 +28,39 @@ SESSION = {"session_id": "chat-1", "tenant_id": "acme", "user_id": "u1"}
 """The session the server tests' chats carry in ``kv_transfer_params["dss"]``."""
 
 
-def launch(model: Path, store: Path | None, logs: Path, *, name: str,
-           max_model_len: int = 1024) -> tuple[subprocess.Popen[bytes], str, Path]:
+def launch(
+    model: Path, store: Path | None, logs: Path, *, name: str, max_model_len: int = 1024
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     """Start the server on ``model`` (served as ``name``) on a free port, in float32 without
     vLLM's prefix cache, eager, block 32, with the dss connector on ``store`` if given; return
     the process (its own process group), its base URL and its log file (in ``logs``), without
     waiting for it."""
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", name, "--dtype", "float32", "--enforce-eager", "--max-model-len",
-               str(max_model_len), "--block-size", str(BLOCK), "--max-num-seqs", "2", "--seed", "0",
-               "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching"]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        name,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        str(BLOCK),
+        "--max-num-seqs",
+        "2",
+        "--seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-enable-prefix-caching",
+    ]
     if store is not None:
         command += ["--kv-transfer-config", json.dumps(dss_config(store))]
     log = logs / f"server-{port}.log"

@@ -43,6 +43,7 @@ def arm(step: str) -> None:
     elif step == "after-commit":
         DiskTier.remove = lambda self, segments: die() if list(segments) else None  # type: ignore[method-assign]
     elif step == "disk-full":
+
         def full(fd: int, parts: list) -> None:
             os.write(fd, bytes(memoryview(parts[0])[: len(parts[0]) // 2]))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -61,8 +61,15 @@ def blocks(page: Path) -> list[Block]:
         elif fence.group(1) == "":
             before = next((lines[i] for i in range(start - 1, -1, -1) if lines[i].strip()), "")
             marker = _MARKER.match(before.strip())
-            found.append(Block(page, start + 1, language, "\n".join(lines[start + 1:number]) + "\n",
-                               (marker.group(1), marker.group(2)) if marker else None))
+            found.append(
+                Block(
+                    page,
+                    start + 1,
+                    language,
+                    "\n".join(lines[start + 1 : number]) + "\n",
+                    (marker.group(1), marker.group(2)) if marker else None,
+                )
+            )
             start = None
     if start is not None:
         raise ValueError(f"{page.relative_to(ROOT)}:{start + 1}: a fence is never closed")

@@ -47,9 +47,19 @@ def make_tiny_llama(path: Path, *, seed: int = 0, sliding_window: int | None = N
     from transformers import LlamaConfig, LlamaForCausalLM
 
     layers = 2 if sliding_window is None else 4
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     if sliding_window is not None:
         cfg.layer_types = ["full_attention", "sliding_attention"] * 2
         cfg.sliding_window = sliding_window
@@ -67,11 +77,29 @@ def make_tiny_hybrid(path: Path, *, seed: int = 0) -> Path:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     cfg = GraniteMoeHybridConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, shared_intermediate_size=256, num_local_experts=0,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
-        mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=32, position_embedding_type="rope",
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_local_experts=0,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=32,
+        position_embedding_type="rope",
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     return _save_random(GraniteMoeHybridForCausalLM, cfg, path, seed, long_memory=True)
 
 
@@ -121,16 +149,34 @@ def reply(tokenizer: Any, token_ids: Sequence[int]) -> dict[str, str]:
 
 def dss_config(store: Path, **extra: Any) -> dict[str, Any]:
     """A ``kv_transfer_config`` that loads the dss connector on ``store``."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store": str(store), **extra}}
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": str(store), **extra},
+    }
 
 
 @contextmanager
-def engine(model: Path, *, store: Path | None = None, dtype: str = "float32", multiprocess: bool = False,
-           prefix_caching: bool = True, max_num_batched_tokens: int = 2048, tensor_parallel_size: int = 1,
-           pipeline_parallel_size: int = 1, max_num_seqs: int = 4, num_blocks: int | None = None,
-           max_model_len: int = 2048, log_stats: bool = False, block_size: int | None = BLOCK,
-           gpu_memory_utilization: float = 0.9, **extra: Any) -> Iterator[Any]:
+def engine(
+    model: Path,
+    *,
+    store: Path | None = None,
+    dtype: str = "float32",
+    multiprocess: bool = False,
+    prefix_caching: bool = True,
+    max_num_batched_tokens: int = 2048,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    max_num_seqs: int = 4,
+    num_blocks: int | None = None,
+    max_model_len: int = 2048,
+    log_stats: bool = False,
+    block_size: int | None = BLOCK,
+    gpu_memory_utilization: float = 0.9,
+    **extra: Any,
+) -> Iterator[Any]:
     """A ``vllm.LLM`` on ``model`` in ``dtype`` (block 32 unless ``block_size`` says otherwise;
     ``None``: vLLM's choice), without a tokenizer, with the dss connector on ``store`` if given
     (``extra`` goes to its ``kv_connector_extra_config``). Shut down on exit, so the next
@@ -151,14 +197,24 @@ def engine(model: Path, *, store: Path | None = None, dtype: str = "float32", mu
     from vllm import LLM
 
     try:
-        llm = LLM(model=str(model), dtype=dtype, enforce_eager=pipeline_parallel_size == 1,
-                  max_model_len=max_model_len,
-                  block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=0,
-                  skip_tokenizer_init=True, enable_prefix_caching=prefix_caching,
-                  tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                  num_gpu_blocks_override=num_blocks, disable_log_stats=not log_stats,
-                  gpu_memory_utilization=gpu_memory_utilization,
-                  kv_transfer_config=dss_config(store, **extra) if store is not None else None)
+        llm = LLM(
+            model=str(model),
+            dtype=dtype,
+            enforce_eager=pipeline_parallel_size == 1,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=0,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            num_gpu_blocks_override=num_blocks,
+            disable_log_stats=not log_stats,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_transfer_config=dss_config(store, **extra) if store is not None else None,
+        )
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if bind is not None:
@@ -171,8 +227,13 @@ def engine(model: Path, *, store: Path | None = None, dtype: str = "float32", mu
         gc.collect()
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
-             params: Sequence[dict[str, Any] | None] | None = None) -> list[Any]:
+def generate(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 8,
+    params: Sequence[dict[str, Any] | None] | None = None,
+) -> list[Any]:
     """Greedy completions of token-id prompts; ``params[i]`` is request i's ``kv_transfer_params``.
 
     Returns vLLM's ``RequestOutput`` objects in prompt order.
@@ -183,8 +244,9 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
     sampling = []
     for i in range(len(prompts)):
         extra = {"kv_transfer_params": params[i]} if params is not None and params[i] is not None else None
-        sampling.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                                       extra_args=extra))
+        sampling.append(
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args=extra)
+        )
     inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
     return llm.generate(inputs, sampling, use_tqdm=False)
 
@@ -197,10 +259,10 @@ def run(llm: Any, tokens: list[int], fields: dict[str, Any] | None, max_tokens: 
 def conversation(llm: Any) -> dict[str, list[int]]:
     """The prompts of the engine tests and their greedy outputs on ``llm`` (an engine without dss)::
 
-        p1  = 100 prompt tokens                      -> o1: 40 tokens
-        p2  = p1 + o1 + 30 new tokens  (170 tokens)  -> o2: 8 tokens
-        p2b = p1 + o1 + 25 other tokens (165 tokens) -> o2b: 8 tokens
-        q   = 70 tokens                              -> oq: 8 tokens
+    p1  = 100 prompt tokens                      -> o1: 40 tokens
+    p2  = p1 + o1 + 30 new tokens  (170 tokens)  -> o2: 8 tokens
+    p2b = p1 + o1 + 25 other tokens (165 tokens) -> o2b: 8 tokens
+    q   = 70 tokens                              -> oq: 8 tokens
     """
     out: dict[str, list[int]] = {"p1": prompt(1, 100), "q": prompt(4, 70)}
     out["o1"] = tokens_out(generate(llm, [out["p1"]], max_tokens=40)[0])
@@ -211,8 +273,14 @@ def conversation(llm: Any) -> dict[str, list[int]]:
     return out
 
 
-def two_turns(model: Path, store: Path, ref: dict[str, list[int]], fields: dict[str, Any],
-              first_engine: dict[str, Any] | None = None, **engine_args: Any) -> tuple[Any, Any]:
+def two_turns(
+    model: Path,
+    store: Path,
+    ref: dict[str, list[int]],
+    fields: dict[str, Any],
+    first_engine: dict[str, Any] | None = None,
+    **engine_args: Any,
+) -> tuple[Any, Any]:
     """Turn 1 (``p1``, 40 tokens) in an engine with dss on ``store``, then turn 2 (``p2``) in a
     fresh one (whose worker holds no page in RAM): their outputs. ``engine_args`` go to both
     engines, ``first_engine`` to the first only."""

@@ -50,6 +50,7 @@ def make_app(node: str) -> FastAPI:
         if body.get("hang"):
             await asyncio.sleep(HANG_S)
         if body.get("stream"):
+
             async def events() -> AsyncIterator[bytes]:
                 for i in range(3):
                     if i == body.get("hang_after"):
@@ -59,6 +60,7 @@ def make_app(node: str) -> FastAPI:
                     yield f"data: {json.dumps({'node': node, 'i': i})}\n\n".encode()
                     await asyncio.sleep(0.2)
                 yield b"data: [DONE]\n\n"
+
             return StreamingResponse(events(), media_type="text/event-stream")
         return {"node": node, "path": request.url.path, "body": body}
 
@@ -68,5 +70,6 @@ def make_app(node: str) -> FastAPI:
 
 
 if __name__ == "__main__":
-    uvicorn.run(make_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
-                timeout_graceful_shutdown=1)
+    uvicorn.run(
+        make_app(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", timeout_graceful_shutdown=1
+    )

@@ -57,6 +57,7 @@ def commit_more(store: dss.Store, session_id: str, count: int) -> str:
 def paused(pause_s: float, began: str) -> Callable[[str], None]:
     """An erasure's progress callback: the first call (the job is recorded) writes the time to
     the file ``began``; every call sleeps ``pause_s``."""
+
     def progress(step: str) -> None:
         if step.startswith("planned "):
             Path(began).write_text(repr(time.time()))
@@ -76,8 +77,15 @@ def resume(store: dss.Store, session_id: str) -> str:
 
 def main() -> None:
     folder, url, remote_url, prefix, node_id = sys.argv[1:6]
-    store = dss.open(folder, catalog_url=url, remote_url=remote_url, remote_prefix=prefix, node_id=node_id,
-                     remote_timeout_s=0.3, feed_poll_s=0.5)
+    store = dss.open(
+        folder,
+        catalog_url=url,
+        remote_url=remote_url,
+        remote_prefix=prefix,
+        node_id=node_id,
+        remote_timeout_s=0.3,
+        feed_poll_s=0.5,
+    )
     print("ready", flush=True)
     for line in sys.stdin:
         command, *args = line.split()
@@ -100,8 +108,9 @@ def main() -> None:
             elif command == "check":
                 answer = f"checked {json.dumps(store.check())}"
             elif command == "forget":
-                receipt = store.forget_user(args[0], tenant_id="default",
-                                            progress=paused(float(args[1]), args[2]) if len(args) > 1 else None)
+                receipt = store.forget_user(
+                    args[0], tenant_id="default", progress=paused(float(args[1]), args[2]) if len(args) > 1 else None
+                )
                 answer = f"forgot {receipt.removed.pages} {receipt.status}"
             else:
                 break

@@ -32,15 +32,17 @@ def main() -> None:
         tokens: list[int] = []
         while True:
             tokens = tokens + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
-            version = store.commit(name, tokens, {i: payload(tokens, i)
-                                                  for i in range(len(tokens) // LAYOUT.page_tokens)})
+            version = store.commit(
+                name, tokens, {i: payload(tokens, i) for i in range(len(tokens) // LAYOUT.page_tokens)}
+            )
             with PRINT:
                 print(f"ack {name} {version.version_id} {len(tokens)} {digest(tokens)}", flush=True)
 
     with PRINT:
         print("ready", flush=True)
-    threads = [threading.Thread(target=worker, args=(name, round_ * 1000 + n), daemon=True)
-               for n, name in enumerate(names)]
+    threads = [
+        threading.Thread(target=worker, args=(name, round_ * 1000 + n), daemon=True) for n, name in enumerate(names)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

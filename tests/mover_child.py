@@ -31,8 +31,15 @@ def digest(tokens: list[int]) -> str:
 
 
 def open_store(folder: str, url: str | None, **options: object) -> dss.Store:
-    return dss.open(folder, catalog_url=url, host_bytes=HOST_BYTES, disk_bytes=DISK_BYTES,
-                    mover_interval_s=0.005, move_batch_pages=8, **options)
+    return dss.open(
+        folder,
+        catalog_url=url,
+        host_bytes=HOST_BYTES,
+        disk_bytes=DISK_BYTES,
+        mover_interval_s=0.005,
+        move_batch_pages=8,
+        **options,
+    )
 
 
 def main() -> None:

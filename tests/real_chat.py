@@ -26,16 +26,24 @@ from dss_adapters.transformers_cache import layout_for, load_cache, save_cache
 
 import dss
 
-SYSTEM = ("You are a concise assistant for a team that runs language model inference servers. "
-          "Answer in plain sentences, without lists, and keep every answer short.")
-QUESTION = ("We keep the key and value tensors of every conversation so that the next turn does not have to "
-            "compute the whole prompt again. Our servers have GPU memory, host memory, local disks and a shared "
-            "network store. First a quick question: what is the capital of France? Answer in one sentence.")
-FOLLOW_UP = ("Thank you. Now, in one sentence: why would loading stored key and value tensors from host "
-             "memory be faster than computing them again for a long prompt?")
-LONG_PARAGRAPH = ("Section {n}. The operator keeps a log of every request: the time it arrived, the session it "
-                  "belongs to, how many tokens of its prompt were already stored, which tier they came from, "
-                  "and how long the first token took. Each week the log is summarised for the capacity plan. ")
+SYSTEM = (
+    "You are a concise assistant for a team that runs language model inference servers. "
+    "Answer in plain sentences, without lists, and keep every answer short."
+)
+QUESTION = (
+    "We keep the key and value tensors of every conversation so that the next turn does not have to "
+    "compute the whole prompt again. Our servers have GPU memory, host memory, local disks and a shared "
+    "network store. First a quick question: what is the capital of France? Answer in one sentence."
+)
+FOLLOW_UP = (
+    "Thank you. Now, in one sentence: why would loading stored key and value tensors from host "
+    "memory be faster than computing them again for a long prompt?"
+)
+LONG_PARAGRAPH = (
+    "Section {n}. The operator keeps a log of every request: the time it arrived, the session it "
+    "belongs to, how many tokens of its prompt were already stored, which tier they came from, "
+    "and how long the first token took. Each week the log is summarised for the capacity plan. "
+)
 
 
 def load(path: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, Any]:
@@ -75,29 +83,37 @@ def greedy(model: Any, tokens: list[int], num_new: int, cache: Any = None) -> An
     """Greedy generation of ``num_new`` tokens after ``tokens`` (continuing ``cache`` if given, which it extends)."""
     ids = torch.tensor([tokens], device=model.device)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                              max_new_tokens=num_new, do_sample=False, return_dict_in_generate=True,
-                              pad_token_id=0)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=num_new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
 
 
 def answer(output: Any, prompt: list[int]) -> list[int]:
     """The tokens ``greedy`` generated after ``prompt``."""
-    return list(output.sequences[0].tolist()[len(prompt):])
+    return list(output.sequences[0].tolist()[len(prompt) :])
 
 
 def prefix_of(cache: Any, num_tokens: int) -> Any:
     """A new ``DynamicCache`` holding copies of the first ``num_tokens`` tokens of ``cache`` (unchanged)."""
     from transformers import DynamicCache
 
-    return DynamicCache([(layer.keys[:, :, :num_tokens].clone(), layer.values[:, :, :num_tokens].clone())
-                         for layer in cache.layers])
+    return DynamicCache(
+        [(layer.keys[:, :, :num_tokens].clone(), layer.values[:, :, :num_tokens].clone()) for layer in cache.layers]
+    )
 
 
 def same_tensors(a: Any, b: Any) -> bool:
     """Whether two caches hold the same layers, bit for bit (same shapes, dtypes and devices)."""
     return len(a.layers) == len(b.layers) and all(
         torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) and x.keys.device == y.keys.device
-        for x, y in zip(a.layers, b.layers))
+        for x, y in zip(a.layers, b.layers)
+    )
 
 
 @dataclass
@@ -113,8 +129,9 @@ class Chat:
     num_cached: int
 
 
-def through_the_store(model: Any, tokenizer: Any, store: dss.Store, store_path: Path, *,
-                      staging: StagingPool | None = None) -> Chat:
+def through_the_store(
+    model: Any, tokenizer: Any, store: dss.Store, store_path: Path, *, staging: StagingPool | None = None
+) -> Chat:
     """Turn 1 of the real chat (greedy), its cache saved to session ``chat-1`` and committed; turn 2's
     cache restored by a fresh handle on the store's folder (its host tier is empty: from disk),
     onto the model's device (through ``staging`` if given). Asserts what the store reports."""
@@ -130,7 +147,8 @@ def through_the_store(model: Any, tokenizer: Any, store: dss.Store, store_path: 
     with dss.open(store_path) as fresh:
         result = fresh.resume("chat-1", turn2, tenant_id="t")
         assert (result.matched_tokens, result.tiers) == (num_pages * 32, {"disk": num_pages * 32})
-        cache, num_cached = load_cache(fresh, result, layout, limit=len(turn2) - 1, device=model.device,
-                                       staging=staging)
+        cache, num_cached = load_cache(
+            fresh, result, layout, limit=len(turn2) - 1, device=model.device, staging=staging
+        )
     assert num_cached == cache.get_seq_length() == num_pages * 32
     return Chat(prompt1, turn1, turn2, cache, num_cached)

@@ -24,8 +24,10 @@ def line(i: int) -> list[int]:
 def turns(n: int, seed: int = 0, length: int = 24) -> list[tuple[list[int], list[int]]]:
     """``n`` (user message, answer) pairs of random tokens."""
     rng = random.Random(seed)
-    return [([rng.randrange(1000, 4000) for _ in range(length)], [rng.randrange(1000, 4000) for _ in range(length)])
-            for _ in range(n)]
+    return [
+        ([rng.randrange(1000, 4000) for _ in range(length)], [rng.randrange(1000, 4000) for _ in range(length)])
+        for _ in range(n)
+    ]
 
 
 def prompt(i: int, history: list[tuple[list[int], list[int]]]) -> list[int]:

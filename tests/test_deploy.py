@@ -25,8 +25,27 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dss.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 
-PROMQL_WORDS = {"sum", "min", "max", "by", "on", "and", "or", "unless", "rate", "increase", "offset", "scalar",
-                "histogram_quantile", "ignoring", "group_left", "label_values", "le", "job", "instance"}
+PROMQL_WORDS = {
+    "sum",
+    "min",
+    "max",
+    "by",
+    "on",
+    "and",
+    "or",
+    "unless",
+    "rate",
+    "increase",
+    "offset",
+    "scalar",
+    "histogram_quantile",
+    "ignoring",
+    "group_left",
+    "label_values",
+    "le",
+    "job",
+    "instance",
+}
 """Names in the expressions that are PromQL or target labels, not metrics."""
 
 
@@ -50,21 +69,29 @@ def metric_names(expr: str) -> set[str]:
 
 def connector_metric_names(expr: str) -> set[str]:
     """The vLLM connector metric families an expression reads (a histogram's, without its sample suffix)."""
-    return {re.sub(r"_seconds_(bucket|sum|count)$", "_seconds", name)
-            for name in re.findall(r"\b(vllm:dss_[a-z_]+)\b", expr)}
+    return {
+        re.sub(r"_seconds_(bucket|sum|count)$", "_seconds", name)
+        for name in re.findall(r"\b(vllm:dss_[a-z_]+)\b", expr)
+    }
 
 
 def legend_labels() -> set[str]:
-    return {label for p in dashboard()["panels"] for t in p.get("targets", [])
-            for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", ""))}
+    return {
+        label
+        for p in dashboard()["panels"]
+        for t in p.get("targets", [])
+        for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", ""))
+    }
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, set[str]]]:
     """``sample name -> label names`` of everything a service's /metrics exports after some work
     (with a remote tier: its metrics exist only then)."""
-    svc = Service(tmp_path_factory.mktemp("deploy") / "home",
-                  store_options={"remote_url": redis_url, "remote_prefix": "dss-deploy-test:"})
+    svc = Service(
+        tmp_path_factory.mktemp("deploy") / "home",
+        store_options={"remote_url": redis_url, "remote_prefix": "dss-deploy-test:"},
+    )
     with svc.http:
         svc.create("a")
         svc.commit([1] * 16, "a")
@@ -106,8 +133,12 @@ def test_every_metric_referenced_is_exported(source: str, exported: dict[str, se
 def test_every_label_grouped_by_or_shown_is_exported(exported: dict[str, set[str]]) -> None:
     """``by (tier)`` and ``{{tier}}`` name labels the metrics carry (or Prometheus adds)."""
     known = set().union(*exported.values()) | {"job", "instance", "le"}
-    grouped = {label.strip() for e in dashboard_exprs() + alert_exprs()
-               for group in re.findall(r"by \(([^)]*)\)", e) for label in group.split(",")}
+    grouped = {
+        label.strip()
+        for e in dashboard_exprs() + alert_exprs()
+        for group in re.findall(r"by \(([^)]*)\)", e)
+        for label in group.split(",")
+    }
     assert sorted((grouped | legend_labels()) - known) == []
 
 
@@ -127,9 +158,16 @@ def test_the_dashboard_is_well_formed() -> None:
     variables = {v["name"] for v in dash["templating"]["list"]}
     assert variables == {"datasource", "job", "engine_job"}
     titles = {p["title"] for p in panels}
-    for wanted in ("Hit share per tier (pages)", "Resume latency", "Commits",
-                   "Tier fill against its watermarks", "Erasures", "Connector requests by result",
-                   "Connector loaded tokens by tier", "Connector late misses and failed pages"):
+    for wanted in (
+        "Hit share per tier (pages)",
+        "Resume latency",
+        "Commits",
+        "Tier fill against its watermarks",
+        "Erasures",
+        "Connector requests by result",
+        "Connector loaded tokens by tier",
+        "Connector late misses and failed pages",
+    ):
         assert wanted in titles
 
 
@@ -174,9 +212,13 @@ def test_promtool_accepts_the_alert_rules(promtool: str) -> None:
 
 def test_promtool_parses_every_dashboard_query(promtool: str, tmp_path: Path) -> None:
     """Each panel query, with Grafana's variables filled in, as a recording rule promtool checks."""
-    rules = [{"record": f"dss:panel_{i}",
-              "expr": e.replace("$__rate_interval", "5m").replace("$engine_job", ".*").replace("$job", ".*")}
-             for i, e in enumerate(dashboard_exprs())]
+    rules = [
+        {
+            "record": f"dss:panel_{i}",
+            "expr": e.replace("$__rate_interval", "5m").replace("$engine_job", ".*").replace("$job", ".*"),
+        }
+        for i, e in enumerate(dashboard_exprs())
+    ]
     path = tmp_path / "panels.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
     out = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)

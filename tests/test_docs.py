@@ -53,8 +53,14 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     command = shlex.split(block.text.strip())
     assert command[:5] == [".venv/bin/python", "-m", "mkdocs", "build", "--strict"]
     command[command.index("--site-dir") + 1] = str(tmp_path / "site")
-    done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [sys.executable, *command[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "WARNING" not in done.stderr, done.stderr[-3000:]
     built = {p.relative_to(tmp_path / "site").as_posix() for p in (tmp_path / "site").rglob("index.html")}
@@ -80,8 +86,11 @@ def test_every_public_name_is_documented() -> None:
 def test_every_error_is_in_the_table_of_errors() -> None:
     page = (ROOT / "docs" / "python-api.md").read_text()
     section = page.split("## Errors", 1)[1].split("\n## ", 1)[0]
-    errors = [name for name in dss.__all__
-              if inspect.isclass(getattr(dss, name)) and issubclass(getattr(dss, name), dss.DssError)]
+    errors = [
+        name
+        for name in dss.__all__
+        if inspect.isclass(getattr(dss, name)) and issubclass(getattr(dss, name), dss.DssError)
+    ]
     assert [name for name in errors if f"`{name}`" not in section] == []
 
 
@@ -91,15 +100,17 @@ def test_every_cli_command_has_help_and_is_in_the_reference() -> None:
 
     page = reference.generated("cli")
     names = [path for path, _ in reference.commands(main)]
-    assert {"dss", "dss demo", "dss forget-user", "dss keys add", "dss db upgrade", "dss route",
-            "dss serve"} <= set(names)
+    assert {"dss", "dss demo", "dss forget-user", "dss keys add", "dss db upgrade", "dss route", "dss serve"} <= set(
+        names
+    )
     assert [name for name in names if f"## `{name}`" not in page] == []
 
 
 def test_the_configuration_reference_has_every_setting_and_variable() -> None:
+    from dss_adapters.vllm_settings import Settings
+
     from dss.core import config
     from dss.service import config as server_config
-    from dss_adapters.vllm_settings import Settings
 
     reference = hooks()
     store, server = reference.generated("store-settings"), reference.generated("server-settings")
@@ -116,8 +127,12 @@ def test_the_http_reference_has_every_route() -> None:
     httpapi = hooks().httpapi
     doc = httpapi.openapi()
     page = httpapi.http_reference(doc)
-    missing = [f"{method.upper()} {path}" for path, item in doc["paths"].items() for method in item
-               if f"### `{method.upper()} {path}`" not in page]
+    missing = [
+        f"{method.upper()} {path}"
+        for path, item in doc["paths"].items()
+        for method in item
+        if f"### `{method.upper()} {path}`" not in page
+    ]
     assert missing == []
     assert "### `VersionOut`" not in page and "### VersionOut" in page
 
@@ -131,9 +146,12 @@ def test_every_run_by_marker_names_a_test_that_runs_its_blocks() -> None:
     sources = {path: path.read_text() for path in (ROOT / "tests").glob("test_*.py")}
     wrong = []
     for name in sorted({b.marked("run-by") for b in all_blocks()} - {None}):
-        readers = [path for path, text in sources.items()
-                   if re.search(rf"^def {name}\(.*?(?=^def |\Z)", text, re.S | re.M)
-                   and f'blocks_run_by("{name}")' in text]
+        readers = [
+            path
+            for path, text in sources.items()
+            if re.search(rf"^def {name}\(.*?(?=^def |\Z)", text, re.DOTALL | re.MULTILINE)
+            and f'blocks_run_by("{name}")' in text
+        ]
         if not readers:
             wrong.append(name)
     assert wrong == []
@@ -151,13 +169,19 @@ def test_every_test_the_documentation_names_exists() -> None:
 
 # -- running the blocks of a page --
 
+
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
 def test_the_blocks_of_a_page_work(page: Path, tmp_path: Path) -> None:
     """Every block of the page that no other test runs, in order, in one folder of its own."""
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "DSS_HOME": str(work / "dss-data"), "DSS_MASTER_KEY_FILE": str(tmp_path / "master.key"),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "DSS_HOME": str(work / "dss-data"),
+        "DSS_MASTER_KEY_FILE": str(tmp_path / "master.key"),
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
     for name in ("DSS_CONFIG", "DSS_CATALOG_URL", "DSS_API_KEY", "DSS_SERVER_CONFIG"):
         env.pop(name, None)
     for number, block in enumerate(blocks(page)):
@@ -177,7 +201,7 @@ def _bash(block: Block, work: Path, env: dict[str, str], number: int) -> None:
     for line in logical_lines(block.text):
         words = shlex.split(line, comments=True)
         assignments = [w for w in words if re.fullmatch(r"[A-Z_]+=\S*", w)]
-        words = words[len(assignments):] if words[:len(assignments)] == assignments else words
+        words = words[len(assignments) :] if words[: len(assignments)] == assignments else words
         check = next((c for prefix, c in SHELL if words and words[0].startswith(prefix)), None)
         assert check is not None, f"{block.where}: no test checks this shell line: {line}"
         check(block, line, words, work, env)
@@ -211,22 +235,34 @@ def _pip_line(block: Block, line: str, words: list[str], work: Path, env: dict[s
 def _benchmark_line(block: Block, line: str, words: list[str], work: Path, env: dict[str, str]) -> None:
     script, arguments = words[1], words[2:]
     assert re.fullmatch(r"benchmarks/\w+\.py", script) and (ROOT / script).is_file(), f"{block.where}: {line}"
-    options = {a.split("=")[0] for a in arguments[:arguments.index("--") if "--" in arguments else None]
-               if a.startswith("--")}
+    options = {
+        a.split("=")[0] for a in arguments[: arguments.index("--") if "--" in arguments else None] if a.startswith("--")
+    }
     usage = benchmark_help(script)
     assert [o for o in sorted(options) if not re.search(rf"{o}\b", usage)] == [], f"{block.where}: {line}"
 
 
 @functools.cache
 def benchmark_help(script: str) -> str:
-    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, script, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
-SHELL = (("dss", _dss_line), ("scripts/", _script_line), ("./scripts/", _script_line), ("pip", _pip_line),
-         (".venv/bin/python", _benchmark_line))
+SHELL = (
+    ("dss", _dss_line),
+    ("scripts/", _script_line),
+    ("./scripts/", _script_line),
+    ("pip", _pip_line),
+    (".venv/bin/python", _benchmark_line),
+)
 """How each kind of shell line is checked, by its first word."""
 
 
@@ -236,13 +272,19 @@ def _text(block: Block, work: Path, env: dict[str, str], number: int) -> None:
         return
     folder = work / f"output_{number}"
     folder.mkdir()
-    done = subprocess.run(["bash", "-c", command], cwd=folder, env={**env, "DSS_HOME": str(folder / "dss-data")},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-c", command],
+        cwd=folder,
+        env={**env, "DSS_HOME": str(folder / "dss-data")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     printed = [line.rstrip() for line in done.stdout.splitlines()]
     shown = [line.rstrip() for line in block.text.splitlines()]
     starts = [i for i, line in enumerate(printed) if line == shown[0]]
-    assert any(printed[i:i + len(shown)] == shown for i in starts), f"{block.where}: not what {command} prints"
+    assert any(printed[i : i + len(shown)] == shown for i in starts), f"{block.where}: not what {command} prints"
 
 
 def _yaml(block: Block, work: Path, env: dict[str, str], number: int) -> None:

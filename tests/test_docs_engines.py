@@ -32,8 +32,15 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 def run_python(text: str, folder: Path, timeout_s: int = 900) -> str:
     (folder / "block.py").write_text(text)
-    done = subprocess.run([sys.executable, "block.py"], check=False, cwd=folder, env={**page_env(folder), **ENGINE_ENV},
-                          capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "block.py"],
+        check=False,
+        cwd=folder,
+        env={**page_env(folder), **ENGINE_ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -47,8 +54,12 @@ def test_the_model_helper_block(tmp_path: Path, smollm2_model: Path) -> None:
 def test_the_transformers_block(tmp_path: Path, smollm2_model: Path) -> None:
     """The second turn loads the first turn's full pages (at least one) from dss."""
     (block,) = blocks_run_by("test_the_transformers_block")
-    loaded, total = map(int, re.search(r"^(\d+) of (\d+) prompt tokens loaded from dss$", run_python(
-        block.text, tmp_path), re.MULTILINE).groups())  # type: ignore[union-attr]
+    loaded, total = map(
+        int,
+        re.search(
+            r"^(\d+) of (\d+) prompt tokens loaded from dss$", run_python(block.text, tmp_path), re.MULTILINE
+        ).groups(),
+    )  # type: ignore[union-attr]
     assert loaded >= 32 and loaded % 32 == 0 and loaded < total
 
 
@@ -77,8 +88,15 @@ def run_quick_start(text: str, folder: Path, port: int) -> str:
     """The quick start as one shell script, then the server stopped (the pages of its last answer
     given a moment to reach the disk first, as a reader's next command would)."""
     script = text.replace("8000", str(port)) + "sleep 3\nkill -TERM $!\nwait\n"
-    process = subprocess.Popen(["bash", "-c", script], cwd=folder, env={**page_env(folder), **ENGINE_ENV}, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    process = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=folder,
+        env={**page_env(folder), **ENGINE_ENV},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=900)
     finally:

@@ -26,8 +26,12 @@ from tests.test_docs import BIN, logical_lines
 def page_env(folder: Path) -> dict[str, str]:
     """The environment a reader's shell would have in ``folder``: the venv's ``dss`` first, the
     store and the master key in the folder, no store settings of the test run's own."""
-    env = {**os.environ, "DSS_HOME": str(folder / "dss-data"), "DSS_MASTER_KEY_FILE": str(folder / "master.key"),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "DSS_HOME": str(folder / "dss-data"),
+        "DSS_MASTER_KEY_FILE": str(folder / "master.key"),
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+    }
     for name in ("DSS_CONFIG", "DSS_CATALOG_URL", "DSS_API_KEY", "DSS_SERVER_CONFIG", "DSS_REMOTE_URL", "DSS_NODE_ID"):
         env.pop(name, None)
     return env
@@ -59,18 +63,32 @@ def test_the_service_blocks(tmp_path: Path) -> None:
     try:
         for line in logical_lines(shell.text.replace("8077", port)):
             if shlex.split(line, comments=True)[:2] == ["dss", "serve"]:
-                server = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=tmp_path, env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                server = subprocess.Popen(
+                    ["bash", "-c", f"exec {line}"],
+                    cwd=tmp_path,
+                    env=env,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
                 wait_healthy(f"http://127.0.0.1:{port}/healthz", server)
                 continue
-            done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                  timeout=120)
+            done = subprocess.run(
+                ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+            )
             assert done.returncode == 0, done.stderr
-            key = key or re.search(r"^dss_\S+$", done.stdout, re.M).group(0)  # type: ignore[union-attr]
+            key = key or re.search(r"^dss_\S+$", done.stdout, re.MULTILINE).group(0)  # type: ignore[union-attr]
         assert server is not None and key is not None
         (tmp_path / "client.py").write_text(client.text.replace("8077", port))
-        done = subprocess.run([sys.executable, "client.py"], cwd=tmp_path, env={**env, "DSS_API_KEY": key},
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "client.py"],
+            cwd=tmp_path,
+            env={**env, "DSS_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["32", "{'host':", "32}"]
     finally:
@@ -83,11 +101,13 @@ def test_the_fleet_node_block(tmp_path: Path, pg_url: str, redis_url: str) -> No
     """A node's set-up on the fleet page: its master key, its environment, ``dss db upgrade`` and
     ``dss check`` against the shared catalog and Redis."""
     (block,) = blocks_run_by("test_the_fleet_node_block")
-    text = (block.text.replace("postgresql+psycopg://dss@db.internal/dss", shlex.quote(pg_url))
-            .replace("redis://cache.internal:6379/0", redis_url))
+    text = block.text.replace("postgresql+psycopg://dss@db.internal/dss", shlex.quote(pg_url)).replace(
+        "redis://cache.internal:6379/0", redis_url
+    )
     assert "db.internal" not in text and "cache.internal" not in text
-    done = subprocess.run(["bash", "-e", "-c", text], cwd=tmp_path, env=page_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-e", "-c", text], cwd=tmp_path, env=page_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "master.key").stat().st_size == 32
     assert (tmp_path / "node-1").is_dir()

@@ -57,31 +57,60 @@ print(json.dumps(sorted(str(p) for p in files if any(n in p.read_bytes() for n i
 def found(folder: Path, needles: list[bytes]) -> list[str]:
     """The files under ``folder`` holding any of ``needles``, read by a child process: a process
     with the store open must not open the catalog's files itself (closing one drops its locks)."""
-    done = subprocess.run([sys.executable, "-c", FIND], input=json.dumps([str(folder), [n.hex() for n in needles]]),
-                          capture_output=True, text=True, check=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", FIND],
+        input=json.dumps([str(folder), [n.hex() for n in needles]]),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(done.stdout)
 
 
-NEEDLES = [canary_page(i)[:32] for i in (*range(9), 16, 24)] + [pack(CANARY_TOKENS)[i : i + 32] for i in range(0, 224, 32)]
+NEEDLES = [canary_page(i)[:32] for i in (*range(9), 16, 24)] + [
+    pack(CANARY_TOKENS)[i : i + 32] for i in range(0, 224, 32)
+]
 
 
 def test_plan_receipt_and_audit(store: dss.Store) -> None:
     populate(store)
     plan = store.forget_user("alice", tenant_id="acme", dry_run=True)
     assert {k: getattr(plan, k) for k in ("user_known", "key_present", "sessions", "versions", "pages")} == {
-        "user_known": True, "key_present": True, "sessions": 4, "versions": 5, "pages": 11}
+        "user_known": True,
+        "key_present": True,
+        "sessions": 4,
+        "versions": 5,
+        "pages": 11,
+    }
     assert plan.tiers["disk"].pages == 11 and plan.tiers["disk"].files == 3
     assert plan.tiers["host"].model_dump(exclude_none=True) == {"pages": 11, "bytes": 11 * 256}
     assert len(store.sessions()) == 6  # a dry run changes nothing
     receipt = store.forget_user("alice", tenant_id="acme")
     assert {k: getattr(receipt, k) for k in ("kind", "tenant_id", "user_id", "user_known", "key_destroyed")} == {
-        "kind": "forget-user", "tenant_id": "acme", "user_id": "alice", "user_known": True, "key_destroyed": True}
-    assert receipt.removed.model_dump(exclude_none=True) == {"sessions": 4, "versions": 5, "pages": 11, "tiers": {
-        "disk": {"pages": 11, "bytes": plan.tiers["disk"].bytes, "files": 3},
-        "host": {"pages": 11, "bytes": 11 * 256}}}
+        "kind": "forget-user",
+        "tenant_id": "acme",
+        "user_id": "alice",
+        "user_known": True,
+        "key_destroyed": True,
+    }
+    assert receipt.removed.model_dump(exclude_none=True) == {
+        "sessions": 4,
+        "versions": 5,
+        "pages": 11,
+        "tiers": {
+            "disk": {"pages": 11, "bytes": plan.tiers["disk"].bytes, "files": 3},
+            "host": {"pages": 11, "bytes": 11 * 256},
+        },
+    }
     assert receipt.status == "verified" and receipt.verification is not None
     assert receipt.verification.ok and [c.name for c in receipt.verification.checks] == [
-        "catalog rows", "page files", "host tier", "catalog files", "lsh index"]
+        "catalog rows",
+        "page files",
+        "host tier",
+        "catalog files",
+        "lsh index",
+    ]
     assert len(receipt.page_ids_sha256) == 64
     (entry,) = store.audit()
     assert entry.receipt == receipt and entry.user_id == "alice"
@@ -90,8 +119,7 @@ def test_plan_receipt_and_audit(store: dss.Store) -> None:
     assert store.read_pages(store.resume("bob-1", [101] * 64).pages)[0] == other_page(8)
     assert store.check() == []
     again = store.forget_user("alice", tenant_id="acme")  # nothing left: a receipt that says so
-    assert (again.status, again.user_known, again.removed.pages, again.verification) == (
-        "no_such_user", False, 0, None)
+    assert (again.status, again.user_known, again.removed.pages, again.verification) == ("no_such_user", False, 0, None)
     assert [e.receipt.status for e in store.audit()] == ["verified", "no_such_user"]
 
 
@@ -112,12 +140,24 @@ def test_forget_user_of_no_such_user_is_a_distinct_receipt_and_audit_row(store: 
     populate(store)
     plan = store.forget_user("alice", tenant_id="default", dry_run=True)
     assert (plan.tenant_id, plan.user_known, plan.key_present, plan.sessions, plan.pages) == (
-        "default", False, False, 0, 0)
+        "default",
+        False,
+        False,
+        0,
+        0,
+    )
     receipt = store.forget_user("alice", tenant_id="default")
     assert receipt.model_dump(exclude={"started_at", "finished_at"}, exclude_none=True) == {
-        "kind": "forget-user", "erasure_id": 1, "tenant_id": "default", "user_id": "alice", "status": "no_such_user",
-        "user_known": False, "key_destroyed": False, "removed": {"sessions": 0, "versions": 0, "pages": 0, "tiers": {}},
-        "page_ids_sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
+        "kind": "forget-user",
+        "erasure_id": 1,
+        "tenant_id": "default",
+        "user_id": "alice",
+        "status": "no_such_user",
+        "user_known": False,
+        "key_destroyed": False,
+        "removed": {"sessions": 0, "versions": 0, "pages": 0, "tiers": {}},
+        "page_ids_sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    }
     (entry,) = store.audit()
     assert (entry.tenant_id, entry.user_id, entry.receipt) == ("default", "alice", receipt)
     with store.catalog.read() as conn:
@@ -131,10 +171,15 @@ def test_canaries_leave_no_byte_in_the_store_folder(tmp_path: Path, encrypt: boo
     with dss.open(folder, encrypt=encrypt) as store:
         populate(store)
         with store.catalog.engine.connect() as conn:  # sql() may not read user_keys
-            (wrapped,) = conn.exec_driver_sql("SELECT k.wrapped FROM user_keys k JOIN users u ON u.id = k.user_ref "
-                                              "WHERE u.user_id = 'alice'").one()
-        alice_files = [folder / "segments" / name for (name,) in store.sql(
-            "SELECT g.name FROM segments g JOIN users u ON u.id = g.user_ref WHERE u.user_id = 'alice'").rows]
+            (wrapped,) = conn.exec_driver_sql(
+                "SELECT k.wrapped FROM user_keys k JOIN users u ON u.id = k.user_ref WHERE u.user_id = 'alice'"
+            ).one()
+        alice_files = [
+            folder / "segments" / name
+            for (name,) in store.sql(
+                "SELECT g.name FROM segments g JOIN users u ON u.id = g.user_ref WHERE u.user_id = 'alice'"
+            ).rows
+        ]
         ciphertext = [f.read_bytes()[100:132] for f in alice_files]
         if encrypt:
             assert found(folder, NEEDLES) == []  # sealed at rest: no plaintext ever
@@ -227,10 +272,18 @@ def test_master_key_must_live_outside_and_match(tmp_path: Path) -> None:
 
 def test_the_job_keeps_no_page_id_and_no_file_name(store: dss.Store) -> None:
     populate(store)
-    ids = [bytes(r[0]) for r in store.sql("SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref "
-                                           "WHERE u.user_id = 'alice'").rows]
-    names = [r[0] for r in store.sql("SELECT g.name FROM segments g JOIN users u ON u.id = g.user_ref "
-                                     "WHERE u.user_id = 'alice'").rows]
+    ids = [
+        bytes(r[0])
+        for r in store.sql(
+            "SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref WHERE u.user_id = 'alice'"
+        ).rows
+    ]
+    names = [
+        r[0]
+        for r in store.sql(
+            "SELECT g.name FROM segments g JOIN users u ON u.id = g.user_ref WHERE u.user_id = 'alice'"
+        ).rows
+    ]
     assert (len(ids), len(names)) == (11, 3)
     receipt = store.forget_user("alice", tenant_id="acme")
     (plan,) = [r[0] for r in store.sql("SELECT plan FROM erasures").rows]
@@ -248,15 +301,23 @@ def test_the_scanner_finds_hex_and_binary_ids_by_their_needles(tmp_path: Path, m
     binary, text, upper, absent = (bytes([n]) * 4 + os.urandom(12) for n in (1, 2, 3, 4))
     needles = [rawscan.needle(i) for i in (binary, text, upper, absent)]
     decoy = absent[:4] + bytes(12)  # the prefix of a needle, but not its id
-    files = {"bin": b"x" * 1000 + binary + b"y" * 7, "hex": b'{"id": "' + text.hex().encode() + b'"}',
-             "upper": b"X'" + upper.hex().upper().encode() + b"'", "decoy": decoy + decoy.hex().encode(),
-             "empty": b""}
+    files = {
+        "bin": b"x" * 1000 + binary + b"y" * 7,
+        "hex": b'{"id": "' + text.hex().encode() + b'"}',
+        "upper": b"X'" + upper.hex().upper().encode() + b"'",
+        "decoy": decoy + decoy.hex().encode(),
+        "empty": b"",
+    }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     paths = [str(tmp_path / name) for name in (*files, "missing")]
     assert rawscan.scan(paths, needles) == {
-        str(tmp_path / "bin"): 1, str(tmp_path / "hex"): 1, str(tmp_path / "upper"): 1,
-        str(tmp_path / "decoy"): 0, str(tmp_path / "empty"): 0}
+        str(tmp_path / "bin"): 1,
+        str(tmp_path / "hex"): 1,
+        str(tmp_path / "upper"): 1,
+        str(tmp_path / "decoy"): 0,
+        str(tmp_path / "empty"): 0,
+    }
     assert all(i.hex() not in json.dumps(needles) for i in (binary, text, upper, absent))
     monkeypatch.setattr(rawscan, "CHUNK_BYTES", 7)  # every id straddles reads
     assert [rawscan.found_in(p, needles) for p in paths[:5]] == [1, 1, 1, 0, 0]
@@ -283,9 +344,13 @@ def test_erasures_among_many_commits_leave_no_page_id_in_the_catalog(tmp_path: P
                 tokens = [rng.randrange(1000) for _ in range(16 * 8)]
                 store.commit(user, tokens, {i: canary_page(i) for i in range(16)})
             if step % 10 == 5:
-                erased += [bytes(r[0]) for r in store.sql(
-                    "SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref WHERE u.user_id = :u",
-                    {"u": user}).rows]
+                erased += [
+                    bytes(r[0])
+                    for r in store.sql(
+                        "SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref WHERE u.user_id = :u",
+                        {"u": user},
+                    ).rows
+                ]
                 assert store.forget_user(user, tenant_id="acme").verification.ok
             versions = store.versions("busy")
             if versions and rng.random() < 0.3:
@@ -350,10 +415,14 @@ def test_a_failed_verification_sweeps_once_then_the_job_is_final_and_reported(st
     monkeypatch.setattr(store.eraser, "verify", once)
     receipt = store.forget_user("alice", tenant_id="acme")
     assert receipt.status == "verified" and receipt.verification is not None and receipt.verification.ok
-    monkeypatch.setattr(store.eraser, "verify",
-                        lambda *args: [*verify(*args), Check(name="planted", ok=False, detail="1 left")])
-    with pytest.raises(dss.ErasureIncomplete, match=r"erasure 2 failed verification twice \(its receipt, status "
-                                                    r"'failed', is in the audit table\): planted: 1 left"):
+    monkeypatch.setattr(
+        store.eraser, "verify", lambda *args: [*verify(*args), Check(name="planted", ok=False, detail="1 left")]
+    )
+    with pytest.raises(
+        dss.ErasureIncomplete,
+        match=r"erasure 2 failed verification twice \(its receipt, status "
+        r"'failed', is in the audit table\): planted: 1 left",
+    ):
         store.forget_user("bob", tenant_id="acme")
     with pytest.raises(dss.ErasureIncomplete, match="erasure 2 failed verification twice"):
         store.eraser.run(2)  # final: running it again reports the same, changes nothing

@@ -40,8 +40,13 @@ def job_recorded(folder: Path) -> bool:
 
 
 def run_victim(folder: Path, point: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tests.erase_child", str(folder), point], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.erase_child", str(folder), point],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_kill_at_every_step_then_finish(template: Path, tmp_path: Path) -> None:
@@ -52,8 +57,9 @@ def test_kill_at_every_step_then_finish(template: Path, tmp_path: Path) -> None:
     _, statements, unlinks, ok = done.stdout.split()
     statements, unlinks = int(statements), int(unlinks)
     assert ok == "True" and unlinks == 3 and statements >= 20
-    points = [f"sql:{n}" for n in range(1, statements + 1, max(1, statements // 24))] + \
-             [f"unlink:{n}" for n in range(1, unlinks + 1)]
+    points = [f"sql:{n}" for n in range(1, statements + 1, max(1, statements // 24))] + [
+        f"unlink:{n}" for n in range(1, unlinks + 1)
+    ]
     assert len(points) >= 20
     for n, point in enumerate(points):
         folder = tmp_path / f"kill-{n}"

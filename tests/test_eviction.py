@@ -31,7 +31,12 @@ def test_host_tier_evicts_least_recently_used(open_store) -> None:
     refs = store.resume("s", t).pages
     assert store.read_pages(refs[:2]) == [pages(t)[0], pages(t)[1]]
     assert [(p.index, p.tier) for p in store.resume("s", t).pages] == [
-        (0, "host"), (1, "host"), (2, "disk"), (3, "disk"), (4, "host")]
+        (0, "host"),
+        (1, "host"),
+        (2, "disk"),
+        (3, "disk"),
+        (4, "host"),
+    ]
     assert store.host.used_bytes == 3 * 1024
     assert store.check() == []
 
@@ -47,7 +52,11 @@ def test_full_disk_drops_oldest_segments_and_keeps_tokens(open_store) -> None:
     # used 3 segments + 1 new > capacity: free down to 95 % => the two oldest go from disk;
     # this process still holds them in its host tier
     assert {n: store.resume(f"s{n}", toks(n)).tiers for n in (1, 2, 3, 4)} == {
-        1: {"host": 16}, 2: {"host": 16}, 3: {"host": 16}, 4: {"host": 16}}
+        1: {"host": 16},
+        2: {"host": 16},
+        3: {"host": 16},
+        4: {"host": 16},
+    }
     assert sum(store.disk.files().values()) == 2 * SEGMENT
     assert store.check() == []
     store.close()
@@ -61,17 +70,17 @@ def test_pages_only_old_versions_hold_go_first(open_store) -> None:
     store = open_store(disk_bytes=4 * SEGMENT + 1000, host_bytes=0)  # room to free: one segment
     store.create_session("s", layout=LAYOUT)
     a = toks(1, 16)
-    v1 = store.commit("s", a, pages(a))                      # segment A: pages 0-3
+    v1 = store.commit("s", a, pages(a))  # segment A: pages 0-3
     b = a + toks(2, 16)
-    store.commit("s", b, pages(b, first=4))                  # segment B: pages 4-7 (version 2 only)
+    store.commit("s", b, pages(b, first=4))  # segment B: pages 4-7 (version 2 only)
     store.create_session("t", layout=LAYOUT)
-    store.commit("t", toks(3), pages(toks(3)))               # segment C: version 3
+    store.commit("t", toks(3), pages(toks(3)))  # segment C: version 3
     store.rollback("s", v1.version_id)
     d = a + toks(4, 16)
-    store.commit("s", d, pages(d, first=4))                  # segment D: version 4, which also holds A
+    store.commit("s", d, pages(d, first=4))  # segment D: version 4, which also holds A
     store.create_session("u", layout=LAYOUT)
-    store.commit("u", toks(5), pages(toks(5)))               # needs room: B (newest version 2) goes first
-    assert store.resume("s", b).matched_tokens == 16         # the abandoned branch lost its own pages
+    store.commit("u", toks(5), pages(toks(5)))  # needs room: B (newest version 2) goes first
+    assert store.resume("s", b).matched_tokens == 16  # the abandoned branch lost its own pages
     assert store.resume("s", d).matched_tokens == 32
     assert store.resume("t", toks(3)).matched_tokens == 16
     assert store.resume("u", toks(5)).matched_tokens == 16

@@ -42,7 +42,12 @@ class Node:
     def __init__(self, folder: Path, url: str, remote_url: str, prefix: str, node_id: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.fleet_child", str(folder), url, remote_url, prefix, node_id],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert self.read() == "ready"
 
     def read(self) -> str:
@@ -119,7 +124,8 @@ def keys_of(remote_url: str, prefix: str) -> list[bytes]:
 
 
 def test_a_session_committed_on_one_node_resumes_on_another_from_the_remote_tier(
-        nodes: list[Node], remote_url: str, prefix: str) -> None:
+    nodes: list[Node], remote_url: str, prefix: str
+) -> None:
     a, b, c = nodes
     assert a.ask("commit chat-1 alice 40") == "ack 1 40"
     assert a.ask("flush") == "flushed True"
@@ -140,8 +146,9 @@ def test_a_session_committed_on_one_node_resumes_on_another_from_the_remote_tier
 
 
 @ON_REDIS_ONLY
-def test_a_node_killed_mid_write_loses_no_acknowledged_commit(tmp_path: Path, fleet_url: str, redis_url: str,
-                                                             prefix: str) -> None:
+def test_a_node_killed_mid_write_loses_no_acknowledged_commit(
+    tmp_path: Path, fleet_url: str, redis_url: str, prefix: str
+) -> None:
     a = Node(tmp_path / "a", fleet_url, redis_url, prefix, "node-a")
     b = Node(tmp_path / "b", fleet_url, redis_url, prefix, "node-b")
     try:
@@ -156,8 +163,9 @@ def test_a_node_killed_mid_write_loses_no_acknowledged_commit(tmp_path: Path, fl
     finally:
         b.close()
         a.close()
-    with dss.open(tmp_path / "b", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix,
-                  node_id="node-b") as store:
+    with dss.open(
+        tmp_path / "b", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix, node_id="node-b"
+    ) as store:
         tokens = store.tokens("victim")
         assert len(tokens) >= last and tokens[:last] == [i % 1000 for i in range(last)]
         versions = {v.version_id: v.num_tokens for v in store.versions("victim")}
@@ -166,8 +174,9 @@ def test_a_node_killed_mid_write_loses_no_acknowledged_commit(tmp_path: Path, fl
             assert versions[int(version_id)] == int(num_tokens)
     # every page B read is byte-exact; the last pages may miss (A died before writing them through)
     assert exact + missed == matched // PAGE_TOKENS and exact > 0 and set(tiers) <= {"remote"}
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix,
-                  node_id="node-a") as store:  # node A comes back: every acknowledged page is on its disk
+    with dss.open(
+        tmp_path / "a", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix, node_id="node-a"
+    ) as store:  # node A comes back: every acknowledged page is on its disk
         tokens = store.tokens("victim")
         result = store.resume("victim", tokens)
         assert result.matched_tokens == len(tokens) // PAGE_TOKENS * PAGE_TOKENS
@@ -175,8 +184,9 @@ def test_a_node_killed_mid_write_loses_no_acknowledged_commit(tmp_path: Path, fl
         assert store.check() == []
 
 
-def test_forget_user_leaves_none_of_their_keys_in_redis(nodes: list[Node], tmp_path: Path, remote_url: str,
-                                                        prefix: str) -> None:
+def test_forget_user_leaves_none_of_their_keys_in_redis(
+    nodes: list[Node], tmp_path: Path, remote_url: str, prefix: str
+) -> None:
     a, b, _ = nodes
     assert a.ask("commit erin-1 erin 40") == "ack 1 40"
     assert a.ask("commit frank-1 frank 24") == "ack 2 24"
@@ -202,7 +212,8 @@ def page_keys_of(remote_url: str, prefix: str) -> list[bytes]:
 
 
 def test_an_erasure_fences_the_namespace_while_another_node_commits_in_a_loop(
-        tmp_path: Path, fleet_url: str, remote_url: str, prefix: str) -> None:
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str
+) -> None:
     """Node B commits to a session of ``bea`` in a loop (each write-through racing to Redis)
     while node A erases ``bea``, pausing 0.5 s before each step (so the fence stands 0.5 s
     while the key still exists, then 0.5 s more with the key destroyed): A's erasure ends
@@ -258,13 +269,20 @@ def test_an_erasure_fences_the_namespace_while_another_node_commits_in_a_loop(
 
 
 @ON_REDIS_ONLY
-def test_another_nodes_commit_arrives_by_notification_within_the_bound(tmp_path: Path, fleet_url: str,
-                                                                        redis_url: str, prefix: str) -> None:
+def test_another_nodes_commit_arrives_by_notification_within_the_bound(
+    tmp_path: Path, fleet_url: str, redis_url: str, prefix: str
+) -> None:
     """With polling every 60 s, only a notification can tell node C of A's commit in under 2 s."""
     a = Node(tmp_path / "a", fleet_url, redis_url, prefix, "node-a")
     try:
-        with dss.open(tmp_path / "c", catalog_url=fleet_url, remote_url=redis_url, remote_prefix=prefix,
-                      node_id="node-c", feed_poll_s=60) as c:
+        with dss.open(
+            tmp_path / "c",
+            catalog_url=fleet_url,
+            remote_url=redis_url,
+            remote_prefix=prefix,
+            node_id="node-c",
+            feed_poll_s=60,
+        ) as c:
             assert a.ask("commit chat dana 16") == "ack 1 16"
             assert c.resume("chat", [i % 1000 for i in range(16)]).matched_tokens == 16  # C caches the session now
             time.sleep(0.5)  # the poll C makes right after connecting is behind it
@@ -307,9 +325,23 @@ class OwnRedis:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen([servers.redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                                         "--dir", str(self.folder), "--save", "", "--appendonly", "no"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [
+                servers.redis_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.folder),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -322,8 +354,12 @@ class OwnRedis:
     def shutdown(self) -> None:
         """``redis-cli shutdown nosave`` (the same command through redis-py where there is no redis-cli)."""
         if shutil.which("redis-cli"):
-            subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "nosave"], check=False,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                ["redis-cli", "-p", str(self.port), "shutdown", "nosave"],
+                check=False,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         else:
             try:
                 redis.Redis(port=self.port).shutdown(nosave=True)
@@ -357,16 +393,20 @@ def kill_connections(url: str, application_name: str) -> int:
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
-            return len(conn.execute(sa.text(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :name"),
-                {"name": application_name}).all())
+            return len(
+                conn.execute(
+                    sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :name"),
+                    {"name": application_name},
+                ).all()
+            )
     finally:
         engine.dispose()
 
 
 @pytest.mark.slow
 def test_redis_restarted_and_catalog_connections_killed_degrade_and_recover(
-        tmp_path: Path, fleet_url: str, own_redis: OwnRedis) -> None:
+    tmp_path: Path, fleet_url: str, own_redis: OwnRedis
+) -> None:
     prefix = "dss:"
     name = f"dss-test-{uuid.uuid4().hex[:8]}"
     url = f"{fleet_url}&application_name={name}"
@@ -401,8 +441,7 @@ def test_redis_restarted_and_catalog_connections_killed_degrade_and_recover(
 def test_an_unreachable_remote_tier_misses_counts_and_opens_its_breaker() -> None:
     from dss.tiers.remote import BREAKER_FAILURES, RemoteTier
 
-    tier = RemoteTier(f"redis://127.0.0.1:{servers.free_port()}/0", prefix="x:", timeout_s=0.2,
-                      max_pending_bytes=100)
+    tier = RemoteTier(f"redis://127.0.0.1:{servers.free_port()}/0", prefix="x:", timeout_s=0.2, max_pending_bytes=100)
     try:
         assert tier.is_up
         for _ in range(BREAKER_FAILURES):
@@ -418,8 +457,9 @@ def test_an_unreachable_remote_tier_misses_counts_and_opens_its_breaker() -> Non
         tier.close()
 
 
-def test_a_remote_value_that_is_not_the_page_is_a_miss(tmp_path: Path, fleet_url: str, remote_url: str,
-                                                       prefix: str) -> None:
+def test_a_remote_value_that_is_not_the_page_is_a_miss(
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str
+) -> None:
     options = {"catalog_url": fleet_url, "remote_url": remote_url, "remote_prefix": prefix}
     tokens = list(range(16))
     with dss.open(tmp_path / "a", node_id="node-a", **options) as a:
@@ -457,6 +497,7 @@ def test_a_folder_joins_a_fleet_only_when_named(tmp_path: Path, fleet_url: str) 
 def test_each_node_evicts_and_counts_only_its_own_files(tmp_path: Path, fleet_url: str) -> None:
     """Two nodes with disks of 3 segments each: node A overflowing its disk drops only its own
     oldest segments; node B's files, pages and byte count are untouched."""
+
     def tokens_of(k: int) -> list[int]:
         return [k * 100 + i for i in range(16)]
 
@@ -465,9 +506,12 @@ def test_each_node_evicts_and_counts_only_its_own_files(tmp_path: Path, fleet_ur
         b.commit("b", tokens_of(0), {i: payload(tokens_of(0), i) for i in range(2)})
         segment = b.stats()["disk"]["bytes"]
         assert segment > 0
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, node_id="node-a", host_bytes=0,
-                  disk_bytes=3 * segment, mover=False) as a, \
-            dss.open(tmp_path / "b", catalog_url=fleet_url, node_id="node-b", host_bytes=0) as b:
+    with (
+        dss.open(
+            tmp_path / "a", catalog_url=fleet_url, node_id="node-a", host_bytes=0, disk_bytes=3 * segment, mover=False
+        ) as a,
+        dss.open(tmp_path / "b", catalog_url=fleet_url, node_id="node-b", host_bytes=0) as b,
+    ):
         for k in range(1, 6):
             a.create_session(f"a{k}", user_id="ivy", layout=LAYOUT)
             a.commit(f"a{k}", tokens_of(k), {i: payload(tokens_of(k), i) for i in range(2)})
@@ -482,11 +526,13 @@ def test_each_node_evicts_and_counts_only_its_own_files(tmp_path: Path, fleet_ur
         assert a.check() == [] and b.check() == []
 
 
-def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(tmp_path: Path, fleet_url: str,
-                                                                           own_redis: OwnRedis) -> None:
+def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(
+    tmp_path: Path, fleet_url: str, own_redis: OwnRedis
+) -> None:
     tokens = list(range(24))
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=own_redis.url, node_id="node-a",
-                  remote_timeout_s=0.3) as a:
+    with dss.open(
+        tmp_path / "a", catalog_url=fleet_url, remote_url=own_redis.url, node_id="node-a", remote_timeout_s=0.3
+    ) as a:
         a.create_session("s", user_id="jo", layout=LAYOUT)
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
@@ -509,11 +555,13 @@ def test_an_erasure_with_redis_down_stays_open_until_it_can_delete_the_keys(tmp_
         assert a.check() == []
 
 
-def test_the_receipt_counts_the_remote_keys_it_deleted(tmp_path: Path, fleet_url: str, remote_url: str,
-                                                      prefix: str) -> None:
+def test_the_receipt_counts_the_remote_keys_it_deleted(
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str
+) -> None:
     tokens = list(range(24))
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix,
-                  node_id="node-a") as a:
+    with dss.open(
+        tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix, node_id="node-a"
+    ) as a:
         a.create_session("s", user_id="kim", layout=LAYOUT)
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
@@ -532,17 +580,21 @@ def key_hexes(remote_url: str, prefix: str) -> set[str]:
     return {k.decode().rsplit(":", 1)[1] for k in keys_of(remote_url, prefix)}
 
 
-def test_a_deleted_sessions_pages_leave_the_remote_tier_and_shared_ones_stay(tmp_path: Path, fleet_url: str,
-                                                                              remote_url: str, prefix: str) -> None:
+def test_a_deleted_sessions_pages_leave_the_remote_tier_and_shared_ones_stay(
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str
+) -> None:
     tokens, other = list(range(24)), [*range(16), *[999] * 8]  # "t" shares pages 0 and 1 with "s"
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix,
-                  node_id="node-a") as a:
+    with dss.open(
+        tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix, node_id="node-a"
+    ) as a:
         for session_id, user_id, these in (("s", "lee", tokens), ("t", "lee", other), ("u", "mo", tokens)):
             a.create_session(session_id, user_id=user_id, layout=LAYOUT)
             a.commit(session_id, these, {i: payload(these, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
-        ids = {name: [p.page_id.hex() for p in a.resume(name, these).pages]
-               for name, these in (("s", tokens), ("t", other), ("u", tokens))}
+        ids = {
+            name: [p.page_id.hex() for p in a.resume(name, these).pages]
+            for name, these in (("s", tokens), ("t", other), ("u", tokens))
+        }
         assert ids["s"][:2] == ids["t"][:2] and not set(ids["u"]) & set(ids["s"])
         assert key_hexes(remote_url, prefix) == {*ids["s"], *ids["t"], *ids["u"]}
         assert a.delete_session("s") == 1  # pages 0 and 1 stay: "t" holds them
@@ -555,19 +607,28 @@ def test_a_deleted_sessions_pages_leave_the_remote_tier_and_shared_ones_stay(tmp
         assert a.check() == []
 
 
-def test_a_quarantined_pages_remote_key_is_deleted(tmp_path: Path, fleet_url: str, remote_url: str,
-                                                   prefix: str) -> None:
+def test_a_quarantined_pages_remote_key_is_deleted(
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str
+) -> None:
     tokens = list(range(24))
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=remote_url, remote_prefix=prefix,
-                  node_id="node-a", host_bytes=0) as a:
+    with dss.open(
+        tmp_path / "a",
+        catalog_url=fleet_url,
+        remote_url=remote_url,
+        remote_prefix=prefix,
+        node_id="node-a",
+        host_bytes=0,
+    ) as a:
         a.create_session("s", user_id="nia", layout=LAYOUT)
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
         ids = [p.page_id.hex() for p in a.resume("s", tokens).pages]
         assert key_hexes(remote_url, prefix) == set(ids)
-        (offset, length), = a.sql('SELECT l."offset", l.length FROM page_locations l JOIN pages p '
-                                  "ON p.page_id = l.page_id WHERE p.page_index = 1").rows
-        segment, = (tmp_path / "a" / "segments").iterdir()
+        ((offset, length),) = a.sql(
+            'SELECT l."offset", l.length FROM page_locations l JOIN pages p '
+            "ON p.page_id = l.page_id WHERE p.page_index = 1"
+        ).rows
+        (segment,) = (tmp_path / "a" / "segments").iterdir()
         data = bytearray(segment.read_bytes())
         data[offset + length - 1] ^= 0x40  # the last byte of page 1's record
         segment.write_bytes(bytes(data))
@@ -577,11 +638,13 @@ def test_a_quarantined_pages_remote_key_is_deleted(tmp_path: Path, fleet_url: st
         assert a.check() == []
 
 
-def test_pages_a_full_disk_evicted_keep_their_remote_keys(tmp_path: Path, fleet_url: str, remote_url: str,
-                                                          prefix: str) -> None:
+def test_pages_a_full_disk_evicted_keep_their_remote_keys(
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str
+) -> None:
     """Eviction is one node's disk making room: its pages' keys are left to Redis's own
     eviction. (The catalog keeps one disk copy of a page in the fleet, so it drops an evicted
     page: no node asks for that key again.)"""
+
     def tokens_of(k: int) -> list[int]:
         return [k * 100 + i for i in range(16)]
 
@@ -601,15 +664,16 @@ def test_pages_a_full_disk_evicted_keep_their_remote_keys(tmp_path: Path, fleet_
         assert a.check() == []
 
 
-def test_a_deletion_redis_cannot_take_now_never_fails_the_write(tmp_path: Path, fleet_url: str,
-                                                                own_redis: OwnRedis,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_deletion_redis_cannot_take_now_never_fails_the_write(
+    tmp_path: Path, fleet_url: str, own_redis: OwnRedis, caplog: pytest.LogCaptureFixture
+) -> None:
     """Redis paused for writes (``CLIENT PAUSE``): deleting the session succeeds at once; the
     deletion of its keys fails, is counted and logged, and is done once Redis takes writes again."""
     tokens = list(range(24))
     caplog.set_level(logging.WARNING, logger="dss.tiers.remote")
-    with dss.open(tmp_path / "a", catalog_url=fleet_url, remote_url=own_redis.url, node_id="node-a",
-                  remote_timeout_s=0.3) as a:
+    with dss.open(
+        tmp_path / "a", catalog_url=fleet_url, remote_url=own_redis.url, node_id="node-a", remote_timeout_s=0.3
+    ) as a:
         a.create_session("s", user_id="pat", layout=LAYOUT)
         a.commit("s", tokens, {i: payload(tokens, i) for i in range(3)})
         assert a.remote is not None and a.remote.flush()
@@ -628,13 +692,16 @@ def test_a_deletion_redis_cannot_take_now_never_fails_the_write(tmp_path: Path, 
 
 @pytest.mark.parametrize("remote_url", ["cluster"], indirect=True)
 def test_a_stopped_cluster_master_degrades_resumes_and_never_fails_a_request(
-        tmp_path: Path, fleet_url: str, remote_url: str, prefix: str, redis_cluster: servers.RedisCluster) -> None:
+    tmp_path: Path, fleet_url: str, remote_url: str, prefix: str, redis_cluster: servers.RedisCluster
+) -> None:
     """The master holding the user's slot stops (its keys are lost: no persistence): node B's
     reads miss, node A's commits go on; once it is back, what A wrote meanwhile reaches it."""
     options = {"catalog_url": fleet_url, "remote_url": remote_url, "remote_prefix": prefix, "remote_timeout_s": 0.3}
     tokens = [i % 1000 for i in range(32)]
-    with dss.open(tmp_path / "a", node_id="node-a", **options) as a, \
-            dss.open(tmp_path / "b", node_id="node-b", **options) as b:
+    with (
+        dss.open(tmp_path / "a", node_id="node-a", **options) as a,
+        dss.open(tmp_path / "b", node_id="node-b", **options) as b,
+    ):
         a.create_session("chat", user_id="quin", layout=LAYOUT)
         a.commit("chat", tokens[:16], {i: payload(tokens, i) for i in range(2)})
         assert a.remote is not None and a.remote.flush()

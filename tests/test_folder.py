@@ -80,17 +80,21 @@ def _in_the_way(home: Path, name: str, kind: str) -> None:
         (home / name).write_text("in the way")
 
 
-@pytest.mark.parametrize(("name", "kind", "message"), [
-    (".lock", "folder", "cannot open the lock file {home}/.lock: Is a directory"),
-    ("catalog.db", "folder", "cannot open the catalog file {home}/catalog.db: Is a directory"),
-    (ID_FILE, "folder", "cannot read the store id file {home}/store-id: Is a directory"),
-    ("epoch", "folder", "cannot open the epoch file {home}/epoch: Is a directory"),
-    ("segments", "file", "cannot set up the page files at {home}/segments: File exists"),
-    ("tmp", "file", "cannot set up the page files at {home}/tmp: File exists"),
-    ("locks", "file", "cannot set up the page files at {home}/locks: File exists"),
-])
-def test_a_file_system_failure_at_each_open_step_is_a_store_folder_error(tmp_path: Path, name: str, kind: str,
-                                                                        message: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "kind", "message"),
+    [
+        (".lock", "folder", "cannot open the lock file {home}/.lock: Is a directory"),
+        ("catalog.db", "folder", "cannot open the catalog file {home}/catalog.db: Is a directory"),
+        (ID_FILE, "folder", "cannot read the store id file {home}/store-id: Is a directory"),
+        ("epoch", "folder", "cannot open the epoch file {home}/epoch: Is a directory"),
+        ("segments", "file", "cannot set up the page files at {home}/segments: File exists"),
+        ("tmp", "file", "cannot set up the page files at {home}/tmp: File exists"),
+        ("locks", "file", "cannot set up the page files at {home}/locks: File exists"),
+    ],
+)
+def test_a_file_system_failure_at_each_open_step_is_a_store_folder_error(
+    tmp_path: Path, name: str, kind: str, message: str
+) -> None:
     home = tmp_path / "h"
     _in_the_way(home, name, kind)
     before = sorted(p.name for p in home.iterdir())
@@ -128,9 +132,16 @@ def _can_mount_read_only(tmp_path: Path) -> bool:
         return False
     probe = tmp_path / "probe"
     probe.mkdir()
-    result = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {probe} {probe} && "
-                             f"mount -o remount,bind,ro {probe} && ! touch {probe}/x 2>/dev/null"],
-                            capture_output=True)
+    result = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f"mount --bind {probe} {probe} && mount -o remount,bind,ro {probe} && ! touch {probe}/x 2>/dev/null",
+        ],
+        capture_output=True,
+    )
     probe.rmdir()
     return result.returncode == 0
 
@@ -148,9 +159,21 @@ def test_a_read_only_file_system_is_a_store_folder_error_at_every_kind_of_folder
     answers = {}
     for name in ("new", "empty", "store"):
         result = subprocess.run(
-            ["unshare", "-m", "sh", "-c", f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && '
-             f'exec "$2" "$3" "$1/{name}"', "sh", str(ro), sys.executable, str(script)],
-            capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+            [
+                "unshare",
+                "-m",
+                "sh",
+                "-c",
+                f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" "$3" "$1/{name}"',
+                "sh",
+                str(ro),
+                sys.executable,
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+        )
         assert result.returncode == 0, result.stderr
         answers[name] = json.loads(result.stdout)
     assert answers == {

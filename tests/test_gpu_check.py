@@ -51,16 +51,21 @@ def test_bad_arguments_are_refused_before_anything_is_done(tmp_path: Path) -> No
 
 
 def test_a_python_without_torch_and_transformers_is_refused_first(tmp_path: Path) -> None:
-    done = subprocess.run([str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": "false"})
+    done = subprocess.run(
+        [str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": "false"}
+    )
     assert (done.returncode, done.stderr) == (1, "gpu-check: FAILED: false has no usable torch and transformers\n")
 
 
 def test_the_summary_counts_each_file_and_says_why_tests_were_skipped(tmp_path: Path) -> None:
     (tmp_path / "gpu.xml").write_text(REPORT)
     (tmp_path / "unrunnable").write_text("tests/test_vllm_worker.py\tvllm\n")
-    done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "gpu.xml"), str(tmp_path / "unrunnable")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(SUMMARY), str(tmp_path / "gpu.xml"), str(tmp_path / "unrunnable")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1  # a test failed
     assert done.stdout.splitlines() == [
         "summary of the gpu tests:",
@@ -77,7 +82,11 @@ def test_the_summary_counts_each_file_and_says_why_tests_were_skipped(tmp_path: 
 
 
 def test_without_a_report_the_summary_says_nothing_ran(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "none.xml"), str(tmp_path / "none")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(SUMMARY), str(tmp_path / "none.xml"), str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0
     assert done.stdout == "summary of the gpu tests:\ngpu-check: 0 passed, 0 failed, 0 skipped\n"

@@ -58,7 +58,8 @@ def pool() -> Iterator[StagingPool]:
 
 
 def test_a_real_chat_on_the_gpu_continues_from_pages_on_disk_as_from_the_cache_in_memory(
-        smol: tuple[Any, Any], store: dss.Store, store_path: Path, pool: StagingPool) -> None:
+    smol: tuple[Any, Any], store: dss.Store, store_path: Path, pool: StagingPool
+) -> None:
     model, tokenizer = smol
     chat = real_chat.through_the_store(model, tokenizer, store, store_path, staging=pool)
     assert "Paris" in tokenizer.decode(real_chat.answer(chat.turn1, chat.prompt1))
@@ -70,7 +71,8 @@ def test_a_real_chat_on_the_gpu_continues_from_pages_on_disk_as_from_the_cache_i
 
 
 def test_in_float32_on_the_gpu_a_real_chat_continues_from_pages_as_from_one_full_forward(
-        smol32: tuple[Any, Any], store: dss.Store, store_path: Path, pool: StagingPool) -> None:
+    smol32: tuple[Any, Any], store: dss.Store, store_path: Path, pool: StagingPool
+) -> None:
     model, tokenizer = smol32
     chat = real_chat.through_the_store(model, tokenizer, store, store_path, staging=pool)
     turn2 = chat.turn2
@@ -79,14 +81,20 @@ def test_in_float32_on_the_gpu_a_real_chat_continues_from_pages_as_from_one_full
 
 
 def test_pages_built_on_the_gpu_through_pinned_buffers_equal_the_ones_built_on_the_cpu(
-        smol: tuple[Any, Any], pool: StagingPool) -> None:
+    smol: tuple[Any, Any], pool: StagingPool
+) -> None:
     from transformers import DynamicCache
 
     layout = layout_for(smol[0], page_tokens=32)
     generator = torch.Generator().manual_seed(0)
     shape = (1, layout.num_kv_heads, 96, layout.head_dim)
-    tensors = [(torch.randn(shape, generator=generator).to(torch.bfloat16),
-                torch.randn(shape, generator=generator).to(torch.bfloat16)) for _ in range(layout.num_layers)]
+    tensors = [
+        (
+            torch.randn(shape, generator=generator).to(torch.bfloat16),
+            torch.randn(shape, generator=generator).to(torch.bfloat16),
+        )
+        for _ in range(layout.num_layers)
+    ]
     pages = cache_pages(DynamicCache(tensors), layout)
     on_gpu = cache_from_pages([pages[0], pages[1], pages[2]], layout, device="cuda", staging=pool)
     again = pool.stage([pages[0]], [(0, layout.page_bytes)])  # the buffer the pages went through, back in the pool
@@ -115,8 +123,13 @@ def timed(run: Callable[[], int]) -> tuple[float, int]:
 
 
 def test_time_to_first_token_recomputed_from_the_host_tier_and_from_the_disk_tier(
-        smol: tuple[Any, Any], store: dss.Store, store_path: Path, pool: StagingPool,
-        capsys: pytest.CaptureFixture[str], record_property: Callable[[str, object], None]) -> None:
+    smol: tuple[Any, Any],
+    store: dss.Store,
+    store_path: Path,
+    pool: StagingPool,
+    capsys: pytest.CaptureFixture[str],
+    record_property: Callable[[str, object], None],
+) -> None:
     """A 4,096-token conversation is stored (its prefill's cache, 128 pages); the next turn's
     first token is then computed from scratch, from pages this handle holds in RAM, and from
     pages a fresh handle reads from disk (the OS page cache is warm after the first read).
@@ -144,8 +157,11 @@ def test_time_to_first_token_recomputed_from_the_host_tier_and_from_the_disk_tie
             return timed(lambda: hit(fresh, "disk"))
 
     figures: dict[str, float] = {}
-    for name, run in [("recompute", lambda: timed(lambda: first_token(model, turn))),
-                      ("host hit", lambda: timed(lambda: hit(store, "host"))), ("disk hit", from_disk)]:
+    for name, run in [
+        ("recompute", lambda: timed(lambda: first_token(model, turn))),
+        ("host hit", lambda: timed(lambda: hit(store, "host"))),
+        ("disk hit", from_disk),
+    ]:
         run()  # warm-up: CUDA kernels, the pool's pinned buffer
         samples = [run() for _ in range(REPEATS)]
         if name != "recompute":  # bf16: a prefix computed apart rounds apart; the same split must agree
@@ -153,7 +169,9 @@ def test_time_to_first_token_recomputed_from_the_host_tier_and_from_the_disk_tie
         figures[name] = statistics.median(ms for ms, _ in samples)
         record_property(f"ttft_ms[{name}]", round(figures[name], 2))
     with capsys.disabled():
-        print(f"\ntime to first token, SmolLM2-135M bf16 on {torch.cuda.get_device_name()}, {len(turn)}-token "
-              f"prompt, {NUM_STORED} tokens stored (median of {REPEATS}):")
+        print(
+            f"\ntime to first token, SmolLM2-135M bf16 on {torch.cuda.get_device_name()}, {len(turn)}-token "
+            f"prompt, {NUM_STORED} tokens stored (median of {REPEATS}):"
+        )
         for name, ms in figures.items():
             print(f"  {name:<10} {ms:8.2f} ms")

@@ -54,8 +54,9 @@ def test_sigkill_loses_no_acknowledged_group_commit(tmp_path: Path, catalog: str
     acked: dict[tuple[str, int], tuple[int, str]] = {}
     try:
         for round_ in range(kills):
-            for session, version_id, num_tokens, expected in run_and_kill(tmp_path, url or "-", round_,
-                                                                          rng.uniform(0.2, 0.8)):
+            for session, version_id, num_tokens, expected in run_and_kill(
+                tmp_path, url or "-", round_, rng.uniform(0.2, 0.8)
+            ):
                 acked[(session, version_id)] = (num_tokens, expected)
             verify(tmp_path, url, acked)
         assert len(acked) >= 4 * kills, "the victim's threads should acknowledge commits before most kills"

@@ -17,8 +17,10 @@ from tests.conftest import LAYOUT, pages_for
 TOKENS = list(range(500, 532))  # 8 pages
 OTHER_LAYOUT = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int4")
 WRITER = ("acme", "alice", LAYOUT)
-READERS = [(tenant, user, layout) for tenant, user, layout in
-           itertools.product(["acme", "globex"], ["alice", "bob"], [LAYOUT, OTHER_LAYOUT])]
+READERS = [
+    (tenant, user, layout)
+    for tenant, user, layout in itertools.product(["acme", "globex"], ["alice", "bob"], [LAYOUT, OTHER_LAYOUT])
+]
 
 
 def expected(reader: tuple) -> int:
@@ -40,8 +42,9 @@ def test_only_the_writers_namespace_and_layout_match(open_store, reopen: bool) -
         store.create_session(session, user_id=user, tenant_id=tenant, layout=layout)
         result = store.resume(session, TOKENS + [1], tenant_id=tenant)
         assert result.matched_tokens == expected(reader), reader
-        assert store.lookup(TOKENS + [1], layout=layout, user_id=user, tenant_id=tenant).matched_tokens == \
-            expected(reader), reader
+        assert store.lookup(TOKENS + [1], layout=layout, user_id=user, tenant_id=tenant).matched_tokens == expected(
+            reader
+        ), reader
     assert store.check() == []
 
 

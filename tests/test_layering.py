@@ -78,17 +78,24 @@ def test_every_unit_imports_only_lower_floors() -> None:
 
 
 def test_every_module_is_on_a_floor() -> None:
-    units = {path.relative_to(ROOT / "dss").parts[0].removesuffix(".py") for path in (ROOT / "dss").glob("*")
-             if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())}
+    units = {
+        path.relative_to(ROOT / "dss").parts[0].removesuffix(".py")
+        for path in (ROOT / "dss").glob("*")
+        if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())
+    }
     assert units == {name for floor in FLOORS for name in floor}
 
 
 def test_sql_is_written_only_in_the_catalog() -> None:
     """Outside dss/catalog/, no module builds a statement (SQLAlchemy Core or raw text)."""
     words = ("from sqlalchemy import", "exec_driver_sql", "sa.text(", "select(")
-    found = [f"{path.relative_to(ROOT)}: {word}" for path in sorted((ROOT / "dss").rglob("*.py"))
-             if "catalog" not in path.relative_to(ROOT / "dss").parts[:1]
-             for word in words if word in path.read_text()]
+    found = [
+        f"{path.relative_to(ROOT)}: {word}"
+        for path in sorted((ROOT / "dss").rglob("*.py"))
+        if "catalog" not in path.relative_to(ROOT / "dss").parts[:1]
+        for word in words
+        if word in path.read_text()
+    ]
     assert found == []
 
 

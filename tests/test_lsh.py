@@ -115,24 +115,34 @@ def test_size_is_bounded() -> None:
     assert index.num_entries == 3
     index.add(second, 2, 2, packed([8, 8, 8, 8]), 4)
     assert index.bucket(1, DIGEST) is None and index.num_dropped == 1
-    assert index.stats() == {"indexes": 1, "entries": 2, "capacity": 3, "dropped_indexes": 1, "bands": 11,
-                             "rows": 11, "storage": "memory"}
+    assert index.stats() == {
+        "indexes": 1,
+        "entries": 2,
+        "capacity": 3,
+        "dropped_indexes": 1,
+        "bands": 11,
+        "rows": 11,
+        "storage": "memory",
+    }
     for v in (3, 4):
         index.add(second, 2, v, packed([v, v, v, v, 7]), 4)
     assert [e.version_id for e in second.entries.values()] == [2, 3, 4]
 
 
-@pytest.mark.parametrize(("setting", "value", "message"), [
-    ("lsh_threshold", 1.5, "lsh_threshold: Input should be less than 1"),
-    ("lsh_threshold", 0, "lsh_threshold: Input should be greater than 0"),
-    ("lsh_permutations", 8, "lsh_permutations: Input should be greater than or equal to 16"),
-    ("lsh_shingle_tokens", 0, "lsh_shingle_tokens: Input should be greater than or equal to 1"),
-    ("lsh_window_tokens", 8, "lsh_window_tokens: Input should be greater than or equal to 16"),
-    ("lsh_min_share", 2, "lsh_min_share: Input should be less than or equal to 1"),
-    ("lsh_max_entries", 0, "lsh_max_entries: Input should be greater than or equal to 1"),
-    ("approximate", "often", "approximate: Input should be a valid boolean"),
-    ("lsh_redis_prefix", "a b", "lsh_redis_prefix: String should match pattern"),
-])
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("lsh_threshold", 1.5, "lsh_threshold: Input should be less than 1"),
+        ("lsh_threshold", 0, "lsh_threshold: Input should be greater than 0"),
+        ("lsh_permutations", 8, "lsh_permutations: Input should be greater than or equal to 16"),
+        ("lsh_shingle_tokens", 0, "lsh_shingle_tokens: Input should be greater than or equal to 1"),
+        ("lsh_window_tokens", 8, "lsh_window_tokens: Input should be greater than or equal to 16"),
+        ("lsh_min_share", 2, "lsh_min_share: Input should be less than or equal to 1"),
+        ("lsh_max_entries", 0, "lsh_max_entries: Input should be greater than or equal to 1"),
+        ("approximate", "often", "approximate: Input should be a valid boolean"),
+        ("lsh_redis_prefix", "a b", "lsh_redis_prefix: String should match pattern"),
+    ],
+)
 def test_nonsense_settings_are_config_errors(tmp_path, setting: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         dss.open(tmp_path / "s", **{setting: value})

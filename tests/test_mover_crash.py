@@ -76,17 +76,17 @@ def pages(tokens: list[int]) -> dict[int, bytes]:
 def test_a_page_file_deleted_under_the_mover_loses_nothing_acknowledged(open_store) -> None:
     segment = 32 + 4 * (32 + 28 + 1024)
     store = open_store(disk_bytes=10 * segment, host_bytes=8 * 1024)
-    for n in range(9):                                  # 90 % of the disk: past its high mark
+    for n in range(9):  # 90 % of the disk: past its high mark
         store.create_session(f"s{n}", layout=LAYOUT)
         store.commit(f"s{n}", toks(n), pages(toks(n)))
     by_session = {}
     for n in range(9):
         ref = store.resume(f"s{n}", toks(n)).pages[0]
         by_session[n] = store.index.entries[ref.page_id].disk.segment
-    for n in (0, 5):                                    # s0's file: the mover would evict it; s5's: it keeps it
+    for n in (0, 5):  # s0's file: the mover would evict it; s5's: it keeps it
         (store.disk.segments_dir / by_session[n]).unlink()
     store.host.discard(store.host.ids())
-    moved = store.run_mover()                           # drops s0 and s1 (two segments): 70 %
+    moved = store.run_mover()  # drops s0 and s1 (two segments): 70 %
     assert moved == {"host": 0, "disk": 8}
     assert store.read_pages(store.resume("s5", toks(5)).pages) == [None] * 4  # gone, quarantined: a miss
     for n in (2, 3, 4, 6, 7, 8):

@@ -22,7 +22,7 @@ L2 = dss.Layout(name="near", page_tokens=4, page_bytes=16, model="m2")
 def kv(tokens: list[int], k: int) -> bytes:
     """The 'KV' of page ``k`` of ``tokens``: a digest of every token up to the page's end, so a
     page is the right one for a prompt only if the prompt's prefix is exactly these tokens."""
-    return hashlib.blake2b(np.asarray(tokens[:4 * (k + 1)], np.uint32).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(np.asarray(tokens[: 4 * (k + 1)], np.uint32).tobytes(), digest_size=16).digest()
 
 
 def kv_pages(tokens: list[int]) -> dict[int, bytes]:
@@ -92,8 +92,12 @@ def test_nearest_is_verified_exactly_and_ranked(open_store) -> None:
     store = open_store()
     rng = np.random.default_rng(7)
     base = rng.integers(1, 30000, 400).tolist()
-    variants = {"same": base, "tail": base[:380] + rng.integers(1, 30000, 20).tolist(),
-                "early": base[:40] + [99999] + base[41:], "other": rng.integers(1, 30000, 400).tolist()}
+    variants = {
+        "same": base,
+        "tail": base[:380] + rng.integers(1, 30000, 20).tolist(),
+        "early": base[:40] + [99999] + base[41:],
+        "other": rng.integers(1, 30000, 400).tolist(),
+    }
     for name, tokens in variants.items():
         store.create_session(name, user_id="u", layout=L)
         store.commit(name, tokens, kv_pages(tokens))
@@ -104,8 +108,8 @@ def test_nearest_is_verified_exactly_and_ranked(open_store) -> None:
         stored = np.asarray(variants[c.session_id], np.uint32)
         assert c.common_prefix == common_prefix(prompt, stored)
         assert c.matched_tokens == c.common_prefix // 4 * 4
-        shingles_p = {tuple(prompt[i:i + 4]) for i in range(len(prompt) - 3)}
-        shingles_s = {tuple(stored[i:i + 4]) for i in range(len(stored) - 3)}
+        shingles_p = {tuple(prompt[i : i + 4]) for i in range(len(prompt) - 3)}
+        shingles_s = {tuple(stored[i : i + 4]) for i in range(len(stored) - 3)}
         assert c.jaccard == len(shingles_p & shingles_s) / len(shingles_p | shingles_s)
         assert abs(c.estimated_jaccard - c.jaccard) < 0.15
     assert [(c.common_prefix, c.divergence) for c in found] == [(400, None), (40, 40), (380, 380)]
@@ -128,8 +132,15 @@ def test_approximate_off_or_exact_enough_leaves_the_exact_answer(open_store) -> 
     on = store.resume("a", tokens + [5], approximate=True)  # 200 of 201 matched: above min_share
     assert (on.matched_tokens, on.source, on.num_candidates, on.near) == (200, "session", 0, None)
     assert (exact.matched_tokens, exact.num_candidates, exact.near) == (200, 0, None)
-    assert store.stats()["lsh"] == {"indexes": 0, "entries": 0, "capacity": 1_000_000, "dropped_indexes": 0,
-                                    "bands": 11, "rows": 11, "storage": "memory"}  # never needed: never built
+    assert store.stats()["lsh"] == {
+        "indexes": 0,
+        "entries": 0,
+        "capacity": 1_000_000,
+        "dropped_indexes": 0,
+        "bands": 11,
+        "rows": 11,
+        "storage": "memory",
+    }  # never needed: never built
     with pytest.raises(InvalidInput, match="approximate must be True or False"):
         store.resume("a", tokens, approximate="yes")
 
@@ -218,7 +229,10 @@ def test_index_follows_commit_branch_delete_and_other_processes(open_store) -> N
     other.create_session("d", user_id="u", layout=L2)  # the same tokens in another layout, by the other process
     other.commit("d", more)
     other.commit("c", more + [5, 6, 7, 8])
-    assert [(c.session_id, c.num_tokens) for c in store.nearest(more, user_id="u", layout=L)] == [("c", 304), ("c", 308)]
+    assert [(c.session_id, c.num_tokens) for c in store.nearest(more, user_id="u", layout=L)] == [
+        ("c", 304),
+        ("c", 308),
+    ]
     assert [c.session_id for c in store.nearest(more, user_id="u", layout=L2)] == ["d"]
     assert store.check() == []
     lsh = store._nearest_index().lsh
@@ -244,6 +258,7 @@ def test_forget_user_removes_the_entries_and_the_receipt_inspects_the_index(open
 
 def test_realign_finds_where_the_two_run_together_again() -> None:
     """Inserted, replaced and deleted stretches after a divergence at 3."""
+
     def u32(*parts: object) -> np.ndarray:
         return np.concatenate([np.asarray(p, np.uint32) for p in parts])
 
@@ -283,8 +298,11 @@ def test_redis_index_is_shared_and_erased(tmp_path, redis_url: str) -> None:
     first.create_session("c", user_id="alice", layout=L)
     first.commit("c", tokens[:280])
     c_ref = str(first.sql("SELECT MAX(id) FROM sessions").rows[0][0])
-    assert any(pickle.loads(k).startswith(f"{c_ref}:")
-               for name in client.scan_iter(match=f"{prefix}:*:_keys") for k in client.hkeys(name))
+    assert any(
+        pickle.loads(k).startswith(f"{c_ref}:")
+        for name in client.scan_iter(match=f"{prefix}:*:_keys")
+        for k in client.hkeys(name)
+    )
     third = dss.open(tmp_path / "s", **options)  # never queried the index: deleting still cleans Redis
     third.delete_session("c")
     third.close()

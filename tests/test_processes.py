@@ -77,8 +77,9 @@ def test_a_second_process_sees_commits_at_once(tmp_path: Path, catalog_url) -> N
             for line in sys.stdin:
                 print(store.resume("s", {T!r}).matched_tokens, store.session("s").head_id, flush=True)
         """)
-        child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline() == "0\n"
         version = store.commit("s", T, pages_for(T))
@@ -138,8 +139,13 @@ class Child:
     """A ``tests.store_child`` process on the store: one command a line, one answer a line."""
 
     def __init__(self, folder: Path, url: str | None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.store_child", str(folder), url or "-"],
-                                        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.store_child", str(folder), url or "-"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.ask(None) == "ready"
 
     def ask(self, command: str | None) -> str:

@@ -20,8 +20,10 @@ from dss.catalog.database import Catalog, _alembic_config
 from tests.conftest import LAYOUT, pages_for
 
 SESSIONS = 40
-BAR = re.compile(rb"\r(?:\x1b\[\?25l)?(?P<label>[^\r\[]+?)  \[(?P<bar>[#-]+)\]  (?P<pos>\d+/\d+)(?:  (?P<note>[^\r\x1b]*?))?\s*"
-                 rb"(?=\r|\x1b\[\?25h)")
+BAR = re.compile(
+    rb"\r(?:\x1b\[\?25l)?(?P<label>[^\r\[]+?)  \[(?P<bar>[#-]+)\]  (?P<pos>\d+/\d+)(?:  (?P<note>[^\r\x1b]*?))?\s*"
+    rb"(?=\r|\x1b\[\?25h)"
+)
 
 
 def dss_command(*args: str) -> list[str]:
@@ -55,8 +57,9 @@ def piped(command: list[str]) -> tuple[str, str]:
 
 def bars(out: bytes) -> list[tuple[str, str, str | None]]:
     """Every drawing of a bar in ``out``: ``(label, position, note)``."""
-    return [(m["label"].decode(), m["pos"].decode(), m["note"].decode() if m["note"] else None)
-            for m in BAR.finditer(out)]
+    return [
+        (m["label"].decode(), m["pos"].decode(), m["note"].decode() if m["note"] else None) for m in BAR.finditer(out)
+    ]
 
 
 @pytest.fixture
@@ -83,7 +86,7 @@ def test_forget_user_on_a_terminal_draws_a_bar_of_the_erasure_steps(home: str) -
         ("erasing user 'u1'", "4/5", "compacted -> done"),
         ("erasing user 'u1'", "5/5", "compacted -> done"),
     ]
-    receipt = json.loads(out[out.index(b"\x1b[?25h") + len(b"\x1b[?25h"):].decode())
+    receipt = json.loads(out[out.index(b"\x1b[?25h") + len(b"\x1b[?25h") :].decode())
     assert receipt["removed"]["sessions"] == SESSIONS and receipt["verification"]["ok"]
 
 
@@ -112,18 +115,22 @@ def old_catalog(tmp_path: Path) -> str:
 
 def test_db_upgrade_on_a_terminal_draws_a_bar_of_the_migrations(tmp_path: Path) -> None:
     out = on_terminal(dss_command("--home", old_catalog(tmp_path), "db", "upgrade"))
-    assert bars(out) == [("applying catalog migrations", "0/5", None),
-                         ("applying catalog migrations", "1/5", "0002"),
-                         ("applying catalog migrations", "2/5", "0003"),
-                         ("applying catalog migrations", "3/5", "0004"),
-                         ("applying catalog migrations", "4/5", "0005"),
-                         ("applying catalog migrations", "5/5", "0006")]
+    assert bars(out) == [
+        ("applying catalog migrations", "0/5", None),
+        ("applying catalog migrations", "1/5", "0002"),
+        ("applying catalog migrations", "2/5", "0003"),
+        ("applying catalog migrations", "3/5", "0004"),
+        ("applying catalog migrations", "4/5", "0005"),
+        ("applying catalog migrations", "5/5", "0006"),
+    ]
     assert out.endswith(b"catalog upgraded from 0001 to 0006\r\n")
 
 
 def test_db_upgrade_piped_prints_one_line(tmp_path: Path) -> None:
     assert piped(dss_command("--home", old_catalog(tmp_path), "db", "upgrade")) == (
-        "catalog upgraded from 0001 to 0006\n", "")
+        "catalog upgraded from 0001 to 0006\n",
+        "",
+    )
 
 
 def test_a_bar_never_counts_past_its_total_and_finish_fills_it() -> None:
@@ -141,15 +148,23 @@ def test_a_bar_never_counts_past_its_total_and_finish_fills_it() -> None:
     assert partial.done == 5
 
 
-BENCHMARK = ("import sys; sys.path.insert(0, 'benchmarks'); from progress import track, wait; "
-             "print(sum(track(range(3), 'counting'))); wait(0.2, 'waiting')")
+BENCHMARK = (
+    "import sys; sys.path.insert(0, 'benchmarks'); from progress import track, wait; "
+    "print(sum(track(range(3), 'counting'))); wait(0.2, 'waiting')"
+)
 
 
 def test_benchmarks_show_progress_the_same_way() -> None:
     """``benchmarks/progress.py``: a bar per loop on a terminal; piped, only the benchmark's own output."""
     root = str(Path(__file__).resolve().parents[1])
     out = on_terminal([sys.executable, "-c", f"import os; os.chdir({root!r}); {BENCHMARK}"])
-    assert bars(out) == [("counting", "0/3", None), ("counting", "1/3", None), ("counting", "2/3", None),
-                         ("counting", "3/3", None), ("waiting", "0/1", None), ("waiting", "1/1", None)]
+    assert bars(out) == [
+        ("counting", "0/3", None),
+        ("counting", "1/3", None),
+        ("counting", "2/3", None),
+        ("counting", "3/3", None),
+        ("waiting", "0/1", None),
+        ("waiting", "1/1", None),
+    ]
     assert b"\r\n3\r\n" in out
     assert piped([sys.executable, "-c", f"import os; os.chdir({root!r}); {BENCHMARK}"]) == ("3\n", "")

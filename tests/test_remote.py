@@ -67,7 +67,7 @@ def test_pages_written_through_are_read_back_in_one_call_across_slots(tier: Remo
         client = servers.redis_client(remote_url)
         slots = [client.keyslot(key) for key in keys]
         client.close()
-        assert all(len(set(slots[n * 3:n * 3 + 3])) == 1 for n in range(NAMESPACES))  # a namespace: one slot
+        assert all(len(set(slots[n * 3 : n * 3 + 3])) == 1 for n in range(NAMESPACES))  # a namespace: one slot
         assert len(masters_of(remote_url, keys)) == 3  # the namespaces: every master
     missing = key_of(tier.prefix, tag(99), page_id(99, 0))
     wanted = [*reversed(keys), missing]
@@ -109,11 +109,11 @@ def test_a_deletion_is_done_after_the_writes_queued_before_it(tier: RemoteTier) 
 
 
 def test_a_stopped_cluster_master_opens_the_breaker_and_the_tier_recovers(
-        redis_cluster: servers.RedisCluster, caplog: pytest.LogCaptureFixture) -> None:
+    redis_cluster: servers.RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     """Reads that need the stopped master miss (no error), writes wait; once it is back (empty:
     no persistence) the waiting writes land and reads hit again."""
-    tier = RemoteTier(redis_cluster.url, prefix=f"t{uuid.uuid4().hex[:10]}:", timeout_s=0.5,
-                      max_pending_bytes=1 << 20)
+    tier = RemoteTier(redis_cluster.url, prefix=f"t{uuid.uuid4().hex[:10]}:", timeout_s=0.5, max_pending_bytes=1 << 20)
     caplog.set_level(logging.INFO, logger="dss.tiers.remote")
     try:
         keys = written(tier, pages=1)
@@ -141,8 +141,9 @@ def test_a_stopped_cluster_master_opens_the_breaker_and_the_tier_recovers(
             assert time.monotonic() < deadline, "the tier did not recover"
             time.sleep(0.1)
         assert tier.is_up
-        assert [v for k, v in zip(keys, tier.get(keys)) if k not in on_stopped] == \
-            [value(n, 0) for n, k in enumerate(keys) if k not in on_stopped]  # the other masters kept theirs
+        assert [v for k, v in zip(keys, tier.get(keys)) if k not in on_stopped] == [
+            value(n, 0) for n, k in enumerate(keys) if k not in on_stopped
+        ]  # the other masters kept theirs
         messages = [r.getMessage() for r in caplog.records]
         assert sum("remote tier unreachable (get" in m for m in messages) == 1
         assert "remote tier reachable again" in messages

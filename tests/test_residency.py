@@ -73,7 +73,9 @@ def test_resume_reports_pages_an_engine_holds_as_device(tmp_path: Path) -> None:
         assert other.residency("s") == {"engine-a": 3, "engine-b": 2}
         store.evicted("engine-a", ids[:1])
         assert other.resume("s", T).tiers == {"disk": 8, "device": 12} and other.residency("s") == {
-            "engine-a": 2, "engine-b": 2}
+            "engine-a": 2,
+            "engine-b": 2,
+        }
         assert other.forget_engine("engine-a") == 2
         assert store.resume("s", T).tiers == {"host": 12, "device": 8}
         assert store.residency("s") == {"engine-b": 2}

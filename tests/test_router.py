@@ -60,8 +60,9 @@ def start(command: list[str], health: str, what: str, log: Path | None = None) -
 
 
 @contextmanager
-def running_fleet(tmp_path: Path, *router_args: str, home: Path | None = None,
-                  log: Path | None = None) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
+def running_fleet(
+    tmp_path: Path, *router_args: str, home: Path | None = None, log: Path | None = None
+) -> Iterator[tuple[str, dict[str, subprocess.Popen[bytes]]]]:
     """Two stand-in backends ``a`` and ``b`` and ``dss route`` in front of them, on the store at
     ``home`` (default: a new one holding session ``chat-1`` with two pages); yields the router's
     URL and the processes by name (``a``, ``b`` and ``router``). The router's stderr goes to
@@ -72,13 +73,36 @@ def running_fleet(tmp_path: Path, *router_args: str, home: Path | None = None,
             store.create_session("chat-1", layout=LAYOUT)
             store.commit("chat-1", list(range(9)), {0: b"a" * 16, 1: b"b" * 16})
     ports = {"a": free_port(), "b": free_port()}
-    backends = {node: start([sys.executable, "-m", "tests.fake_openai", node, str(port)],
-                            f"http://127.0.0.1:{port}/health", f"backend {node}") for node, port in ports.items()}
+    backends = {
+        node: start(
+            [sys.executable, "-m", "tests.fake_openai", node, str(port)],
+            f"http://127.0.0.1:{port}/health",
+            f"backend {node}",
+        )
+        for node, port in ports.items()
+    }
     port = free_port()
-    router = start([sys.executable, "-m", "dss", "route", "--home", str(home), "--port", str(port),
-                    "--health-interval", "0.2", "--log-level", "warning", *router_args,
-                    *[f"--backend={node}=http://127.0.0.1:{p}" for node, p in ports.items()]],
-                   f"http://127.0.0.1:{port}/healthz", "dss route", log)
+    router = start(
+        [
+            sys.executable,
+            "-m",
+            "dss",
+            "route",
+            "--home",
+            str(home),
+            "--port",
+            str(port),
+            "--health-interval",
+            "0.2",
+            "--log-level",
+            "warning",
+            *router_args,
+            *[f"--backend={node}=http://127.0.0.1:{p}" for node, p in ports.items()],
+        ],
+        f"http://127.0.0.1:{port}/healthz",
+        "dss route",
+        log,
+    )
     try:
         yield f"http://127.0.0.1:{port}", {**backends, "router": router}
     finally:
@@ -131,8 +155,11 @@ def test_sessions_stay_on_their_node_and_fail_over(fleet: tuple[str, dict[str, s
     other = "b" if first_choice == "a" else "a"
     nodes = []
     for turn in range(4):
-        got = httpx.post(f"{url}/v1/chat/completions", headers={"X-Session-Id": "chat-1"},
-                         json={"model": "tiny", "messages": [{"role": "user", "content": f"turn {turn}"}]})
+        got = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers={"X-Session-Id": "chat-1"},
+            json={"model": "tiny", "messages": [{"role": "user", "content": f"turn {turn}"}]},
+        )
         assert got.status_code == 200, got.text
         assert got.headers["x-dss-route"] == "kv"
         assert got.json()["node"] == got.headers["x-dss-node"]
@@ -141,8 +168,10 @@ def test_sessions_stay_on_their_node_and_fail_over(fleet: tuple[str, dict[str, s
     assert nodes == [first_choice] * 4
     backends[first_choice].send_signal(signal.SIGKILL)
     backends[first_choice].wait()
-    got = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w1 w2",
-                                                    "kv_transfer_params": {"dss": {"session_id": "chat-1"}}})
+    got = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": "w1 w2", "kv_transfer_params": {"dss": {"session_id": "chat-1"}}},
+    )
     assert got.status_code == 200, got.text
     assert (got.json()["node"], got.headers["x-dss-route"]) == (other, "kv")
     assert got.json()["body"]["kv_transfer_params"] == {"dss": {"session_id": "chat-1"}}
@@ -161,11 +190,13 @@ def test_sessions_stay_on_their_node_and_fail_over(fleet: tuple[str, dict[str, s
 
 
 def test_streams_pass_through_and_requests_without_a_session_hash(
-        fleet: tuple[str, dict[str, subprocess.Popen[bytes]]]) -> None:
+    fleet: tuple[str, dict[str, subprocess.Popen[bytes]]],
+) -> None:
     url, _ = fleet
     arrivals = []
-    with httpx.stream("POST", f"{url}/v1/completions",
-                      json={"model": "tiny", "prompt": "hello", "stream": True}) as response:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello", "stream": True}
+    ) as response:
         assert response.status_code == 200
         assert response.headers["x-dss-route"] == "hash"
         node = response.headers["x-dss-node"]
@@ -176,8 +207,9 @@ def test_streams_pass_through_and_requests_without_a_session_hash(
                 arrivals.append(time.monotonic())
     assert lines == [f'data: {{"node": "{node}", "i": {i}}}' for i in range(3)] + ["data: [DONE]"]
     assert arrivals[-1] - arrivals[0] >= 0.5  # passed through as they came, not buffered
-    same = {httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello"}).json()["node"]
-            for _ in range(3)}
+    same = {
+        httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello"}).json()["node"] for _ in range(3)
+    }
     assert same == {node}
     bad = httpx.post(f"{url}/v1/completions", content=b"{not json")
     assert (bad.status_code, bad.json()["kind"]) == (400, "InvalidInput")
@@ -189,12 +221,16 @@ def test_request_keys_and_holdings() -> None:
     assert request_key(body, {}) == ("s", "t", request_key({"prompt": "abc"}, {})[2])
     assert request_key({"prompt": "abc"}, {"x-session-id": "h", "x-tenant-id": "acme"})[:2] == ("h", "acme")
     assert request_key({}, {}) == (None, None, None)
-    assert with_session({"prompt": "x"}, {"x-session-id": "h", "x-tenant-id": "acme", "x-user-id": "u"}) == \
-        {"prompt": "x", "kv_transfer_params": {"dss": {"session_id": "h", "tenant_id": "acme", "user_id": "u"}}}
+    assert with_session({"prompt": "x"}, {"x-session-id": "h", "x-tenant-id": "acme", "x-user-id": "u"}) == {
+        "prompt": "x",
+        "kv_transfer_params": {"dss": {"session_id": "h", "tenant_id": "acme", "user_id": "u"}},
+    }
     assert with_session(body, {"x-session-id": "h"}) is None  # the body names its own session
     # pages 0-1 on a's disk, 2 on b's, 3 on the disk of a folder the backends share, 4 remote only
-    assert head_holdings(["a", "a", "b", "shared", None], "b", ["a", "b"]) == \
-        {"a": {"disk": 3}, "b": {"disk": 2, "device": 5}}
+    assert head_holdings(["a", "a", "b", "shared", None], "b", ["a", "b"]) == {
+        "a": {"disk": 3},
+        "b": {"disk": 2, "device": 5},
+    }
     assert head_holdings(["shared"] * 3, None, ["a", "b"]) == {"a": {"disk": 3}, "b": {"disk": 3}}
     assert head_holdings([], "b", ["a", "b"]) == {}
     assert parse_backends(["a=http://h:1/", "http://h:2"]) == (("a", "http://h:1"), ("node-1", "http://h:2"))
@@ -202,22 +238,41 @@ def test_request_keys_and_holdings() -> None:
         parse_backends(["a=ftp://x"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--backend", "ftp://x"], "error: ConfigError: --backend 'ftp://x' is not NODE=http://host:port\n"),
-    (["--backend", "a=http://h:1", "--backend", "a=http://h:2"],
-     "error: ConfigError: invalid router configuration: backends: Value error, node ids must differ\n"),
-    (["--backend", "a=http://h:1", "--load-factor", "0.5"],
-     "error: ConfigError: invalid router configuration: load_factor: Input should be greater than or equal to 1\n"),
-    (["--backend", "a=http://h:1", "--max-body-bytes", "lots"],
-     "error: ConfigError: invalid router configuration: max_body_bytes: Value error, not a size: 'lots' "
-     "(use e.g. 1073741824, '512MiB' or '2GB')\n"),
-    (["--backend", "a=http://h:1", "--max-body-bytes", "512"],
-     "error: ConfigError: invalid router configuration: max_body_bytes: Input should be greater than or equal to "
-     "1024\n"),
-    (["--backend", "a=http://h:1", "--graceful-timeout", "-1"],
-     "error: ConfigError: invalid router configuration: graceful_timeout_s: Input should be greater than or equal "
-     "to 0\n"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "ftp://x"], "error: ConfigError: --backend 'ftp://x' is not NODE=http://host:port\n"),
+        (
+            ["--backend", "a=http://h:1", "--backend", "a=http://h:2"],
+            "error: ConfigError: invalid router configuration: backends: Value error, node ids must differ\n",
+        ),
+        (
+            ["--backend", "a=http://h:1", "--load-factor", "0.5"],
+            "error: ConfigError: invalid router configuration: load_factor: Input should be greater than or equal to 1\n",
+        ),
+        (
+            ["--backend", "a=http://h:1", "--max-body-bytes", "lots"],
+            (
+                "error: ConfigError: invalid router configuration: max_body_bytes: Value error, not a size: 'lots' "
+                "(use e.g. 1073741824, '512MiB' or '2GB')\n"
+            ),
+        ),
+        (
+            ["--backend", "a=http://h:1", "--max-body-bytes", "512"],
+            (
+                "error: ConfigError: invalid router configuration: max_body_bytes: Input should be greater than or equal to "
+                "1024\n"
+            ),
+        ),
+        (
+            ["--backend", "a=http://h:1", "--graceful-timeout", "-1"],
+            (
+                "error: ConfigError: invalid router configuration: graceful_timeout_s: Input should be greater than or equal "
+                "to 0\n"
+            ),
+        ),
+    ],
+)
 def test_route_refuses_bad_settings(args: list[str], message: str) -> None:
     from click.testing import CliRunner
 
@@ -228,7 +283,8 @@ def test_route_refuses_bad_settings(args: list[str], message: str) -> None:
 
 
 def test_bodies_nested_too_deep_or_unreadable_are_refused_on_a_connection_that_stays_usable(
-        fleet: tuple[str, dict[str, subprocess.Popen[bytes]]]) -> None:
+    fleet: tuple[str, dict[str, subprocess.Popen[bytes]]],
+) -> None:
     """Bodies nest at most 128 arrays and objects (the top-level object is the first); one that
     nests deeper (well-formed or not, deep enough to exhaust a recursive parser) or has a number
     too long to read is 400 ``InvalidInput``, and the same keep-alive connection then carries a
@@ -237,22 +293,34 @@ def test_bodies_nested_too_deep_or_unreadable_are_refused_on_a_connection_that_s
     deep = "the request body nests deeper than 128 levels of arrays and objects"
     at_limit = {"prompt": "w1", "tools": json.loads("[" * 127 + "]" * 127)}
     over_limit = {"prompt": "w1", "tools": json.loads("[" * 128 + "]" * 128)}
-    cases = [(b"[" * 100_000, 400, deep), (json.dumps(over_limit).encode(), 400, deep),
-             (b'{"prompt": ' + b"1" * 5000 + b"}", 400, "the request body has a number with too many digits"),
-             (b"{not json", 400, "the request body is not JSON")]
+    cases = [
+        (b"[" * 100_000, 400, deep),
+        (json.dumps(over_limit).encode(), 400, deep),
+        (b'{"prompt": ' + b"1" * 5000 + b"}", 400, "the request body has a number with too many digits"),
+        (b"{not json", 400, "the request body is not JSON"),
+    ]
     connection = http.client.HTTPConnection(*urlsplit(url).netloc.split(":"), timeout=10)
     try:
         for raw, status, detail in cases:
             connection.request("POST", "/v1/completions", body=raw, headers={"Content-Type": "application/json"})
             answer = connection.getresponse()
-            assert (answer.status, answer.getheader("content-type"), json.loads(answer.read())) == \
-                (status, "application/problem+json", {"type": "urn:dss:problem:InvalidInput", "title": "InvalidInput",
-                                                      "status": 400, "detail": detail, "kind": "InvalidInput"})
+            assert (answer.status, answer.getheader("content-type"), json.loads(answer.read())) == (
+                status,
+                "application/problem+json",
+                {
+                    "type": "urn:dss:problem:InvalidInput",
+                    "title": "InvalidInput",
+                    "status": 400,
+                    "detail": detail,
+                    "kind": "InvalidInput",
+                },
+            )
             assert answer.getheader("connection") is None
         sock = connection.sock
         assert sock is not None
-        connection.request("POST", "/v1/completions", body=json.dumps(at_limit),
-                           headers={"Content-Type": "application/json"})
+        connection.request(
+            "POST", "/v1/completions", body=json.dumps(at_limit), headers={"Content-Type": "application/json"}
+        )
         answer = connection.getresponse()
         assert (answer.status, json.loads(answer.read())["body"]) == (200, at_limit)
         assert connection.sock is sock  # the same connection all along
@@ -280,10 +348,15 @@ def test_bodies_over_max_body_bytes_are_refused_while_they_stream(tmp_path: Path
 
     def chunked(raw: bytes, size: int = 64 << 10) -> Iterator[bytes]:
         for at in range(0, len(raw), size):
-            yield raw[at:at + size]
+            yield raw[at : at + size]
 
-    too_large = {"type": "urn:dss:problem:PayloadTooLarge", "title": "PayloadTooLarge", "status": 413,
-                 "detail": f"request bodies are limited to {limit} bytes (max_body_bytes)", "kind": "PayloadTooLarge"}
+    too_large = {
+        "type": "urn:dss:problem:PayloadTooLarge",
+        "title": "PayloadTooLarge",
+        "status": 413,
+        "detail": f"request bodies are limited to {limit} bytes (max_body_bytes)",
+        "kind": "PayloadTooLarge",
+    }
     with running_fleet(tmp_path, "--no-store", "--max-body-bytes", "1MiB") as (url, processes):
         assert len(body(limit)) == limit
         got = httpx.post(f"{url}/v1/completions", content=body(limit))
@@ -292,8 +365,11 @@ def test_bodies_over_max_body_bytes_are_refused_while_they_stream(tmp_path: Path
         assert (got.status_code, len(got.json()["body"]["prompt"])) == (200, limit - 32)
         for content in (body(limit + 1), chunked(body(limit + 1))):
             got = httpx.post(f"{url}/v1/completions", content=content)
-            assert (got.status_code, got.headers["content-type"], got.json()) == \
-                (413, "application/problem+json", too_large)
+            assert (got.status_code, got.headers["content-type"], got.json()) == (
+                413,
+                "application/problem+json",
+                too_large,
+            )
         before = rss_bytes(processes["router"])
         huge = body(64 << 20)
         for content in (huge, chunked(huge, 1 << 20)):
@@ -311,13 +387,14 @@ def test_a_backend_cut_off_mid_stream_is_one_log_line_and_a_cut_response(tmp_pat
     log = tmp_path / "router.log"
     with running_fleet(tmp_path, "--no-store", log=log) as (url, _):
         lines = []
-        with httpx.stream("POST", f"{url}/v1/completions",
-                          json={"model": "tiny", "prompt": "hello", "stream": True, "cut_after": 1}) as response:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello", "stream": True, "cut_after": 1}
+        ) as response:
             assert response.status_code == 200
             node = response.headers["x-dss-node"]
             with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
                 for line in response.iter_lines():
-                    lines.append(line)
+                    lines.append(line)  # noqa: PERF402 (one by one: the lines before the error stay)
         assert [line for line in lines if line] == [f'data: {{"node": "{node}", "i": 0}}']
         metrics = httpx.get(f"{url}/metrics").text
         assert f'dss_router_requests_total{{node="{node}",reason="hash",status="broken"}} 1.0' in metrics
@@ -325,8 +402,11 @@ def test_a_backend_cut_off_mid_stream_is_one_log_line_and_a_cut_response(tmp_pat
         assert (got.status_code, got.json()["node"]) == (200, node)
     logged = log.read_text().splitlines()
     assert len(logged) == 1, logged
-    assert re.fullmatch(rf"\S+ \S+ WARNING dss\.service\.router: backend {node} failed mid-response "
-                        r"\(RemoteProtocolError\): the response was cut off", logged[0]), logged
+    assert re.fullmatch(
+        rf"\S+ \S+ WARNING dss\.service\.router: backend {node} failed mid-response "
+        r"\(RemoteProtocolError\): the response was cut off",
+        logged[0],
+    ), logged
 
 
 def test_sigterm_cancels_requests_to_a_hung_backend_after_the_graceful_timeout(tmp_path: Path) -> None:
@@ -344,10 +424,11 @@ def test_sigterm_cancels_requests_to_a_hung_backend_after_the_graceful_timeout(t
     def stalled() -> None:
         lines = []
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
-                              json={"prompt": "w2", "stream": True, "hang_after": 1}) as response:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", timeout=30, json={"prompt": "w2", "stream": True, "hang_after": 1}
+            ) as response:
                 for line in response.iter_lines():
-                    lines.append(line)
+                    lines.append(line)  # noqa: PERF402 (one by one: the lines before the error stay)
         except httpx.RemoteProtocolError as exc:
             answers["stalled"] = (lines, str(exc))
 
@@ -371,9 +452,17 @@ def test_sigterm_cancels_requests_to_a_hung_backend_after_the_graceful_timeout(t
     assert 1.0 <= elapsed < 5.0, elapsed
     hung_answer = answers["hung"]
     assert isinstance(hung_answer, httpx.Response)
-    assert (hung_answer.status_code, hung_answer.headers["connection"], hung_answer.json()) == \
-        (503, "close", {"type": "urn:dss:problem:Unavailable", "title": "Unavailable", "status": 503,
-                        "detail": "the router is shutting down (graceful_timeout_s passed)", "kind": "Unavailable"})
+    assert (hung_answer.status_code, hung_answer.headers["connection"], hung_answer.json()) == (
+        503,
+        "close",
+        {
+            "type": "urn:dss:problem:Unavailable",
+            "title": "Unavailable",
+            "status": 503,
+            "detail": "the router is shutting down (graceful_timeout_s passed)",
+            "kind": "Unavailable",
+        },
+    )
     stalled_lines, stalled_error = answers["stalled"]  # type: ignore[misc]
     assert [line[:16] for line in stalled_lines if line] == ['data: {"node": "']  # the first event, no more
     assert "incomplete chunked read" in stalled_error
@@ -382,4 +471,5 @@ def test_sigterm_cancels_requests_to_a_hung_backend_after_the_graceful_timeout(t
     ours = [line for line in logged.splitlines() if "dss.service.router" in line]
     assert sorted(re.sub(r"^\S+ \S+ ", "", line).replace(" a ", " X ").replace(" b ", " X ") for line in ours) == [
         "WARNING dss.service.router: request to backend X cancelled: the router is shutting down",
-        "WARNING dss.service.router: response of backend X cut off: the router is shutting down"], logged
+        "WARNING dss.service.router: response of backend X cut off: the router is shutting down",
+    ], logged

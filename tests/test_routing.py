@@ -84,8 +84,9 @@ def test_kv_passes_over_a_holder_at_its_bound_and_falls_back_to_hash() -> None:
     takes it; with only b holding pages, the request falls back to the ring (chat-1: d)."""
     holdings = {"a": {"disk": 4}, "b": {"host": 4}}
     assert route(backends({"b": 5}), key="chat-1", holdings=holdings, load_factor=1.25).node_id == "a"
-    assert route(backends({"b": 5}), key="chat-1", holdings={"b": {"host": 4}},
-                 load_factor=1.25) == Decision("d", "hash", {})
+    assert route(backends({"b": 5}), key="chat-1", holdings={"b": {"host": 4}}, load_factor=1.25) == Decision(
+        "d", "hash", {}
+    )
     assert route(backends(), key="chat-1", holdings={}) == Decision("d", "hash", {})
 
 
@@ -101,8 +102,7 @@ def test_bounded_load_holds_for_a_stream_of_requests() -> None:
     key's ring order is d c a b: d, c and a fill up to the bound (313 after 1000), b takes the rest."""
     loads = dict.fromkeys(NODES, 0)
     for n in range(1000):
-        node = route([Backend(x, True, loads[x]) for x in NODES], policy="hash", key="hot",
-                     load_factor=1.25).node_id
+        node = route([Backend(x, True, loads[x]) for x in NODES], policy="hash", key="hot", load_factor=1.25).node_id
         loads[node] += 1
         assert max(loads.values()) <= math.ceil(1.25 * (n + 1) / 4)
     assert loads == {"a": 312, "b": 62, "c": 313, "d": 313}

@@ -122,10 +122,21 @@ def test_sqlite_tables_with_surrogate_keys_use_autoincrement(sqlite_store: dss.S
     with sqlite_store.catalog.engine.connect() as conn:
         tables = dict(conn.exec_driver_sql("SELECT name, sql FROM sqlite_master WHERE type = 'table'").all())
     assert {name for name, sql in tables.items() if "AUTOINCREMENT" in sql} == {
-        "tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "feed", "erasures",
-        "audit", "nodes"}
-    assert [name for name, sql in tables.items() if "id INTEGER NOT NULL" in sql and "AUTOINCREMENT" not in sql] \
-        == ["catalog_seq"]  # one row, id 1, never deleted
+        "tenants",
+        "users",
+        "layouts",
+        "sessions",
+        "versions",
+        "segments",
+        "quarantine",
+        "feed",
+        "erasures",
+        "audit",
+        "nodes",
+    }
+    assert [name for name, sql in tables.items() if "id INTEGER NOT NULL" in sql and "AUTOINCREMENT" not in sql] == [
+        "catalog_seq"
+    ]  # one row, id 1, never deleted
 
 
 # -- the upgrade from revision 0002 ------------------------------------------------------------
@@ -152,16 +163,29 @@ def test_upgrade_from_0002_seals_names_and_labels_and_keeps_ids_above_old_ones(t
         for statement, values in [
             ("INSERT INTO tenants (id, tenant_id, created_at) VALUES (1, 't', :s)", {}),
             ("INSERT INTO users (id, tenant_ref, user_id, created_at) VALUES (1, 1, 'u', :s)", {}),
-            ("INSERT INTO user_keys (user_ref, wrapped, created_at) VALUES (1, :w, :s)",
-             {"w": wrap(master, new_data_key(), owner_tag(1))}),
+            (
+                "INSERT INTO user_keys (user_ref, wrapped, created_at) VALUES (1, :w, :s)",
+                {"w": wrap(master, new_data_key(), owner_tag(1))},
+            ),
             ("INSERT INTO store_meta (key, value) VALUES ('master_check', :m)", {"m": master_check(master)}),
-            ("INSERT INTO layouts (id, digest, name, page_tokens, page_bytes, spec) VALUES (1, :d, :n, 4, 16, :j)",
-             {"d": LAYOUT.digest, "n": LAYOUT.name, "j": __import__("json").dumps(LAYOUT.to_dict())}),
-            ("INSERT INTO sessions (id, session_id, tenant_ref, user_ref, layout_ref, head_id, created_at, "
-             "last_access, seq) VALUES (1, 'old-clear-session', 1, 1, 1, 3, :s, :s, 9)", {}),
-            ("INSERT INTO versions (id, session_ref, parent_id, base_id, base_len, num_tokens, suffix, label, "
-             "pinned, created_at, sealed) VALUES (3, 1, NULL, NULL, 0, 2, :b, 'old-clear-label', 0, :s, 0)",
-             {"b": bytes([1, 0, 0, 0, 2, 0, 0, 0])}),
+            (
+                "INSERT INTO layouts (id, digest, name, page_tokens, page_bytes, spec) VALUES (1, :d, :n, 4, 16, :j)",
+                {"d": LAYOUT.digest, "n": LAYOUT.name, "j": __import__("json").dumps(LAYOUT.to_dict())},
+            ),
+            (
+                (
+                    "INSERT INTO sessions (id, session_id, tenant_ref, user_ref, layout_ref, head_id, created_at, "
+                    "last_access, seq) VALUES (1, 'old-clear-session', 1, 1, 1, 3, :s, :s, 9)"
+                ),
+                {},
+            ),
+            (
+                (
+                    "INSERT INTO versions (id, session_ref, parent_id, base_id, base_len, num_tokens, suffix, label, "
+                    "pinned, created_at, sealed) VALUES (3, 1, NULL, NULL, 0, 2, :b, 'old-clear-label', 0, :s, 0)"
+                ),
+                {"b": bytes([1, 0, 0, 0, 2, 0, 0, 0])},
+            ),
             ("UPDATE catalog_seq SET seq = 9", {}),
         ]:
             conn.execute(sa.text(statement), {"s": stamp, **values})
@@ -187,8 +211,9 @@ def test_cli_upgrade_passes_the_master_key(tmp_path: Path) -> None:
 
     from dss.cli.main import main
 
-    result = CliRunner().invoke(main, ["--home", str(tmp_path), "db", "upgrade"],
-                                env={"DSS_MASTER_KEY_FILE": os.environ["DSS_MASTER_KEY_FILE"]})
+    result = CliRunner().invoke(
+        main, ["--home", str(tmp_path), "db", "upgrade"], env={"DSS_MASTER_KEY_FILE": os.environ["DSS_MASTER_KEY_FILE"]}
+    )
     assert result.exit_code == 0, result.output
     assert result.output == "catalog upgraded from empty to 0006\n"
 
@@ -210,14 +235,19 @@ def test_upgrade_scrubs_the_page_ids_and_file_names_older_erasure_jobs_kept(tmp_
         command.upgrade(config, "0002")
         for job_id, state in ((1, "done"), (2, "catalog_purged")):
             plan = {"removed": {"sample": [page_id.hex()], "files": ["w-0000000001.seg"], "pages": 1}}
-            conn.execute(sa.text("INSERT INTO erasures (id, tenant_id, user_id, user_ref, state, plan, started_at) "
-                                 "VALUES (:id, 't', 'u', NULL, :state, :plan, '2026-11-30')"),
-                         {"id": job_id, "state": state, "plan": json.dumps(plan)})
+            conn.execute(
+                sa.text(
+                    "INSERT INTO erasures (id, tenant_id, user_id, user_ref, state, plan, started_at) "
+                    "VALUES (:id, 't', 'u', NULL, :state, :plan, '2026-11-30')"
+                ),
+                {"id": job_id, "state": state, "plan": json.dumps(plan)},
+            )
     old.upgrade()
     with old.engine.connect() as conn:
         plans = dict(conn.exec_driver_sql("SELECT id, plan FROM erasures").all())
     old.close()
     digest = __import__("hashlib").sha256(b"w-0000000001.seg").hexdigest()
     assert json.loads(plans[1]) == {"removed": {"sample": [needle(page_id)], "file_digests": [digest], "pages": 1}}
-    assert json.loads(plans[2]) == {"removed": {"sample": [needle(page_id)], "files": ["w-0000000001.seg"],
-                                                "pages": 1}}  # its files are still to delete
+    assert json.loads(plans[2]) == {
+        "removed": {"sample": [needle(page_id)], "files": ["w-0000000001.seg"], "pages": 1}
+    }  # its files are still to delete

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from dss.service.apikeys import read_keys
 from dss.cli.main import main
+from dss.service.apikeys import read_keys
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -39,13 +39,23 @@ def test_keys_list_and_remove(tmp_path: Path) -> None:
     assert (code, added["tenant_id"], added["is_admin"]) == (0, "beta", False)
     code, out, _ = run("keys", "list", "--json", "--home", home)
     [row] = json.loads(out)
-    assert row == {"key_id": added["key_id"], "tenant_id": "beta", "is_admin": False, "label": None,
-                   "created_at": row["created_at"]}
+    assert row == {
+        "key_id": added["key_id"],
+        "tenant_id": "beta",
+        "is_admin": False,
+        "label": None,
+        "created_at": row["created_at"],
+    }
     code, out, _ = run("keys", "list", "--home", home)
-    assert out == (f"key_id        tenant_id  is_admin  created_at           label\n"
-                   f"{added['key_id']}  beta       False     {row['created_at'].replace('T', ' ')[:19]}  -\n")
+    assert out == (
+        f"key_id        tenant_id  is_admin  created_at           label\n"
+        f"{added['key_id']}  beta       False     {row['created_at'].replace('T', ' ')[:19]}  -\n"
+    )
     assert run("keys", "remove", added["key_id"], "--home", home) == (
-        0, f"removed key {added['key_id']} of tenant 'beta'\n", "")
+        0,
+        f"removed key {added['key_id']} of tenant 'beta'\n",
+        "",
+    )
     code, out, err = run("keys", "remove", added["key_id"], "--home", home)
     assert (code, out) == (1, "")
     assert err == f"error: NotFound: no API key '{added['key_id']}' in {tmp_path / 'api-keys.json'}\n"
@@ -60,41 +70,52 @@ def test_keys_add_refuses_a_bad_tenant(tmp_path: Path) -> None:
 def test_serve_refuses_bad_configuration_before_listening(tmp_path: Path) -> None:
     code, out, err = run("serve", "--home", str(tmp_path), "--port", "70000")
     assert (code, out) == (1, "")
-    assert err == ("error: ConfigError: invalid dss server configuration: port: Input should be less than or equal "
-                   "to 65535 (from argument)\n")
+    assert err == (
+        "error: ConfigError: invalid dss server configuration: port: Input should be less than or equal "
+        "to 65535 (from argument)\n"
+    )
     (tmp_path / "api-keys.json").write_text("{}")
     code, _, err = run("serve", "--home", str(tmp_path), "--port", "8077")
     assert code == 1
-    assert err.startswith(f"error: ConfigError: the API keys file {tmp_path / 'api-keys.json'} is not a valid "
-                          f"'dss-api-keys v1' file")
+    assert err.startswith(
+        f"error: ConfigError: the API keys file {tmp_path / 'api-keys.json'} is not a valid 'dss-api-keys v1' file"
+    )
 
 
 def test_the_cli_works_without_the_server_extra(tmp_path: Path) -> None:
     """With fastapi and uvicorn missing, every command but serve still runs."""
-    script = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
-              "from dss.cli.main import main; main()")
+    script = (
+        "import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
+        "from dss.cli.main import main; main()"
+    )
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
-                              check=False)
+        return subprocess.run(
+            [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60, check=False
+        )
 
     helped = cli("--help")
     assert helped.returncode == 0 and "serve " in helped.stdout and "keys " in helped.stdout
     assert cli("keys", "list", "--home", str(tmp_path)).stdout == "(none)\n"
     served = cli("serve", "--home", str(tmp_path))
     assert served.returncode == 1
-    assert served.stderr == ("error: dss serve needs the server extra (fastapi is missing): "
-                             "pip install 'dss-store[server]'\n")
+    assert served.stderr == (
+        "error: dss serve needs the server extra (fastapi is missing): pip install 'dss-store[server]'\n"
+    )
 
 
 def test_keys_list_prints_a_table_with_a_header_row(tmp_path: Path) -> None:
     home = str(tmp_path)
     first = json.loads(run("keys", "add", "acme", "--admin", "--label", "gateway", "--json", "--home", home)[1])
     second = json.loads(run("keys", "add", "beta", "--json", "--home", home)[1])
-    created = {row["key_id"]: row["created_at"].replace("T", " ")[:19]
-               for row in json.loads(run("keys", "list", "--json", "--home", home)[1])}
+    created = {
+        row["key_id"]: row["created_at"].replace("T", " ")[:19]
+        for row in json.loads(run("keys", "list", "--json", "--home", home)[1])
+    }
     code, out, err = run("keys", "list", "--home", home)
     assert (code, err) == (0, "")
-    assert out == (f"key_id        tenant_id  is_admin  created_at           label\n"
-                   f"{first['key_id']}  acme       True      {created[first['key_id']]}  gateway\n"
-                   f"{second['key_id']}  beta       False     {created[second['key_id']]}  -\n")
+    assert out == (
+        f"key_id        tenant_id  is_admin  created_at           label\n"
+        f"{first['key_id']}  acme       True      {created[first['key_id']]}  gateway\n"
+        f"{second['key_id']}  beta       False     {created[second['key_id']]}  -\n"
+    )

@@ -12,7 +12,14 @@ import pytest
 
 import dss
 from dss.service.client import Client
-from dss.service.problems import Forbidden, InternalError, PayloadTooLarge, Unauthorized, Unavailable, error_from_problem
+from dss.service.problems import (
+    Forbidden,
+    InternalError,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+    error_from_problem,
+)
 from dss.service.process import ServiceProcess, free_port
 
 LAYOUT = dss.Layout(name="client", page_tokens=4, page_bytes=32)
@@ -73,8 +80,12 @@ def test_identical_sessions_in_two_tenants_never_see_each_other(service: Service
 def test_admin_only_calls_need_an_admin_key(service: ServiceProcess) -> None:
     plain = dss.connect(service.url, api_key=service.add_key("plain"))
     admin = dss.connect(service.url, api_key=service.add_key("plain", is_admin=True))
-    for call in (lambda c: c.sql("SELECT 1"), lambda c: c.check(), lambda c: c.stats(),
-                 lambda c: c.sessions(all_tenants=True)):
+    for call in (
+        lambda c: c.sql("SELECT 1"),
+        lambda c: c.check(),
+        lambda c: c.stats(),
+        lambda c: c.sessions(all_tenants=True),
+    ):
         with pytest.raises(Forbidden, match="needs an admin API key"):
             call(plain)
         call(admin)
@@ -131,19 +142,25 @@ def test_a_silent_service_times_out_as_unavailable(tmp_path: Path) -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        with pytest.raises(Unavailable, match=r"did not answer POST /v1/commit within 0.3s \(a write may or may "
-                                              r"not have happened\)"):
+        with pytest.raises(
+            Unavailable,
+            match=r"did not answer POST /v1/commit within 0.3s \(a write may or may "
+            r"not have happened\)",
+        ):
             dss.connect(url, api_key="k", timeout=0.3).commit("s", [1])
 
 
-@pytest.mark.parametrize(("status", "body", "cls", "message"), [
-    (404, {"kind": "UnknownVersion", "detail": "gone"}, dss.UnknownVersion, "gone"),
-    (403, {"kind": "ReadOnlyViolation", "detail": "no"}, dss.ReadOnlyViolation, "no"),
-    (409, {"kind": "SomethingNew", "detail": "later dss"}, dss.Conflict, "later dss"),
-    (502, "<html>bad gateway</html>", InternalError, "HTTP 502: <html>bad gateway</html>"),
-    (503, None, Unavailable, "HTTP 503"),
-    (418, {"kind": "Exception", "detail": "x"}, dss.InvalidInput, "x"),
-])
+@pytest.mark.parametrize(
+    ("status", "body", "cls", "message"),
+    [
+        (404, {"kind": "UnknownVersion", "detail": "gone"}, dss.UnknownVersion, "gone"),
+        (403, {"kind": "ReadOnlyViolation", "detail": "no"}, dss.ReadOnlyViolation, "no"),
+        (409, {"kind": "SomethingNew", "detail": "later dss"}, dss.Conflict, "later dss"),
+        (502, "<html>bad gateway</html>", InternalError, "HTTP 502: <html>bad gateway</html>"),
+        (503, None, Unavailable, "HTTP 503"),
+        (418, {"kind": "Exception", "detail": "x"}, dss.InvalidInput, "x"),
+    ],
+)
 def test_problems_map_back_to_dss_errors(status: int, body: object, cls: type[dss.DssError], message: str) -> None:
     exc = error_from_problem(status, body)
     assert type(exc) is cls

@@ -20,8 +20,8 @@ from schemathesis import checks as st_checks
 
 import dss
 from dss.service.apikeys import KeyRing, add_key
-from dss.service.server import create_app
 from dss.service.config import load_server_config
+from dss.service.server import create_app
 
 FUZZ_EXAMPLES = 40
 LAYOUT = dss.Layout(name="fuzz", page_tokens=2, page_bytes=4)
@@ -56,15 +56,42 @@ def api_schema(fuzz_target: tuple[Any, str, dss.Store]) -> Any:
 
 
 OPERATIONS = [
-    ("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/info"), ("POST", "/v1/sessions"), ("GET", "/v1/sessions"),
-    ("GET", "/v1/session"), ("DELETE", "/v1/session"), ("GET", "/v1/versions"), ("GET", "/v1/tokens"),
-    ("POST", "/v1/commit"), ("POST", "/v1/pages"), ("POST", "/v1/pages/read"), ("POST", "/v1/resume"),
-    ("POST", "/v1/lookup"), ("POST", "/v1/nearest"), ("POST", "/v1/explain"), ("POST", "/v1/rollback"), ("POST", "/v1/branch"), ("POST", "/v1/pin"),
-    ("POST", "/v1/sql"), ("GET", "/v1/check"), ("GET", "/v1/stats"), ("POST", "/v1/forget_user"), ("GET", "/v1/audit"),
-    ("POST", "/v1/prefetch"), ("POST", "/v1/pages/sizes"), ("POST", "/v1/prefixes"), ("GET", "/v1/prefixes"),
-    ("POST", "/v1/prefetch_candidates"), ("GET", "/v1/residency"), ("POST", "/v1/engines/resident"),
-    ("POST", "/v1/engines/evicted"), ("POST", "/v1/engines/forget"), ("GET", "/v1/sessions/count"),
-    ("POST", "/v1/compact"), ("POST", "/v1/mover"),
+    ("GET", "/healthz"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/info"),
+    ("POST", "/v1/sessions"),
+    ("GET", "/v1/sessions"),
+    ("GET", "/v1/session"),
+    ("DELETE", "/v1/session"),
+    ("GET", "/v1/versions"),
+    ("GET", "/v1/tokens"),
+    ("POST", "/v1/commit"),
+    ("POST", "/v1/pages"),
+    ("POST", "/v1/pages/read"),
+    ("POST", "/v1/resume"),
+    ("POST", "/v1/lookup"),
+    ("POST", "/v1/nearest"),
+    ("POST", "/v1/explain"),
+    ("POST", "/v1/rollback"),
+    ("POST", "/v1/branch"),
+    ("POST", "/v1/pin"),
+    ("POST", "/v1/sql"),
+    ("GET", "/v1/check"),
+    ("GET", "/v1/stats"),
+    ("POST", "/v1/forget_user"),
+    ("GET", "/v1/audit"),
+    ("POST", "/v1/prefetch"),
+    ("POST", "/v1/pages/sizes"),
+    ("POST", "/v1/prefixes"),
+    ("GET", "/v1/prefixes"),
+    ("POST", "/v1/prefetch_candidates"),
+    ("GET", "/v1/residency"),
+    ("POST", "/v1/engines/resident"),
+    ("POST", "/v1/engines/evicted"),
+    ("POST", "/v1/engines/forget"),
+    ("GET", "/v1/sessions/count"),
+    ("POST", "/v1/compact"),
+    ("POST", "/v1/mover"),
 ]
 
 
@@ -74,8 +101,9 @@ def test_the_fuzzed_operations_are_all_the_operations(api_schema: Any) -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), OPERATIONS)
-def test_api_answers_every_generated_request_as_documented(api_schema: Any, fuzz_target: tuple[Any, str, dss.Store],
-                                                          method: str, path: str) -> None:
+def test_api_answers_every_generated_request_as_documented(
+    api_schema: Any, fuzz_target: tuple[Any, str, dss.Store], method: str, path: str
+) -> None:
     _, key, _ = fuzz_target
     operation = api_schema[path][method]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dss.service.apikeys import KeyRing, Principal, add_key, hash_key, read_keys, remove_key
 from dss.core.errors import ConfigError, InvalidInput, NotFound
+from dss.service.apikeys import KeyRing, Principal, add_key, hash_key, read_keys, remove_key
 from dss.service.problems import Unauthorized
 
 
@@ -26,8 +26,16 @@ def test_add_key_stores_only_the_hash_in_a_versioned_private_file(tmp_path: Path
     assert key not in text and key.split("_", 2)[2] not in text  # the secret may itself hold "_"
     data = json.loads(text)
     assert list(data) == ["format", "keys"] and data["format"] == "dss-api-keys v1"
-    assert data["keys"] == [{"key_id": entry.key_id, "sha256": entry.sha256, "tenant_id": "acme", "is_admin": True,
-                             "label": "gateway", "created_at": data["keys"][0]["created_at"]}]
+    assert data["keys"] == [
+        {
+            "key_id": entry.key_id,
+            "sha256": entry.sha256,
+            "tenant_id": "acme",
+            "is_admin": True,
+            "label": "gateway",
+            "created_at": data["keys"][0]["created_at"],
+        }
+    ]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".api-keys-")] == []  # no temp left behind
 
@@ -36,8 +44,10 @@ def test_keys_accumulate_and_remove_revokes_one(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     _, a = add_key(path, "acme")
     _, b = add_key(path, "beta")
-    assert [(k.key_id, k.tenant_id, k.is_admin) for k in read_keys(path)] == [(a.key_id, "acme", False),
-                                                                               (b.key_id, "beta", False)]
+    assert [(k.key_id, k.tenant_id, k.is_admin) for k in read_keys(path)] == [
+        (a.key_id, "acme", False),
+        (b.key_id, "beta", False),
+    ]
     assert remove_key(path, a.key_id) == a
     assert read_keys(path) == [b]
     with pytest.raises(NotFound, match=f"no API key '{a.key_id}' in {path}"):

@@ -21,8 +21,11 @@ def scrape(svc: Service, who: str | None = "admin") -> dict[tuple[str, tuple[tup
     response = svc.call("GET", "/metrics", who)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain; version=")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
 
 
 @pytest.fixture
@@ -34,9 +37,9 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 def test_metrics_need_an_admin_key_unless_public(service: Service, tmp_path: Path) -> None:
     assert service.call("GET", "/metrics", None).json() == problem(
-        "Unauthorized", 401, "this endpoint needs an API key: send 'Authorization: Bearer <key>'")
-    assert service.call("GET", "/metrics", "t1").json() == problem("Forbidden", 403,
-                                                                   "/metrics needs an admin API key")
+        "Unauthorized", 401, "this endpoint needs an API key: send 'Authorization: Bearer <key>'"
+    )
+    assert service.call("GET", "/metrics", "t1").json() == problem("Forbidden", 403, "/metrics needs an admin API key")
     public = Service(tmp_path / "public", public_metrics=True)
     with public.http:
         assert ("dss_sessions", ()) in scrape(public, None)
@@ -88,8 +91,11 @@ def test_resume_hits_and_misses_per_tier(service: Service, tmp_path: Path) -> No
         r = http.post("/v1/resume", json={"session_id": "s", "tokens": prompt}, headers=auth).json()
         assert r["tiers"] == {"disk": 8}
         text = http.get("/metrics", headers=auth).text
-    m2 = {(s.name, tuple(sorted(s.labels.items()))): s.value
-          for family in text_string_to_metric_families(text) for s in family.samples}
+    m2 = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     assert m2[("dss_page_hits_total", (("tier", "disk"),))] == 2
     assert m2[("dss_page_misses_total", (("tier", "host"),))] == 4
     assert m2[("dss_page_misses_total", (("tier", "disk"),))] == 2
@@ -143,8 +149,9 @@ def test_remote_tier_gauges_and_errors(tmp_path: Path) -> None:
     """A remote tier nobody answers at: one failed read, two pages waiting to be written."""
     from tests.servers import free_port
 
-    svc = Service(tmp_path / "home",
-                  store_options={"remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.2})
+    svc = Service(
+        tmp_path / "home", store_options={"remote_url": f"redis://127.0.0.1:{free_port()}/0", "remote_timeout_s": 0.2}
+    )
     with svc.http:
         m = scrape(svc)
         assert m[("dss_remote_up", ())] == 1
@@ -164,12 +171,12 @@ def test_placement_counters_watermarks_and_prefetch(service: Service) -> None:
     service.create("a")
     service.commit(T, "a", pages={0: page(1), 1: page(2)})
     store = service.store
-    store.host.discard(store.host.ids())                # only disk holds the pages now
+    store.host.discard(store.host.ids())  # only disk holds the pages now
     answer = service.call("POST", "/v1/prefetch", "t1", json={"session_id": "a"})
     assert (answer.status_code, answer.json()) == (202, {"session_id": "a", "num_pages": 2})
     deadline = time.monotonic() + 10
     while len(store.host) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)                                # the mover thread moves them up
+        time.sleep(0.01)  # the mover thread moves them up
     ids = [r.page_id for r in store.resume("a", T).pages]
     store.read_pages(ids[:1])
     m = scrape(service)

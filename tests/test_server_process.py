@@ -147,8 +147,12 @@ def test_commits_after_an_erasure_and_a_cli_command_are_kept(tmp_path: Path) -> 
             acked.append(("s", client.commit("s", tokens, {n - 1: bytes([n]) * 64}).version_id, tokens))
             if n == 1:
                 assert client.forget_user("gone", tenant_id="t").removed.sessions == 1
-                cli = subprocess.run([sys.executable, "-m", "dss", "--home", str(home), "sessions"],
-                                     capture_output=True, text=True, timeout=120)
+                cli = subprocess.run(
+                    [sys.executable, "-m", "dss", "--home", str(home), "sessions"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 assert cli.returncode == 0 and "\ns " in cli.stdout, cli.stderr
         with dss.open(home) as store:
             assert_all_present(store, acked)

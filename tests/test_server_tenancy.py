@@ -42,12 +42,18 @@ SESSION_REQUESTS: dict[str, Request] = {
     "tokens": lambda s, v: ("GET", "/v1/tokens", {"params": {"session_id": s}}),
     "tokens_of_version": lambda s, v: ("GET", "/v1/tokens", {"params": {"session_id": s, "version_id": v}}),
     "commit": lambda s, v: ("POST", "/v1/commit", {"json": {"session_id": s, "tokens": T}}),
-    "save_pages": lambda s, v: ("POST", "/v1/pages", {"json": {"session_id": s, "tokens": T,
-                                                               "pages": {"0": b64(page(1))}}}),
+    "save_pages": lambda s, v: (
+        "POST",
+        "/v1/pages",
+        {"json": {"session_id": s, "tokens": T, "pages": {"0": b64(page(1))}}},
+    ),
     "resume": lambda s, v: ("POST", "/v1/resume", {"json": {"session_id": s, "tokens": T}}),
     "rollback": lambda s, v: ("POST", "/v1/rollback", {"json": {"session_id": s, "version_id": v}}),
-    "branch": lambda s, v: ("POST", "/v1/branch", {"json": {"session_id": s, "version_id": v,
-                                                            "new_session_id": "fork"}}),
+    "branch": lambda s, v: (
+        "POST",
+        "/v1/branch",
+        {"json": {"session_id": s, "version_id": v, "new_session_id": "fork"}},
+    ),
     "pin": lambda s, v: ("POST", "/v1/pin", {"json": {"session_id": s, "version_id": v}}),
     "delete": lambda s, v: ("DELETE", "/v1/session", {"params": {"session_id": s}}),
     "residency": lambda s, v: ("GET", "/v1/residency", {"params": {"session_id": s}}),
@@ -57,9 +63,14 @@ SESSION_REQUESTS: dict[str, Request] = {
 
 def fingerprint(svc: Service) -> Any:
     """Everything t1 holds, as the store sees it."""
-    return [(s.session_id, s.head_id, [tuple(v[:4]) + (v.is_pinned,) for v in svc.store.versions(s.session_id,
-                                                                                                 tenant_id="t1")])
-            for s in svc.store.sessions(tenant_id="t1")]
+    return [
+        (
+            s.session_id,
+            s.head_id,
+            [tuple(v[:4]) + (v.is_pinned,) for v in svc.store.versions(s.session_id, tenant_id="t1")],
+        )
+        for s in svc.store.sessions(tenant_id="t1")
+    ]
 
 
 def same_answer(a: httpx.Response, b: httpx.Response, a_id: str, b_id: str) -> None:
@@ -113,10 +124,10 @@ def test_resume_and_pages_never_cross_tenants(twins: Service) -> None:
     assert not set(ids1) & set(ids2)  # identical tokens, different namespaces: different pages
     assert twins.ok("POST", "/v1/pages/read", "t2", json={"page_ids": ids1}) == {"pages": [None, None, None]}
     assert twins.ok("POST", "/v1/pages/read", "t1", json={"page_ids": ids2}) == {"pages": [None, None]}
-    assert twins.ok("POST", "/v1/pages/read", "t2", json={"page_ids": ids2}) == {"pages": [b64(page(1)),
-                                                                                           b64(page(2))]}
-    assert twins.ok("POST", "/v1/pages/read", "admin", json={"page_ids": ids2}) == {"pages": [b64(page(1)),
-                                                                                              b64(page(2))]}
+    assert twins.ok("POST", "/v1/pages/read", "t2", json={"page_ids": ids2}) == {"pages": [b64(page(1)), b64(page(2))]}
+    assert twins.ok("POST", "/v1/pages/read", "admin", json={"page_ids": ids2}) == {
+        "pages": [b64(page(1)), b64(page(2))]
+    }
 
 
 def test_lookup_without_a_session_stays_in_the_tenant(twins: Service) -> None:
@@ -131,8 +142,16 @@ def test_lookup_without_a_session_stays_in_the_tenant(twins: Service) -> None:
 
 
 def test_names_taken_in_one_tenant_are_free_in_the_other(twins: Service) -> None:
-    assert twins.ok("POST", "/v1/branch", "t2", status=201,
-                    json={"session_id": "chat", "version_id": 3, "new_session_id": "only1"})["tenant_id"] == "t2"
+    assert (
+        twins.ok(
+            "POST",
+            "/v1/branch",
+            "t2",
+            status=201,
+            json={"session_id": "chat", "version_id": 3, "new_session_id": "only1"},
+        )["tenant_id"]
+        == "t2"
+    )
     twins.create("only1b", who="t2")
     assert twins.ok("DELETE", "/v1/session", "t2", params={"session_id": "chat"})["num_pages_released"] == 0
     assert twins.ok("GET", "/v1/session", "t1", params={"session_id": "chat"})["num_versions"] == 2
@@ -147,8 +166,10 @@ def test_naming_another_tenant_is_403_whether_or_not_it_holds_the_session(twins:
         kw = {where: {**kw[where], "tenant_id": "t1"}}
         answer = twins.call(method, path, "t2", **kw)
         assert answer.status_code == 403, name
-        assert answer.json()["detail"] in ("this API key may read only its own tenant 't2'",
-                                           "writes go to the API key's own tenant 't2', not 't1'")
+        assert answer.json()["detail"] in (
+            "this API key may read only its own tenant 't2'",
+            "writes go to the API key's own tenant 't2', not 't1'",
+        )
 
 
 def test_an_admin_key_reads_other_tenants_but_writes_only_its_own(twins: Service) -> None:
@@ -162,7 +183,9 @@ def test_an_admin_key_reads_other_tenants_but_writes_only_its_own(twins: Service
         where = "params" if "params" in kw else "json"
         answer = twins.call(method, path, "admin", **{where: {**kw[where], "tenant_id": "t2"}})
         assert (answer.status_code, answer.json()["detail"]) == (
-            403, "writes go to the API key's own tenant 't1', not 't2'"), name
+            403,
+            "writes go to the API key's own tenant 't1', not 't2'",
+        ), name
     assert twins.ok("GET", "/v1/session", "t2", params={"session_id": "chat"})["num_versions"] == 1
 
 
@@ -179,18 +202,32 @@ def test_forgetting_a_user_in_one_tenant_leaves_the_same_user_id_in_the_other(tw
 
 def test_shared_prefixes_and_page_sizes_stay_in_the_tenant(twins: Service) -> None:
     """t1's shared prefix is listed for t1 only; t2 sees none of t1's page sizes, and may not name t1."""
-    shared = twins.ok("POST", "/v1/prefixes", "t1", status=201,
-                      json={"tokens": X, "pages": {"0": b64(page(9))}, "layout": LAYOUT_JSON})
+    shared = twins.ok(
+        "POST",
+        "/v1/prefixes",
+        "t1",
+        status=201,
+        json={"tokens": X, "pages": {"0": b64(page(9))}, "layout": LAYOUT_JSON},
+    )
     assert [v["version_id"] for v in twins.ok("GET", "/v1/prefixes", "t1")] == [shared["version_id"]]
     assert twins.ok("GET", "/v1/prefixes", "t2") == []
-    ids = [p["page_id"] for p in twins.ok("POST", "/v1/resume", "t1", json={"session_id": "only1", "tokens": T})["pages"]]
+    ids = [
+        p["page_id"] for p in twins.ok("POST", "/v1/resume", "t1", json={"session_id": "only1", "tokens": T})["pages"]
+    ]
     assert twins.ok("POST", "/v1/pages/sizes", "t1", json={"page_ids": ids}) == {"sizes": {i: 16 for i in ids}}
     assert twins.ok("POST", "/v1/pages/sizes", "t2", json={"page_ids": ids}) == {"sizes": {}}  # t2's own ids differ
     answer = twins.call("POST", "/v1/pages/sizes", "t2", json={"page_ids": ids, "tenant_id": "t1"})
     assert (answer.status_code, answer.json()["detail"]) == (403, "this API key may read only its own tenant 't2'")
-    assert twins.ok("POST", "/v1/prefixes", "admin", status=201, json={
-        "tokens": X, "pages": {}, "layout": LAYOUT_JSON})["num_tokens"] == 4
-    refused = twins.call("POST", "/v1/prefixes", "admin", json={"tokens": X, "pages": {}, "layout": LAYOUT_JSON,
-                                                                "tenant_id": "t2"})
-    assert (refused.status_code, refused.json()["detail"]) == (403, "writes go to the API key's own tenant 't1', "
-                                                                    "not 't2'")
+    assert (
+        twins.ok("POST", "/v1/prefixes", "admin", status=201, json={"tokens": X, "pages": {}, "layout": LAYOUT_JSON})[
+            "num_tokens"
+        ]
+        == 4
+    )
+    refused = twins.call(
+        "POST", "/v1/prefixes", "admin", json={"tokens": X, "pages": {}, "layout": LAYOUT_JSON, "tenant_id": "t2"}
+    )
+    assert (refused.status_code, refused.json()["detail"]) == (
+        403,
+        "writes go to the API key's own tenant 't1', not 't2'",
+    )

@@ -52,13 +52,29 @@ def test_throwaway_postgresql_holds_a_store_and_leaves_nothing(tmp_path: Path) -
 def test_a_run_with_nothing_at_the_test_url_starts_a_throwaway_postgresql_and_says_so() -> None:
     unused = servers.free_port()
     env = {**os.environ, "DSS_TEST_PG_URL": f"postgresql+psycopg://postgres@127.0.0.1:{unused}/test"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_catalog.py::test_fresh_catalog_is_at_the_current_revision[postgresql]"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_catalog.py::test_fresh_catalog_is_at_the_current_revision[postgresql]",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
-    found = re.search(r"^PostgreSQL 18\.\S+: a throwaway server this run started at "
-                      r"postgresql\+psycopg://postgres@127\.0\.0\.1:(\d+)/test \(in (\S+); stopped and removed\)$",
-                      run.stdout, re.MULTILINE)
+    found = re.search(
+        r"^PostgreSQL 18\.\S+: a throwaway server this run started at "
+        r"postgresql\+psycopg://postgres@127\.0\.0\.1:(\d+)/test \(in (\S+); stopped and removed\)$",
+        run.stdout,
+        re.MULTILINE,
+    )
     assert found, run.stdout
     assert int(found[1]) != unused
     assert "1 passed" in run.stdout.splitlines()[-1]

@@ -13,13 +13,13 @@ import time
 
 import pytest
 import torch
-from dss_adapters.staging import StagingPool, Staged
+from dss_adapters.staging import Staged, StagingPool
 
 from dss import ConfigError, InvalidInput
 
 needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-PAGES = [bytes(range(0, 8)), bytes(range(8, 16))]
+PAGES = [bytes(range(8)), bytes(range(8, 16))]
 PARTS = [(0, 2), (2, 6)]
 
 
@@ -134,8 +134,10 @@ def test_on_cuda_a_large_copy_runs_on_the_pools_stream_after_copy_returns(device
     caller_first = not end.query()
     assert transfer.wait(timeout=60)
     copy_ms = start.elapsed_time(end)
-    print(f"256 MiB host to device: queued in {queued_ms:.2f} ms, copied in {copy_ms:.2f} ms "
-          f"({count * size / copy_ms / 1e6:.1f} GB/s)")
+    print(
+        f"256 MiB host to device: queued in {queued_ms:.2f} ms, copied in {copy_ms:.2f} ms "
+        f"({count * size / copy_ms / 1e6:.1f} GB/s)"
+    )
     assert not done_at_return and queued_ms < copy_ms
     assert caller_first  # the caller's stream did not wait for the pool's
     assert torch.equal(target[:, :1].cpu().view(-1), torch.arange(count, dtype=torch.uint8))
@@ -154,7 +156,9 @@ def test_on_cuda_a_full_pool_hands_out_a_buffer_only_once_its_copies_are_done(de
     transfer = pool.copy(staged, work)
     again = pool.stage([b"\x02" * (1 << 20)], [(0, 1 << 20)])  # waits for the first transfer
     assert transfer.is_done() and again.buffer.data_ptr() == staged.buffer.data_ptr()
-    assert target.cpu().numpy().tobytes() == b"\x01" * (1 << 20)  # the second staging did not overwrite the buffer under the copy
+    assert target.cpu().numpy().tobytes() == b"\x01" * (
+        1 << 20
+    )  # the second staging did not overwrite the buffer under the copy
     pool.copy(again, lambda staged: None).wait()
     pool.wait_all()
 

@@ -180,8 +180,9 @@ class StoreMachine(RuleBasedStateMachine):
         tokens = s.versions[target]
         model = ModelSession(s.tenant, s.user, s.layout, {info.head_id: tokens}, {info.head_id: target}, info.head_id)
         self.sessions[new] = model
-        self.hold(new, model, tokens, [i for i in range(len(tokens) // s.layout.page_tokens)
-                                       if self.stored(model, tokens, i)])
+        self.hold(
+            new, model, tokens, [i for i in range(len(tokens) // s.layout.page_tokens) if self.stored(model, tokens, i)]
+        )
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data())
@@ -202,8 +203,14 @@ class StoreMachine(RuleBasedStateMachine):
         located = self.store.sql("SELECT COUNT(*) FROM page_locations").rows
         plan = self.store.compact(dry_run=True)
         done = self.store.compact()
-        assert (done.segments, done.new_segments, done.pages, done.bytes_before, done.bytes_after, done.quarantined) \
-            == (plan.segments, plan.new_segments, plan.pages, plan.bytes_before, plan.bytes_after, 0)
+        assert (
+            done.segments,
+            done.new_segments,
+            done.pages,
+            done.bytes_before,
+            done.bytes_after,
+            done.quarantined,
+        ) == (plan.segments, plan.new_segments, plan.pages, plan.bytes_before, plan.bytes_after, 0)
         assert self.store.sql("SELECT COUNT(*) FROM page_locations").rows == located
 
     @rule()
@@ -253,8 +260,10 @@ class PostgresMachine(StoreMachine):
 
 
 TestSqliteStore = SqliteMachine.TestCase
-TestSqliteStore.settings = settings(max_examples=100, stateful_step_count=25, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestSqliteStore.settings = settings(
+    max_examples=100, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestPostgresStore = PostgresMachine.TestCase
-TestPostgresStore.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+TestPostgresStore.settings = settings(
+    max_examples=15, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

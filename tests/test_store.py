@@ -14,8 +14,9 @@ T = list(range(100, 110))  # 10 tokens: pages 0 and 1 full (page_tokens=4), 2 to
 
 
 def make(store: dss.Store, session_id: str = "s", **kw: object) -> dss.Session:
-    return store.create_session(session_id, user_id=kw.pop("user_id", "u"), tenant_id=kw.pop("tenant_id", "t"),
-                                layout=kw.pop("layout", LAYOUT))
+    return store.create_session(
+        session_id, user_id=kw.pop("user_id", "u"), tenant_id=kw.pop("tenant_id", "t"), layout=kw.pop("layout", LAYOUT)
+    )
 
 
 def snapshot(store: dss.Store) -> tuple:
@@ -112,8 +113,13 @@ def test_old_versions_never_change(store: dss.Store) -> None:
     store.rollback("s", v1.version_id)
     store.commit("s", T + T)
     after = store.versions("s")[0]
-    assert (after.version_id, after.parent_id, after.num_tokens, after.created_at, after.label) == \
-           (before.version_id, before.parent_id, before.num_tokens, before.created_at, before.label)
+    assert (after.version_id, after.parent_id, after.num_tokens, after.created_at, after.label) == (
+        before.version_id,
+        before.parent_id,
+        before.num_tokens,
+        before.created_at,
+        before.label,
+    )
     assert store.tokens("s", v1.version_id) == T
 
 
@@ -192,8 +198,12 @@ def test_sessionless_pages_resume_by_lookup_in_their_namespace_only(store: dss.S
 def test_token_buffers_match_lists(store: dss.Store) -> None:
     make(store)
     store.commit("s", T, pages_for(T))
-    for prompt in (np.array(T + [1], dtype=np.int64), np.array(T + [1], dtype=np.uint32), array.array("I", T + [1]),
-                   tuple(T + [1])):
+    for prompt in (
+        np.array(T + [1], dtype=np.int64),
+        np.array(T + [1], dtype=np.uint32),
+        array.array("I", T + [1]),
+        tuple(T + [1]),
+    ):
         assert store.resume("s", prompt).matched_tokens == 8
 
 
@@ -236,8 +246,21 @@ def test_module_level_resume_uses_default_store(tmp_path, monkeypatch) -> None:
 # -- bad input: a typed error, and nothing changes ---------------------------------------------
 
 
-BAD_TOKENS = [[-1], [1, 2.5], ["a"], [1 << 32], np.array([[1, 2]]), np.array([1.0, 2.0]), "abc", b"abc", None,
-              [1, True], (0, False), [True] * 8, np.array([True, False])]
+BAD_TOKENS = [
+    [-1],
+    [1, 2.5],
+    ["a"],
+    [1 << 32],
+    np.array([[1, 2]]),
+    np.array([1.0, 2.0]),
+    "abc",
+    b"abc",
+    None,
+    [1, True],
+    (0, False),
+    [True] * 8,
+    np.array([True, False]),
+]
 
 
 @pytest.mark.parametrize("tokens", BAD_TOKENS, ids=repr)
@@ -252,15 +275,18 @@ def test_bad_tokens_are_refused(store: dss.Store, tokens: object) -> None:
     assert snapshot(store) == before
 
 
-@pytest.mark.parametrize("pages, error", [
-    ({0: b"short"}, dss.InvalidPage),
-    ({0: page(1) + b"x"}, dss.InvalidPage),
-    ({2: page(1)}, dss.InvalidPage),  # 10 tokens hold 2 full pages
-    ({-1: page(1)}, dss.InvalidPage),
-    ({"0": page(1)}, dss.InvalidPage),
-    ({0: "not bytes"}, dss.InvalidPage),
-    ([page(1)], dss.InvalidPage),
-])
+@pytest.mark.parametrize(
+    "pages, error",
+    [
+        ({0: b"short"}, dss.InvalidPage),
+        ({0: page(1) + b"x"}, dss.InvalidPage),
+        ({2: page(1)}, dss.InvalidPage),  # 10 tokens hold 2 full pages
+        ({-1: page(1)}, dss.InvalidPage),
+        ({"0": page(1)}, dss.InvalidPage),
+        ({0: "not bytes"}, dss.InvalidPage),
+        ([page(1)], dss.InvalidPage),
+    ],
+)
 def test_bad_pages_are_refused(store: dss.Store, pages: object, error: type) -> None:
     make(store)
     store.commit("s", T, pages_for(T))
@@ -304,10 +330,19 @@ def test_session_created_twice(store: dss.Store) -> None:
     assert snapshot(store)[0] == before[0] + [("s", "other tenant", None, 0)]
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"session_id": ""}, {"session_id": "x" * 257}, {"session_id": "a\nb"}, {"session_id": 5},
-    {"session_id": "~cache-1"}, {"user_id": ""}, {"tenant_id": None}, {"layout": {"name": "x"}},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"session_id": ""},
+        {"session_id": "x" * 257},
+        {"session_id": "a\nb"},
+        {"session_id": 5},
+        {"session_id": "~cache-1"},
+        {"user_id": ""},
+        {"tenant_id": None},
+        {"layout": {"name": "x"}},
+    ],
+)
 def test_bad_names_are_refused(store: dss.Store, kwargs: dict) -> None:
     args = {"session_id": "s", "user_id": "u", "tenant_id": "t", "layout": LAYOUT, **kwargs}
     with pytest.raises(dss.InvalidInput):
@@ -358,27 +393,33 @@ def test_layout_fields_must_be_finite(value: float) -> None:
         dss.Layout.from_dict({"name": "x", "page_tokens": 4, "page_bytes": 8, "scale": value})
 
 
-@pytest.mark.parametrize("data, message", [
-    (None, "a layout must be a mapping of field names to values, not NoneType"),
-    ([("name", "x")], "a layout must be a mapping of field names to values, not list"),
-    ("name=x", "a layout must be a mapping of field names to values, not str"),
-    ({"name": "x", "page_tokens": 4, "page_bytes": 8, 1: "y"}, "layout field names must be strings, got 1"),
-    ({"name": "x", "page_tokens": 4}, "layout lacks the field 'page_bytes'"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (None, "a layout must be a mapping of field names to values, not NoneType"),
+        ([("name", "x")], "a layout must be a mapping of field names to values, not list"),
+        ("name=x", "a layout must be a mapping of field names to values, not str"),
+        ({"name": "x", "page_tokens": 4, "page_bytes": 8, 1: "y"}, "layout field names must be strings, got 1"),
+        ({"name": "x", "page_tokens": 4}, "layout lacks the field 'page_bytes'"),
+    ],
+)
 def test_layout_from_dict_refuses_what_is_not_a_layout(data: object, message: str) -> None:
     with pytest.raises(dss.InvalidLayout, match=message):
         dss.Layout.from_dict(data)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("pages, message", [
-    ([5], "page 0 must be a PageRef or a 16-byte page id, got 5"),
-    ([True], "page 0 must be a PageRef or a 16-byte page id, got True"),
-    ([b"short"], "page 0 must be a PageRef or a 16-byte page id, got b'short'"),
-    ([bytes(16), "00" * 16], "page 1 must be a PageRef or a 16-byte page id, got '0000"),
-    ([dss.PageRef(0, dss.PageId(b"x"), "host")], "page 0 must be a PageRef or a 16-byte page id"),
-    (bytes(16), "pages must be a list of PageRef or 16-byte page ids, not bytes"),
-    (7, "pages must be a list of PageRef or 16-byte page ids, not int"),
-])
+@pytest.mark.parametrize(
+    "pages, message",
+    [
+        ([5], "page 0 must be a PageRef or a 16-byte page id, got 5"),
+        ([True], "page 0 must be a PageRef or a 16-byte page id, got True"),
+        ([b"short"], "page 0 must be a PageRef or a 16-byte page id, got b'short'"),
+        ([bytes(16), "00" * 16], "page 1 must be a PageRef or a 16-byte page id, got '0000"),
+        ([dss.PageRef(0, dss.PageId(b"x"), "host")], "page 0 must be a PageRef or a 16-byte page id"),
+        (bytes(16), "pages must be a list of PageRef or 16-byte page ids, not bytes"),
+        (7, "pages must be a list of PageRef or 16-byte page ids, not int"),
+    ],
+)
 def test_read_pages_refuses_what_is_not_a_page_id(store: dss.Store, pages: object, message: str) -> None:
     """An int was read as that many zero bytes (a silent None), a str raised TypeError."""
     make(store)

@@ -45,10 +45,16 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="dss-tiers-"))
         self.now = 0.0
-        self.store = dss.open(self.tmp / "store", fsync=False, mover=False, clock=lambda: self.now,
-                              host_bytes=HOST_PAGES * LAYOUT.page_bytes,
-                              host_user_quota=USER_QUOTA_PAGES * LAYOUT.page_bytes,
-                              disk_bytes=40 * SEGMENT_PAGE + 400, move_batch_pages=8)
+        self.store = dss.open(
+            self.tmp / "store",
+            fsync=False,
+            mover=False,
+            clock=lambda: self.now,
+            host_bytes=HOST_PAGES * LAYOUT.page_bytes,
+            host_user_quota=USER_QUOTA_PAGES * LAYOUT.page_bytes,
+            disk_bytes=40 * SEGMENT_PAGE + 400,
+            move_batch_pages=8,
+        )
         self.store.register_prefix(PREFIX, {0: payload("~", PREFIX, 0), 1: payload("~", PREFIX, 1)}, layout=LAYOUT)
         self.owner: dict[str, str] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -60,8 +66,12 @@ class TierMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @rule(session=st.sampled_from(SESSIONS), user=st.sampled_from(USERS),
-          extra=st.lists(st.integers(0, 50), min_size=1, max_size=9), dt=st.floats(0, 120))
+    @rule(
+        session=st.sampled_from(SESSIONS),
+        user=st.sampled_from(USERS),
+        extra=st.lists(st.integers(0, 50), min_size=1, max_size=9),
+        dt=st.floats(0, 120),
+    )
     def commit(self, session: str, user: str, extra: list[int], dt: float) -> None:
         self.now += dt
         if session not in self.owner:
@@ -163,5 +173,6 @@ class TierMachine(RuleBasedStateMachine):
 pytestmark = pytest.mark.slow
 
 TestTierMachine = TierMachine.TestCase
-TestTierMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestTierMachine.settings = settings(
+    max_examples=50, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from dss.core.hashing import checksum
+from dss.core.types import PageId
 from dss.tiers.base import ReadRequest
 from dss.tiers.disk import HEADER_BYTES, MAGIC, RECORD, DiskTier
-from dss.core.types import PageId
 
 PAGES = [(PageId(bytes([i]) * 16), checksum(bytes([i]) * 100), bytes([i]) * 100, i % 2) for i in range(5)]
 
@@ -42,8 +42,10 @@ def test_reads_are_coalesced_into_few_preads(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_recovery_removes_only_files_of_dead_writers(tmp_path: Path) -> None:
-    script = (f"import os; from pathlib import Path; from dss.tiers.disk import DiskTier; "
-              f"d = DiskTier(Path({str(tmp_path)!r})); print(d.write([(b'x' * 16, 0, b'', 0)])[0]); os._exit(0)")
+    script = (
+        f"import os; from pathlib import Path; from dss.tiers.disk import DiskTier; "
+        f"d = DiskTier(Path({str(tmp_path)!r})); print(d.write([(b'x' * 16, 0, b'', 0)])[0]); os._exit(0)"
+    )
     dead = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
     alive = DiskTier(tmp_path)
     mine, _, _ = alive.write(PAGES[:1])
@@ -73,7 +75,7 @@ def test_pages_move_sixteen_per_io(tmp_path: Path) -> None:
     for size, reads in ((512 << 10, 3), (1024, 1)):
         before = (disk.io.writes, disk.io.reads)
         pages = records(40, size)
-        name, _, located = disk.write(pages)
+        _, _, located = disk.write(pages)
         assert (disk.io.writes - before[0], disk.io.pages_written) == (3, 40 if size > 1024 else 80)
         requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)]
         for transient in (False, True):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dss.tiers.host import HostTier
 from dss.core.types import PageId
+from dss.tiers.host import HostTier
 
 
 def ids(*names: str) -> list[PageId]:
@@ -44,12 +44,12 @@ def test_demoted_pages_stay_readable_and_leave_first_in_the_order_demoted() -> N
     assert host.demote([c, a, PageId(b"nope")]) == 20 and host.demote([c]) == 0  # once only
     assert (host.used_bytes, host.inactive_bytes, host.active_bytes) == (40, 20, 20)
     assert list(host.inactive()) == [(c, 10), (a, 10)]
-    got = host.put(e, b"y" * 10)                     # full: the first demoted goes, not the LRU b
+    got = host.put(e, b"y" * 10)  # full: the first demoted goes, not the LRU b
     assert got == [c] and got.reclaimed == 1
-    assert host.get_many([a]) == [b"x" * 10]        # still readable; active again
+    assert host.get_many([a]) == [b"x" * 10]  # still readable; active again
     assert host.inactive_bytes == 0 and not host.is_inactive(a)
     host.demote([d])
-    got = host.put(PageId(b"f"), b"z" * 20)          # d (inactive), then b (least recently used)
+    got = host.put(PageId(b"f"), b"z" * 20)  # d (inactive), then b (least recently used)
     assert got == [d, b] and got.reclaimed == 1
     host.demote([e])
     assert host.discard([e]) == 10 and host.inactive_bytes == 0

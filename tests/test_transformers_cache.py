@@ -38,12 +38,19 @@ def store(sqlite_store: dss.Store) -> dss.Store:
 
 def greedy(model: Any, tokens: list[int], n: int, cache: Any = None) -> Any:
     with torch.no_grad():
-        return model.generate(torch.tensor([tokens]), past_key_values=cache, max_new_tokens=n, do_sample=False,
-                              return_dict_in_generate=True, pad_token_id=0)
+        return model.generate(
+            torch.tensor([tokens]),
+            past_key_values=cache,
+            max_new_tokens=n,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
 
 
-def test_generation_from_a_restored_cache_equals_generation_from_scratch(model: Any, store: dss.Store,
-                                                                         store_path: Path) -> None:
+def test_generation_from_a_restored_cache_equals_generation_from_scratch(
+    model: Any, store: dss.Store, store_path: Path
+) -> None:
     layout = layout_for(model, page_tokens=32)
     store.create_session("chat-1", user_id="u", tenant_id="t", layout=layout)
     turn1 = greedy(model, prompt(1, 100), 20)
@@ -69,7 +76,9 @@ def test_a_cache_of_wrong_values_changes_the_output(model: Any) -> None:
     layout = layout_for(model, page_tokens=32)
     tokens = prompt(1, 100) + prompt(2, 30)
     zeros = cache_from_pages([bytes(layout.page_bytes)] * 3, layout)
-    assert greedy(model, tokens, 24, cache=zeros).sequences[0].tolist() != greedy(model, tokens, 24).sequences[0].tolist()
+    assert (
+        greedy(model, tokens, 24, cache=zeros).sequences[0].tolist() != greedy(model, tokens, 24).sequences[0].tolist()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,8 +87,13 @@ def test_pages_round_trip_bit_for_bit(model: Any, dtype: torch.dtype) -> None:
 
     layout = layout_for(model, page_tokens=32, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
-    tensors = [(torch.randn(1, 2, 70, 32, generator=generator).to(dtype),
-                torch.randn(1, 2, 70, 32, generator=generator).to(dtype)) for _ in range(2)]
+    tensors = [
+        (
+            torch.randn(1, 2, 70, 32, generator=generator).to(dtype),
+            torch.randn(1, 2, 70, 32, generator=generator).to(dtype),
+        )
+        for _ in range(2)
+    ]
     pages = cache_pages(DynamicCache(tensors), layout)
     assert sorted(pages) == [0, 1]
     assert all(len(p) == layout.page_bytes == 2 * 2 * 2 * 32 * 32 * dtype.itemsize for p in pages.values())
@@ -95,12 +109,16 @@ def test_layouts_of_other_precisions_page_sizes_or_revisions_never_match(model: 
     base = layout_for(model, page_tokens=32)
     assert base.page_bytes == 2 * 2 * 2 * 32 * 32 * 4
     assert (base.dtype, base.num_layers, base.num_kv_heads, base.head_dim) == ("float32", 2, 2, 32)
-    others = [layout_for(model, page_tokens=32, dtype=torch.bfloat16), layout_for(model, page_tokens=64),
-              layout_for(model, page_tokens=32, revision="v2")]
+    others = [
+        layout_for(model, page_tokens=32, dtype=torch.bfloat16),
+        layout_for(model, page_tokens=64),
+        layout_for(model, page_tokens=32, revision="v2"),
+    ]
     assert len({base.digest, *(o.digest for o in others)}) == 4
     tokens = prompt(5, 64)
-    store.save_pages(None, tokens, {0: bytes(base.page_bytes), 1: bytes(base.page_bytes)}, tenant_id="t",
-                     user_id="u", layout=base)
+    store.save_pages(
+        None, tokens, {0: bytes(base.page_bytes), 1: bytes(base.page_bytes)}, tenant_id="t", user_id="u", layout=base
+    )
     assert store.lookup(tokens, layout=base, user_id="u", tenant_id="t").matched_tokens == 64
     assert [store.lookup(tokens, layout=o, user_id="u", tenant_id="t").matched_tokens for o in others] == [0, 0, 0]
 
@@ -144,7 +162,8 @@ def test_the_real_models_layout(smol: tuple[Any, Any]) -> None:
 
 
 def test_a_real_chat_continues_from_pages_on_disk_as_from_the_cache_in_memory(
-        smol: tuple[Any, Any], store: dss.Store, store_path: Path) -> None:
+    smol: tuple[Any, Any], store: dss.Store, store_path: Path
+) -> None:
     """bf16: the restored cache is turn 1's cache bit for bit, so turn 2's greedy answer is the
     one the in-memory cache gives (the same split without dss)."""
     model, tokenizer = smol
@@ -159,7 +178,8 @@ def test_a_real_chat_continues_from_pages_on_disk_as_from_the_cache_in_memory(
 
 
 def test_in_float32_a_real_chat_continues_from_pages_as_from_one_full_forward(
-        smol32: tuple[Any, Any], store: dss.Store, store_path: Path) -> None:
+    smol32: tuple[Any, Any], store: dss.Store, store_path: Path
+) -> None:
     model, tokenizer = smol32
     chat = real_chat.through_the_store(model, tokenizer, store, store_path)
     assert chat.cache.layers[0].keys.dtype == torch.float32

@@ -6,8 +6,8 @@ import hypothesis.strategies as st
 from hypothesis import given
 
 from dss.core.tokens import pack
-from dss.trie import Trie
 from dss.core.types import PageId, VersionId
+from dss.trie import Trie
 
 
 def fake_ids(prev: PageId, buf: bytes, first: int, count: int) -> list[PageId]:
@@ -55,8 +55,10 @@ def test_hand_worked_example() -> None:
     assert [(s.first, s.count) for s in spans] == [(0, 1), (1, 1)]  # page 2 (5 6) is absent
 
 
-@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=12),
-       st.lists(st.integers(0, 3), max_size=14))
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=12),
+    st.lists(st.integers(0, 3), max_size=14),
+)
 def test_walk_equals_longest_common_prefix(histories: list[list[int]], prompt: list[int]) -> None:
     trie = Trie(3, PageId(b"r"), fake_ids)
     positions = [trie.insert(pack(h), VersionId(i + 1)) for i, h in enumerate(histories)]

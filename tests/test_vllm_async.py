@@ -50,8 +50,11 @@ NOTES = (
 )
 SENTENCES = NOTES.split(". ")
 SECRETARY = "You are a careful secretary. Summarise meeting notes in short bullet points."
-QUESTIONS = ["What is the boiling point of water in Fahrenheit?", "Name three rivers in Africa and the seas they flow "
-             "into.", "How many legs does a spider have, and why?"]
+QUESTIONS = [
+    "What is the boiling point of water in Fahrenheit?",
+    "Name three rivers in Africa and the seas they flow into.",
+    "How many legs does a spider have, and why?",
+]
 
 
 def chat(system: str | None, user: str) -> list[dict[str, str]]:
@@ -68,11 +71,15 @@ CHATS = {
     # 510 tokens: its KV of (510 - 1) // 32 = 15 pages (480 tokens) is loaded, the last 30 tokens computed
     "long": chat(SECRETARY, notes(len(SENTENCES), "Please list every decision and who is responsible for it.")),
     # 514 tokens, another system prompt: no page in common with "long"
-    "fresh": chat("You answer questions about a document. Quote the sentence that your answer comes from.",
-                  notes(len(SENTENCES), "Who will ask the bakery for bread, and for which event?")),
+    "fresh": chat(
+        "You answer questions about a document. Quote the sentence that your answer comes from.",
+        notes(len(SENTENCES), "Who will ask the bakery for bread, and for which event?"),
+    ),
     # the preemption test's two requests: 201 tokens (100 generated) and 304 tokens (40 generated)
-    "growing": chat("You keep the minutes of a garden club. Answer in one short paragraph.",
-                    notes(6, "What did the group decide about the slugs?")),
+    "growing": chat(
+        "You keep the minutes of a garden club. Answer in one short paragraph.",
+        notes(6, "What did the group decide about the slugs?"),
+    ),
     "loading": chat(SECRETARY, notes(10, "Please list every decision and who is responsible for it.")),
 }
 LENGTHS = {"d0": 40, "d1": 42, "d2": 41, "long": 510, "fresh": 514, "growing": 201, "loading": 304}
@@ -95,8 +102,11 @@ def ref(smollm2_model: Path, prompts: dict[str, list[int]]) -> dict[str, list[in
     from vllm.inputs import TokensPrompt
 
     with engine(smollm2_model, prefix_caching=False, max_num_seqs=len(CHATS), **F32) as llm:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[name]) for name in CHATS],
-                            [greedy(MAX_TOKENS[name]) for name in CHATS], use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[name]) for name in CHATS],
+            [greedy(MAX_TOKENS[name]) for name in CHATS],
+            use_tqdm=False,
+        )
     return {name: tokens_out(out) for name, out in zip(CHATS, outs)}
 
 
@@ -131,9 +141,9 @@ def status(llm: Any, req_id: str) -> str:
     return request.status.name
 
 
-def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(smollm2_model: Path, store_path: Path,
-                                                                     prompts: dict[str, list[int]],
-                                                                     ref: dict[str, list[int]]) -> None:
+def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(
+    smollm2_model: Path, store_path: Path, prompts: dict[str, list[int]], ref: dict[str, list[int]]
+) -> None:
     with engine(smollm2_model, store=store_path, **F32) as llm:  # saves the long prompt's pages
         generate(llm, [prompts["long"]], params=[{"dss": SESSION}])
     with engine(smollm2_model, store=store_path, log_stats=True, **F32) as llm:  # a fresh worker: no page in RAM
@@ -181,9 +191,9 @@ def test_a_disk_load_waits_outside_the_batch_while_the_others_decode(smollm2_mod
     assert (metrics["requests_hit"], metrics["requests_miss"]) == (2, 4)
 
 
-def test_preempted_requests_with_loads_and_saves_in_flight_keep_their_outputs(smollm2_model: Path, store_path: Path,
-                                                                             prompts: dict[str, list[int]],
-                                                                             ref: dict[str, list[int]]) -> None:
+def test_preempted_requests_with_loads_and_saves_in_flight_keep_their_outputs(
+    smollm2_model: Path, store_path: Path, prompts: dict[str, list[int]], ref: dict[str, list[int]]
+) -> None:
     """18 blocks of 32 tokens. ``growing`` (201 prompt tokens, 100 generated: 7 blocks, then
     up to 10) runs first and saves a page every 32 tokens; ``loading`` (304 tokens, 9 pages on
     disk, 40 generated: 10 blocks, then 11) waits for its asynchronous load, then runs beside

@@ -35,26 +35,22 @@ from typing import Any
 import pytest
 
 import dss
-from tests.engines import (
-    BLOCK,
-    chat_tokenizer,
-    corrupt_page,
-    engine,
-    generate,
-    render,
-    reply,
-    run,
-    tokens_out,
-)
+from tests.engines import BLOCK, chat_tokenizer, corrupt_page, engine, generate, render, reply, run, tokens_out
 
 SESSION = {"session_id": "chat-1", "tenant_id": "t", "user_id": "u"}
-SYSTEM = {"role": "system", "content": "You are a friendly baking teacher at a community kitchen. The people who "
-                                       "write to you are beginners who bake at home with ordinary equipment. Answer "
-                                       "with clear numbered steps and a short reason for each step, give quantities "
-                                       "in grams, and say which mistakes beginners make most often. Keep a warm, "
-                                       "encouraging tone."}
-USER1 = {"role": "user", "content": "I want to bake sourdough bread at home for the first time. What do I need, "
-                                    "and how long does the whole process take, from the starter to the loaf?"}
+SYSTEM = {
+    "role": "system",
+    "content": "You are a friendly baking teacher at a community kitchen. The people who "
+    "write to you are beginners who bake at home with ordinary equipment. Answer "
+    "with clear numbered steps and a short reason for each step, give quantities "
+    "in grams, and say which mistakes beginners make most often. Keep a warm, "
+    "encouraging tone.",
+}
+USER1 = {
+    "role": "user",
+    "content": "I want to bake sourdough bread at home for the first time. What do I need, "
+    "and how long does the whole process take, from the starter to the loaf?",
+}
 USER2 = {"role": "user", "content": "My kitchen is cold in winter. How should I change the timing?"}
 USER2B = {"role": "user", "content": "Could you turn that into a short shopping list?"}
 QUESTION = {"role": "user", "content": "Write a short poem about rain on a tin roof."}
@@ -80,7 +76,7 @@ def prompts(tokenizer: Any, o1: list[int]) -> dict[str, list[int]]:
     p2b = render(tokenizer, [SYSTEM, USER1, reply(tokenizer, o1), USER2B])
     turn1 = p1 + o1
     assert (len(p1), len(turn1)) == (110, N1)
-    assert p2[:len(turn1)] == p2b[:len(turn1)] == turn1, "the reply did not render back to its tokens"
+    assert p2[: len(turn1)] == p2b[: len(turn1)] == turn1, "the reply did not render back to its tokens"
     shared = next(i for i, (a, b) in enumerate(zip(p2, p2b)) if a != b)
     assert shared // BLOCK == pages(len(turn1)), "p2 and p2b share a page beyond turn 1's"
     q = render(tokenizer, [SYSTEM, QUESTION])
@@ -126,8 +122,14 @@ def first_turn(model: Path, store_path: Path, ref: dict[str, list[int]], options
         out = run(llm, ref["p1"], SESSION, max_tokens=TURN1)
     assert tokens_out(out) == ref["o1"]
     assert out.num_cached_tokens == 0
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 1, "num_tokens": N1,
-                               "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}
+    assert dss_params(out) == {
+        "session_id": "chat-1",
+        "version_id": 1,
+        "num_tokens": N1,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
     return store_path
 
 
@@ -163,19 +165,28 @@ def dss_params(output: Any) -> dict[str, Any]:
     return output.kv_transfer_params["dss"]
 
 
-def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(smollm2_model: Path, bf16_store: Any,
-                                                                bf16: dict[str, list[int]]) -> None:
+def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(
+    smollm2_model: Path, bf16_store: Any, bf16: dict[str, list[int]]
+) -> None:
     store_path, store = bf16_store
     with engine(smollm2_model, store=store_path, **BF16) as llm:
         out = run(llm, bf16["p2"], {**SESSION, "label": "turn 2"})
     assert tokens_out(out) == bf16["o2"]
     assert out.num_cached_tokens == 128
     history = bf16["p2"] + bf16["o2"]
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 2, "num_tokens": len(history),
-                               "loaded_tokens": 128, "engine_cached_tokens": 0, "result": "hit"}
+    assert dss_params(out) == {
+        "session_id": "chat-1",
+        "version_id": 2,
+        "num_tokens": len(history),
+        "loaded_tokens": 128,
+        "engine_cached_tokens": 0,
+        "result": "hit",
+    }
     versions = store.versions("chat-1", tenant_id="t")
     assert [(v.version_id, v.parent_id, v.num_tokens, v.is_head, v.label) for v in versions] == [
-        (1, None, N1, False, None), (2, 1, len(history), True, "turn 2")]
+        (1, None, N1, False, None),
+        (2, 1, len(history), True, "turn 2"),
+    ]
     assert store.tokens("chat-1", tenant_id="t") == history
     # turn 2 saved its own full pages after turn 1's
     assert store.resume("chat-1", history, tenant_id="t").matched_tokens == pages(len(history)) * BLOCK
@@ -183,14 +194,31 @@ def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(smollm2_model: 
     fields = store.session("chat-1", tenant_id="t").layout.to_dict()
     assert fields.pop("backend").startswith("cpu:")  # the CPU attention ISA: vec, amx, neon, ...
     assert fields.pop("revision").startswith("local-")  # fingerprint of the model folder
-    assert fields == {"name": "vllm", "page_tokens": 32, "page_bytes": 737_280, "model": str(smollm2_model),
-                      "dtype": "bfloat16", "kv_dtype": "bfloat16", "kv_cache_dtype": "auto", "num_layers": 30,
-                      "num_kv_heads": 3, "head_size": 64, "head_size_v": 64, "platform": "cpu", "vllm": "0.32.0",
-                      "attention": "full", "tp_size": 1, "tp_shard": 0, "pp_size": 1, "pp_rank": 0}
+    assert fields == {
+        "name": "vllm",
+        "page_tokens": 32,
+        "page_bytes": 737_280,
+        "model": str(smollm2_model),
+        "dtype": "bfloat16",
+        "kv_dtype": "bfloat16",
+        "kv_cache_dtype": "auto",
+        "num_layers": 30,
+        "num_kv_heads": 3,
+        "head_size": 64,
+        "head_size_v": 64,
+        "platform": "cpu",
+        "vllm": "0.32.0",
+        "attention": "full",
+        "tp_size": 1,
+        "tp_shard": 0,
+        "pp_size": 1,
+        "pp_rank": 0,
+    }
 
 
 def test_rollback_then_a_new_turn_reuses_the_pages_of_the_version_rolled_back_to(
-        smollm2_model: Path, bf16_store: Any, bf16: dict[str, list[int]]) -> None:
+    smollm2_model: Path, bf16_store: Any, bf16: dict[str, list[int]]
+) -> None:
     """What a chat backend's "undo" does: turn 2, roll the session back to turn 1, send another turn 2."""
     store_path, store = bf16_store
     with engine(smollm2_model, store=store_path, **BF16) as llm:
@@ -201,10 +229,19 @@ def test_rollback_then_a_new_turn_reuses_the_pages_of_the_version_rolled_back_to
     assert (tokens_out(first), tokens_out(out)) == (bf16["o2"], bf16["o2b"])
     assert (head.version_id, head.num_tokens, dss_params(first)["version_id"]) == (1, N1, 2)
     assert out.num_cached_tokens == dss_params(out)["loaded_tokens"] == 128
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 3, "num_tokens": len(bf16["p2b"]) + 8,
-                               "loaded_tokens": 128, "engine_cached_tokens": 0, "result": "hit"}
+    assert dss_params(out) == {
+        "session_id": "chat-1",
+        "version_id": 3,
+        "num_tokens": len(bf16["p2b"]) + 8,
+        "loaded_tokens": 128,
+        "engine_cached_tokens": 0,
+        "result": "hit",
+    }
     assert [(v.version_id, v.parent_id, v.is_head) for v in store.versions("chat-1", tenant_id="t")] == [
-        (1, None, False), (2, 1, False), (3, 1, True)]
+        (1, None, False),
+        (2, 1, False),
+        (3, 1, True),
+    ]
     assert store.tokens("chat-1", tenant_id="t") == bf16["p2b"] + bf16["o2b"]
     assert store.check() == []
 
@@ -220,9 +257,14 @@ def test_a_branch_reuses_its_parents_pages(smollm2_model: Path, bf16_store: Any,
     assert out.num_cached_tokens == 128
     start, turn2 = store.versions("chat-1-alt", tenant_id="t")
     assert (start.version_id, start.num_tokens, turn2.parent_id) == (branch.head_id, N1, branch.head_id)
-    assert dss_params(out) == {"session_id": "chat-1-alt", "version_id": turn2.version_id,
-                               "num_tokens": len(bf16["p2b"]) + 8, "loaded_tokens": 128,
-                               "engine_cached_tokens": 0, "result": "hit"}
+    assert dss_params(out) == {
+        "session_id": "chat-1-alt",
+        "version_id": turn2.version_id,
+        "num_tokens": len(bf16["p2b"]) + 8,
+        "loaded_tokens": 128,
+        "engine_cached_tokens": 0,
+        "result": "hit",
+    }
     assert store.tokens("chat-1-alt", tenant_id="t") == bf16["p2b"] + bf16["o2b"]
     assert [v.num_tokens for v in store.versions("chat-1", tenant_id="t")] == [N1]
     assert store.check() == []
@@ -240,16 +282,20 @@ def test_default_multiprocess_mode(smollm2_model: Path, bf16_store: Any, bf16: d
     assert store.resume("chat-1", history, tenant_id="t").matched_tokens == pages(len(history)) * BLOCK
 
 
-def test_an_engine_whose_pages_differ_from_the_configured_size_refuses_to_start(smollm2_model: Path,
-                                                                               store_path: Path) -> None:
-    refused = pytest.raises(dss.ConfigError, match="pages of this model have 737280 bytes, but the dss connector is "
-                                                   "configured with page_bytes=4096")
+def test_an_engine_whose_pages_differ_from_the_configured_size_refuses_to_start(
+    smollm2_model: Path, store_path: Path
+) -> None:
+    refused = pytest.raises(
+        dss.ConfigError,
+        match="pages of this model have 737280 bytes, but the dss connector is configured with page_bytes=4096",
+    )
     with refused, engine(smollm2_model, store=store_path, page_bytes=4096, **BF16):
         pass
 
 
-def test_another_namespace_gets_no_hit_and_the_same_outputs(smollm2_model: Path, f32_store: Any,
-                                                            f32: dict[str, list[int]]) -> None:
+def test_another_namespace_gets_no_hit_and_the_same_outputs(
+    smollm2_model: Path, f32_store: Any, f32: dict[str, list[int]]
+) -> None:
     store_path, store = f32_store
     with engine(smollm2_model, store=store_path, **F32) as llm:
         intruder = run(llm, f32["p2"], {**SESSION, "user_id": "v"})  # names u's session from v's namespace
@@ -257,20 +303,31 @@ def test_another_namespace_gets_no_hit_and_the_same_outputs(smollm2_model: Path,
         other_tenant = run(llm, f32["p2"], {**SESSION, "tenant_id": "t2"})
     assert tokens_out(intruder) == tokens_out(other_tenant) == f32["o2"]
     assert intruder.num_cached_tokens == other_tenant.num_cached_tokens == 0
-    assert dss_params(intruder) == {"session_id": None, "version_id": None, "loaded_tokens": 0,
-                                    "engine_cached_tokens": 0, "result": "miss"}
+    assert dss_params(intruder) == {
+        "session_id": None,
+        "version_id": None,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
     # tenant t2 has no session chat-1: the request starts one there, with a fresh history
     (created,) = store.versions("chat-1", tenant_id="t2")
-    assert dss_params(other_tenant) == {"session_id": "chat-1", "version_id": created.version_id,
-                                        "num_tokens": len(f32["p2"]) + 8, "loaded_tokens": 0,
-                                        "engine_cached_tokens": 0, "result": "miss"}
+    assert dss_params(other_tenant) == {
+        "session_id": "chat-1",
+        "version_id": created.version_id,
+        "num_tokens": len(f32["p2"]) + 8,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
     assert (created.num_tokens, created.parent_id) == (len(f32["p2"]) + 8, None)
     assert store.session("chat-1", tenant_id="t2").user_id == "u"
     assert [v.num_tokens for v in store.versions("chat-1", tenant_id="t")] == [N1]
 
 
-def test_a_layout_change_is_a_miss_with_the_same_outputs(smollm2_model: Path, f32_store: Any,
-                                                         f32: dict[str, list[int]]) -> None:
+def test_a_layout_change_is_a_miss_with_the_same_outputs(
+    smollm2_model: Path, f32_store: Any, f32: dict[str, list[int]]
+) -> None:
     store_path, store = f32_store
     with engine(smollm2_model, store=store_path, model_revision="retrained", **F32) as llm:
         out = run(llm, f32["p2"], SESSION)
@@ -280,14 +337,21 @@ def test_a_layout_change_is_a_miss_with_the_same_outputs(smollm2_model: Path, f3
     assert out.num_cached_tokens == 0
     # the session keeps its dialogue (a version per turn); the new layout's pages live in
     # the namespace, outside the session, and the next request finds them there
-    assert dss_params(out) == {"session_id": "chat-1", "version_id": 2, "num_tokens": len(f32["p2"]) + 8,
-                               "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}
+    assert dss_params(out) == {
+        "session_id": "chat-1",
+        "version_id": 2,
+        "num_tokens": len(f32["p2"]) + 8,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
     assert again.num_cached_tokens == pages(len(f32["p2"])) * BLOCK
     assert store.session("chat-1", tenant_id="t").layout.revision != "retrained"
 
 
-def test_corrupt_pages_are_recomputed_never_served(smollm2_model: Path, f32_store: Any,
-                                                   f32: dict[str, list[int]]) -> None:
+def test_corrupt_pages_are_recomputed_never_served(
+    smollm2_model: Path, f32_store: Any, f32: dict[str, list[int]]
+) -> None:
     store_path, store = f32_store
     turn1 = f32["p1"] + f32["o1"]
     corrupt_page(store_path, store.resume("chat-1", turn1, tenant_id="t").pages[3].page_id)
@@ -301,18 +365,25 @@ def test_corrupt_pages_are_recomputed_never_served(smollm2_model: Path, f32_stor
     # page 3 was quarantined, recomputed and saved again (with turn 2's); nothing is missing now
     saved = pages(len(f32["p2"])) * BLOCK
     assert (again.num_cached_tokens, dss_params(again)["loaded_tokens"]) == (saved, saved)
-    assert dss_params(again) == {"session_id": "chat-1", "version_id": None, "loaded_tokens": saved,  # not committed
-                                 "engine_cached_tokens": 0, "result": "hit"}
+    assert dss_params(again) == {
+        "session_id": "chat-1",
+        "version_id": None,
+        "loaded_tokens": saved,  # not committed
+        "engine_cached_tokens": 0,
+        "result": "hit",
+    }
     assert [v.num_tokens for v in store.versions("chat-1", tenant_id="t")] == [N1, len(f32["p2"]) + 8]
     assert store.check() == []
 
 
-def test_requests_without_a_session_reuse_pages_within_their_namespace(smollm2_model: Path, store_path: Path,
-                                                                      f32: dict[str, list[int]]) -> None:
+def test_requests_without_a_session_reuse_pages_within_their_namespace(
+    smollm2_model: Path, store_path: Path, f32: dict[str, list[int]]
+) -> None:
     with engine(smollm2_model, store=store_path, **F32) as llm:
         (out,) = generate(llm, [f32["q"]])
-    assert out.kv_transfer_params == {"dss": {"session_id": None, "version_id": None, "loaded_tokens": 0,
-                                              "engine_cached_tokens": 0, "result": "miss"}}
+    assert out.kv_transfer_params == {
+        "dss": {"session_id": None, "version_id": None, "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}
+    }
     with engine(smollm2_model, store=store_path, **F32) as llm:
         hit, other = generate(llm, [f32["q"], f32["q"]], params=[None, {"dss": {"user_id": "someone-else"}}])
     assert tokens_out(out) == tokens_out(hit) == tokens_out(other) == f32["oq"]

@@ -44,15 +44,16 @@ def ref(model: Path) -> dict[str, list[int]]:
         return conversation(llm)
 
 
-def test_pages_vllm_still_holds_are_on_device(model: Path, store_path: Path, sqlite_store: dss.Store,
-                                              ref: dict[str, list[int]]) -> None:
+def test_pages_vllm_still_holds_are_on_device(
+    model: Path, store_path: Path, sqlite_store: dss.Store, ref: dict[str, list[int]]
+) -> None:
     store = sqlite_store
     history1 = ref["p1"] + ref["o1"]
     history2 = ref["p2"] + ref["o2"]
     with engine(model, store=store_path) as llm:
         first = run(llm, ref["p1"], SESSION, max_tokens=40)
         assert tokens_out(first) == ref["o1"]
-        (engine_id, held), = held_once_saved(llm, store, 4).items()
+        ((engine_id, held),) = held_once_saved(llm, store, 4).items()
         assert held == 4
         assert store.resume("chat-1", history1, tenant_id="t").tiers == {"device": 128}
         second = run(llm, ref["p2"], SESSION)

@@ -35,10 +35,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, pytest.param(2, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
-def test_pages_move_through_cuda_streams_with_identical_outputs(model: Path, tmp_path: Path,
-                                                               tensor_parallel_size: int) -> None:
+@pytest.mark.parametrize(
+    "tensor_parallel_size",
+    [1, pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"))],
+)
+def test_pages_move_through_cuda_streams_with_identical_outputs(
+    model: Path, tmp_path: Path, tensor_parallel_size: int
+) -> None:
     """Turn 1 saves layer by layer (save stream); turn 2 in the same engine loads those pages
     from the worker's RAM synchronously, layer by layer (load stream, one event per layer);
     a fresh engine loads them from disk asynchronously (loader stream)."""

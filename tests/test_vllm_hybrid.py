@@ -60,8 +60,9 @@ def ref(model: Path) -> dict[str, list[int]]:
         return conversation(llm)
 
 
-def test_sliding_window_layers_are_saved_and_loaded_with_identical_outputs(model: Path, store_path: Path,
-                                                                           ref: dict[str, list[int]]) -> None:
+def test_sliding_window_layers_are_saved_and_loaded_with_identical_outputs(
+    model: Path, store_path: Path, ref: dict[str, list[int]]
+) -> None:
     first, out = two_turns(model, store_path, ref, SESSION, {"max_num_batched_tokens": 64})  # chunked: 64 + 36
     assert tokens_out(first) == ref["o1"]
     assert tokens_out(out) == ref["o2"]
@@ -74,8 +75,9 @@ def test_sliding_window_layers_are_saved_and_loaded_with_identical_outputs(model
         assert store.check() == []
 
 
-def test_a_failed_load_of_a_sliding_window_model_recomputes_the_request(model: Path, store_path: Path,
-                                                                        ref: dict[str, list[int]]) -> None:
+def test_a_failed_load_of_a_sliding_window_model_recomputes_the_request(
+    model: Path, store_path: Path, ref: dict[str, list[int]]
+) -> None:
     """vLLM takes block-level load failures from one KV cache group only: the connector fails
     the whole (asynchronous) load instead, and vLLM starts the request again; asked again,
     dss offers the pages still readable (0-2; page 3 failed its checksum and is gone)."""
@@ -104,9 +106,9 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hybrid_ref(hybrid: Path) -> dict[str, list[int]]:
     """The hybrid's conversation without dss::
 
-        h1  = 200 prompt tokens                       -> ho1: 100 tokens (page 1 ends while decoding)
-        h2  = h1 + ho1 + 50 new tokens (350 tokens)   -> ho2: 8 tokens
-        h2b = h1 + ho1[:40] + 30 other tokens (270)   -> ho2b: 8 tokens (shares page 0 only)
+    h1  = 200 prompt tokens                       -> ho1: 100 tokens (page 1 ends while decoding)
+    h2  = h1 + ho1 + 50 new tokens (350 tokens)   -> ho2: 8 tokens
+    h2b = h1 + ho1[:40] + 30 other tokens (270)   -> ho2b: 8 tokens (shares page 0 only)
     """
     out: dict[str, list[int]] = {"h1": prompt(1, 200)}
     with engine(hybrid, **HYBRID) as llm:
@@ -124,13 +126,20 @@ def hybrid_ref(hybrid: Path) -> dict[str, list[int]]:
 
 
 def test_a_hybrid_state_space_model_resumes_from_stored_states_with_identical_outputs(
-        hybrid: Path, store_path: Path, hybrid_ref: dict[str, list[int]]) -> None:
+    hybrid: Path, store_path: Path, hybrid_ref: dict[str, list[int]]
+) -> None:
     ref = hybrid_ref
     with engine(hybrid, store=store_path, **HYBRID) as llm:
         first = run(llm, ref["h1"], SESSION, max_tokens=100)
     assert tokens_out(first) == ref["ho1"]
-    assert first.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": 1, "loaded_tokens": 0,
-                                               "num_tokens": 300, "engine_cached_tokens": 0, "result": "miss"}
+    assert first.kv_transfer_params["dss"] == {
+        "session_id": "chat-1",
+        "version_id": 1,
+        "loaded_tokens": 0,
+        "num_tokens": 300,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
     with dss.open(store_path) as store:
         layout = store.session("chat-1", tenant_id="t").layout
         assert (layout.page_tokens, layout.num_layers) == (128, 4)
@@ -154,8 +163,9 @@ def test_a_hybrid_state_space_model_resumes_from_stored_states_with_identical_ou
         assert store.check() == []
 
 
-def test_outputs_depend_on_the_loaded_states(hybrid: Path, store_path: Path, hybrid_ref: dict[str, list[int]],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outputs_depend_on_the_loaded_states(
+    hybrid: Path, store_path: Path, hybrid_ref: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The negative control of the test above: the same load with the Mamba states left out
     (vLLM's zeroed state blocks, attention blocks loaded) changes the output, so identical
     outputs there show that the states were loaded, and were the right ones."""
@@ -175,8 +185,9 @@ def test_outputs_depend_on_the_loaded_states(hybrid: Path, store_path: Path, hyb
     assert tokens_out(control) != ref["ho2"]
 
 
-def test_a_failed_load_of_a_hybrid_model_recomputes_the_request(hybrid: Path, store_path: Path,
-                                                                hybrid_ref: dict[str, list[int]]) -> None:
+def test_a_failed_load_of_a_hybrid_model_recomputes_the_request(
+    hybrid: Path, store_path: Path, hybrid_ref: dict[str, list[int]]
+) -> None:
     """Page 1 of the stored conversation fails its checksum: the whole (asynchronous) load
     fails and vLLM starts the request again; asked again, dss offers page 0 (with its own
     end state); page 1 is recomputed and saved again."""
@@ -194,14 +205,16 @@ def test_a_failed_load_of_a_hybrid_model_recomputes_the_request(hybrid: Path, st
     assert again.kv_transfer_params["dss"]["loaded_tokens"] == 256
 
 
-def test_a_hybrid_model_without_vllm_prefix_caching_is_refused_naming_the_setting(hybrid: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_a_hybrid_model_without_vllm_prefix_caching_is_refused_naming_the_setting(hybrid: Path, tmp_path: Path) -> None:
     """Without prefix caching vLLM keeps one running state per request (``mamba_cache_mode="none"``),
     never the state at a page boundary."""
-    refused = pytest.raises(dss.ConfigError, match=r"hybrid models with state-space \(Mamba / linear-attention\) "
-                                                   r"layers only with vLLM's prefix caching for them "
-                                                   r"\(enable_prefix_caching=True, mamba_cache_mode='align'.*"
-                                                   r"this engine runs mamba_cache_mode='none'")
+    refused = pytest.raises(
+        dss.ConfigError,
+        match=r"hybrid models with state-space \(Mamba / linear-attention\) "
+        r"layers only with vLLM's prefix caching for them "
+        r"\(enable_prefix_caching=True, mamba_cache_mode='align'.*"
+        r"this engine runs mamba_cache_mode='none'",
+    )
     with refused, engine(hybrid, store=tmp_path / "store", prefix_caching=False, **HYBRID):
         pass
 

@@ -42,8 +42,9 @@ FULL = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torc
 
 
 def kv_config(*groups: tuple[list[str], KVCacheSpec]) -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+    return KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups]
+    )
 
 
 def write_model(folder: Path) -> Path:
@@ -90,13 +91,22 @@ def test_full_attention_and_sliding_window_groups_are_served() -> None:
     assert attention_spec(kv_config((["a"], FULL), (["b"], WINDOW))) is FULL
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     config = kv_config(([names[0], names[2]], FULL), ([names[3], names[1]], WINDOW))
-    assert page_layers(config) == [PageLayer(names[0], 0), PageLayer(names[1], 1), PageLayer(names[2], 0),
-                                   PageLayer(names[3], 1)]
+    assert page_layers(config) == [
+        PageLayer(names[0], 0),
+        PageLayer(names[1], 1),
+        PageLayer(names[2], 0),
+        PageLayer(names[3], 1),
+    ]
     assert page_layers(config, {names[1], names[2]}) == [PageLayer(names[1], 1), PageLayer(names[2], 0)]
 
 
-STATE = MambaSpec(block_size=32, shapes=((3, 16), (2, 4, 8)), dtypes=(torch.float32, torch.float32),
-                  page_size_padded=FULL.page_size_bytes, mamba_cache_mode="align")
+STATE = MambaSpec(
+    block_size=32,
+    shapes=((3, 16), (2, 4, 8)),
+    dtypes=(torch.float32, torch.float32),
+    page_size_padded=FULL.page_size_bytes,
+    mamba_cache_mode="align",
+)
 
 
 def test_state_space_groups_are_served_in_vllm_align_mode_with_their_state_unpadded() -> None:
@@ -107,25 +117,43 @@ def test_state_space_groups_are_served_in_vllm_align_mode_with_their_state_unpad
     assert layer_bytes(STATE) == (3 * 16 + 2 * 4 * 8) * 4 < STATE.page_size_bytes == layer_bytes(FULL)
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    (replace(STATE, mamba_cache_mode="none"),
-     "serves hybrid models with state-space (Mamba / linear-attention) layers only with vLLM's prefix caching for "
-     "them (enable_prefix_caching=True, mamba_cache_mode='align': vLLM then keeps the state at each block boundary); "
-     "this engine runs mamba_cache_mode='none'"),
-    (replace(STATE, num_speculative_blocks=1),
-     "does not support speculative decoding with state-space (Mamba) layers"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            replace(STATE, mamba_cache_mode="none"),
+            (
+                "serves hybrid models with state-space (Mamba / linear-attention) layers only with vLLM's prefix caching for "
+                "them (enable_prefix_caching=True, mamba_cache_mode='align': vLLM then keeps the state at each block boundary); "
+                "this engine runs mamba_cache_mode='none'"
+            ),
+        ),
+        (
+            replace(STATE, num_speculative_blocks=1),
+            "does not support speculative decoding with state-space (Mamba) layers",
+        ),
+    ],
+)
 def test_state_space_groups_without_boundary_states_are_refused(spec: KVCacheSpec, message: str) -> None:
     with pytest.raises(dss.ConfigError, match=re.escape(f"the dss connector {message}")):
         group_kinds(kv_config((["a"], FULL), (["b"], spec)))
 
 
-@pytest.mark.parametrize(("spec", "feature"), [
-    (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                               attention_chunk_size=128), "chunked local attention"),
-    (CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32),
-     "encoder-decoder models (cross or encoder-only attention)"),
-])
+@pytest.mark.parametrize(
+    ("spec", "feature"),
+    [
+        (
+            ChunkedLocalAttentionSpec(
+                block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=128
+            ),
+            "chunked local attention",
+        ),
+        (
+            CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32),
+            "encoder-decoder models (cross or encoder-only attention)",
+        ),
+    ],
+)
 def test_other_kv_caches_are_refused_naming_the_model_feature(spec: KVCacheSpec, feature: str) -> None:
     with pytest.raises(dss.ConfigError, match=re.escape(f"the dss connector does not support {feature}")):
         group_kinds(kv_config((["a"], FULL), (["b"], spec)))

@@ -45,8 +45,7 @@ def chat(llm, params) -> tuple[list[list[int]], list]:  # type: ignore[no-untype
     answers: list[list[int]] = []
     outputs = []
     for i in range(TURNS):
-        (out,) = generate(llm, [build(i, answers)], max_tokens=16,
-                          params=[params(i)] if params is not None else None)
+        (out,) = generate(llm, [build(i, answers)], max_tokens=16, params=[params(i)] if params is not None else None)
         answers.append(tokens_out(out))
         outputs.append(out)
     return answers, outputs

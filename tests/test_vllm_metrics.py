@@ -76,10 +76,18 @@ def test_stats_of_several_workers_add_up_and_pending_bytes_are_per_worker() -> N
     later.set_pending("shard0", 0)
     later.count("saved_pages", 3)
     total = rank0.aggregate(rank1).aggregate(later)
-    assert total.data == {"counters": {"failed_pages": 3, "saved_pages": 3}, "latency": {"load": [0.25, 0.75]},
-                          "pending": {"shard0": 0, "shard1": 50}}
-    assert total.reduce() == {"failed_pages": 3, "saved_pages": 3, "load_jobs": 2, "load_avg_ms": 500.0,
-                              "pending_write_bytes": 50}
+    assert total.data == {
+        "counters": {"failed_pages": 3, "saved_pages": 3},
+        "latency": {"load": [0.25, 0.75]},
+        "pending": {"shard0": 0, "shard1": 50},
+    }
+    assert total.reduce() == {
+        "failed_pages": 3,
+        "saved_pages": 3,
+        "load_jobs": 2,
+        "load_avg_ms": 500.0,
+        "pending_write_bytes": 50,
+    }
     taken = total.take()
     assert taken is not None and taken.data["counters"] == {"failed_pages": 3, "saved_pages": 3}
     assert total.is_empty() and total.take() is None
@@ -95,25 +103,40 @@ def test_a_prompt_the_engines_own_cache_holds_counts_as_engine_reuse(model: Path
         metrics = read_metrics(llm)
     assert tokens_out(first) == tokens_out(second)
     assert second.num_cached_tokens == 64
-    assert first.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": 1, "num_tokens": 78,
-                                               "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}
-    assert second.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": None, "loaded_tokens": 0,
-                                                "engine_cached_tokens": 64, "result": "engine"}
+    assert first.kv_transfer_params["dss"] == {
+        "session_id": "chat-1",
+        "version_id": 1,
+        "num_tokens": 78,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
+    assert second.kv_transfer_params["dss"] == {
+        "session_id": "chat-1",
+        "version_id": None,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 64,
+        "result": "engine",
+    }
     assert (metrics["requests_miss"], metrics["requests_engine"]) == (1, 1)
     assert (metrics["requests_hit"], metrics["load_jobs"]) == (0, 0)
 
 
-@pytest.mark.parametrize(("loaded", "engine_cached", "stored", "expected"), [
-    (0, 0, 0, "miss"),       # neither had it
-    (0, 0, 64, "miss"),      # dss had pages but loaded none (they failed to load, or recompute was cheaper)
-    (64, 0, 64, "hit"),      # dss loaded them
-    (32, 32, 64, "hit"),     # the engine held the first page, dss loaded the second
-    (0, 64, 64, "engine"),   # the engine held all dss had
-    (0, 64, 0, "engine"),    # the engine held tokens dss never stored
-    (0, 32, 64, "miss"),     # dss held more than the engine but loaded none
-])
-def test_a_request_result_says_who_supplied_the_prompts_kv(loaded: int, engine_cached: int, stored: int,
-                                                           expected: str) -> None:
+@pytest.mark.parametrize(
+    ("loaded", "engine_cached", "stored", "expected"),
+    [
+        (0, 0, 0, "miss"),  # neither had it
+        (0, 0, 64, "miss"),  # dss had pages but loaded none (they failed to load, or recompute was cheaper)
+        (64, 0, 64, "hit"),  # dss loaded them
+        (32, 32, 64, "hit"),  # the engine held the first page, dss loaded the second
+        (0, 64, 64, "engine"),  # the engine held all dss had
+        (0, 64, 0, "engine"),  # the engine held tokens dss never stored
+        (0, 32, 64, "miss"),  # dss held more than the engine but loaded none
+    ],
+)
+def test_a_request_result_says_who_supplied_the_prompts_kv(
+    loaded: int, engine_cached: int, stored: int, expected: str
+) -> None:
     assert request_result(loaded, engine_cached, stored) == expected
 
 
@@ -136,8 +159,12 @@ def test_metrics_names_every_family_the_prometheus_side_registers() -> None:
             series.add((self.name, values))
             return self
 
-    DssPromMetrics(SimpleNamespace(kv_transfer_config=None), {Counter: Family, Gauge: Family, Histogram: Family},
-                   ["engine"], {0: ["0"]})
+    DssPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Counter: Family, Gauge: Family, Histogram: Family},
+        ["engine"],
+        {0: ["0"]},
+    )
     assert sorted(made) == sorted(METRICS)
     assert made["vllm:dss_requests_total"] == ["engine", "result"]
     assert made["vllm:dss_late_miss_pages_total"] == made["vllm:dss_loaded_tokens_total"] == ["engine", "tier"]

@@ -34,8 +34,13 @@ NAME = "smollm2"
 
 def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None) -> Any:
     """One greedy chat completion with its token ids (``return_token_ids``), answered 200; its JSON."""
-    body: dict[str, Any] = {"model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                            "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     if dss_fields is not None:
         body["kv_transfer_params"] = {"dss": dss_fields}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
@@ -77,11 +82,24 @@ def test_a_chat_across_a_server_restart_loads_the_first_turns_pages(smollm2_mode
     assert (tokens(one), tokens(two)) == (tokens(ref1), tokens(ref2))
     repeated = min(common_prefix(tokens(one), two["prompt_token_ids"]), len(two["prompt_token_ids"]) - 1)
     assert saved >= 3 and repeated // BLOCK >= saved - 1
-    assert one["kv_transfer_params"] == {"dss": {"session_id": "chat-1", "version_id": 1,
-                                                 "num_tokens": len(tokens(one)), "loaded_tokens": 0,
-                                                 "engine_cached_tokens": 0, "result": "miss"}}
-    assert two["kv_transfer_params"] == {"dss": {"session_id": "chat-1", "version_id": 2,
-                                                 "num_tokens": len(tokens(two)),
-                                                 "loaded_tokens": min(saved, repeated // BLOCK) * BLOCK,
-                                                 "engine_cached_tokens": 0, "result": "hit"}}
+    assert one["kv_transfer_params"] == {
+        "dss": {
+            "session_id": "chat-1",
+            "version_id": 1,
+            "num_tokens": len(tokens(one)),
+            "loaded_tokens": 0,
+            "engine_cached_tokens": 0,
+            "result": "miss",
+        }
+    }
+    assert two["kv_transfer_params"] == {
+        "dss": {
+            "session_id": "chat-1",
+            "version_id": 2,
+            "num_tokens": len(tokens(two)),
+            "loaded_tokens": min(saved, repeated // BLOCK) * BLOCK,
+            "engine_cached_tokens": 0,
+            "result": "hit",
+        }
+    }
     assert ref2.get("kv_transfer_params") is None

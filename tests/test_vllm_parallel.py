@@ -67,8 +67,16 @@ def first_turn(model: Path, ref: dict[str, list[int]], tmp_path_factory: pytest.
     with engine(model, store=store_path, **TP2) as llm:
         out = run(llm, ref["p1"], SESSION, max_tokens=40)
     assert tokens_out(out) == ref["o1"]
-    assert out.kv_transfer_params == {"dss": {"session_id": "chat-1", "version_id": 1, "num_tokens": 140,
-                                              "loaded_tokens": 0, "engine_cached_tokens": 0, "result": "miss"}}
+    assert out.kv_transfer_params == {
+        "dss": {
+            "session_id": "chat-1",
+            "version_id": 1,
+            "num_tokens": 140,
+            "loaded_tokens": 0,
+            "engine_cached_tokens": 0,
+            "result": "miss",
+        }
+    }
     return store_path
 
 
@@ -90,7 +98,8 @@ def shard_layouts(store: dss.Store) -> tuple[dss.Layout, dss.Layout]:
 
 
 def test_each_rank_saves_and_loads_its_own_shard_and_only_pages_every_shard_has_are_offered(
-        model: Path, store_path: Path, store: dss.Store, ref: dict[str, list[int]]) -> None:
+    model: Path, store_path: Path, store: dss.Store, ref: dict[str, list[int]]
+) -> None:
     shard0, shard1 = shard_layouts(store)
     assert (shard0.tp_size, shard0.tp_shard, shard0.num_kv_heads, shard0.pp_size) == (2, 0, 1, 1)
     turn1 = ref["p1"] + ref["o1"]
@@ -107,16 +116,25 @@ def test_each_rank_saves_and_loads_its_own_shard_and_only_pages_every_shard_has_
         other = run(llm, ref["q"], None)
     assert tokens_out(out) == ref["o2"]
     assert out.num_cached_tokens == 128
-    assert out.kv_transfer_params == {"dss": {"session_id": "chat-1", "version_id": 2, "num_tokens": 178,
-                                              "loaded_tokens": 128, "engine_cached_tokens": 0, "result": "hit"}}
+    assert out.kv_transfer_params == {
+        "dss": {
+            "session_id": "chat-1",
+            "version_id": 2,
+            "num_tokens": 178,
+            "loaded_tokens": 128,
+            "engine_cached_tokens": 0,
+            "result": "hit",
+        }
+    }
     # q's pages were saved by a TP=1 engine: another layout, never loaded by this one
     assert tokens_out(other) == ref["oq"]
     assert other.num_cached_tokens == other.kv_transfer_params["dss"]["loaded_tokens"] == 0
     assert store.check() == []
 
 
-def test_a_shard_that_fails_to_load_on_one_rank_is_recomputed(model: Path, store_path: Path, store: dss.Store,
-                                                              ref: dict[str, list[int]]) -> None:
+def test_a_shard_that_fails_to_load_on_one_rank_is_recomputed(
+    model: Path, store_path: Path, store: dss.Store, ref: dict[str, list[int]]
+) -> None:
     _, shard1 = shard_layouts(store)
     turn1 = ref["p1"] + ref["o1"]
     corrupt_page(store_path, store.lookup(turn1, layout=shard1, user_id="u", tenant_id="t").pages[3].page_id)
@@ -132,7 +150,8 @@ def test_a_shard_that_fails_to_load_on_one_rank_is_recomputed(model: Path, store
 
 
 def test_ranks_load_their_ram_synchronously_and_hold_that_steps_saves_until_every_rank_loaded(
-        model: Path, tmp_path: Path, ref: dict[str, list[int]]) -> None:
+    model: Path, tmp_path: Path, ref: dict[str, list[int]]
+) -> None:
     """Turn 1 is saved by the ranks of this engine (so its pages are in their RAM); turn 2 loads
     them synchronously. Page 4 is computed in the step with that load: the ranks hold its
     copies until the scheduler has seen the step's outcome on both, then write them."""

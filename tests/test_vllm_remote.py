@@ -45,10 +45,18 @@ def prefix(redis_url: str) -> Iterator[str]:
 
 
 def test_remote_pages_redis_no_longer_holds_are_late_misses_that_vllm_recomputes(
-        model: Path, tmp_path: Path, pg_url: str, redis_url: str, prefix: str) -> None:
+    model: Path, tmp_path: Path, pg_url: str, redis_url: str, prefix: str
+) -> None:
     def node(name: str) -> dict[str, Any]:
-        return {"store": tmp_path / name, "store_options": {"catalog_url": pg_url, "remote_url": redis_url,
-                                                            "remote_prefix": prefix, "node_id": f"node-{name}"}}
+        return {
+            "store": tmp_path / name,
+            "store_options": {
+                "catalog_url": pg_url,
+                "remote_url": redis_url,
+                "remote_prefix": prefix,
+                "node_id": f"node-{name}",
+            },
+        }
 
     with engine(model, prefix_caching=False) as llm:
         (plain,) = generate(llm, [Q])
@@ -62,13 +70,18 @@ def test_remote_pages_redis_no_longer_holds_are_late_misses_that_vllm_recomputes
         with engine(model, log_stats=True, **node("b")) as llm:
             from_remote = run(llm, Q, {**SESSION, "commit": False})
             on_b = read_metrics(llm)
-        assert from_remote.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": None,
-                                                         "loaded_tokens": 64, "engine_cached_tokens": 0,
-                                                         "result": "hit"}
+        assert from_remote.kv_transfer_params["dss"] == {
+            "session_id": "chat-1",
+            "version_id": None,
+            "loaded_tokens": 64,
+            "engine_cached_tokens": 0,
+            "result": "hit",
+        }
         assert (on_b["loaded_tokens_remote"], on_b["late_miss_pages_remote"], on_b["failed_pages"]) == (64, 0, 0)
 
-        with dss.open(tmp_path / "c", catalog_url=pg_url, remote_url=redis_url, remote_prefix=prefix,
-                      node_id="node-c") as store:  # node C, before its engine starts: both pages on the remote tier
+        with dss.open(
+            tmp_path / "c", catalog_url=pg_url, remote_url=redis_url, remote_prefix=prefix, node_id="node-c"
+        ) as store:  # node C, before its engine starts: both pages on the remote tier
             result = store.resume("chat-1", Q, tenant_id="t")
             assert (result.matched_tokens, result.tiers) == (64, {"remote": 64})
             page_ids = [bytes(ref.page_id) for ref in result.pages]
@@ -84,8 +97,13 @@ def test_remote_pages_redis_no_longer_holds_are_late_misses_that_vllm_recomputes
     finally:
         client.close()
     assert tokens_out(first) == tokens_out(from_remote) == tokens_out(late) == tokens_out(plain)
-    assert late.kv_transfer_params["dss"] == {"session_id": "chat-1", "version_id": None, "loaded_tokens": 0,
-                                              "engine_cached_tokens": 0, "result": "miss"}
+    assert late.kv_transfer_params["dss"] == {
+        "session_id": "chat-1",
+        "version_id": None,
+        "loaded_tokens": 0,
+        "engine_cached_tokens": 0,
+        "result": "miss",
+    }
     assert (on_c["late_miss_pages_remote"], on_c["failed_pages"], on_c["loaded_tokens_remote"]) == (2, 2, 0)
     assert (on_c["requests_miss"], on_c["requests_hit"]) == (1, 0)
     with dss.open(tmp_path / "c", catalog_url=pg_url, node_id="node-c") as store:

@@ -67,12 +67,19 @@ USER2 = {"role": "user", "content": words(prompt(2, 40))}
 USER3 = {"role": "user", "content": words(prompt(3, 20))}
 
 
-def chat(url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None
-         ) -> tuple[Any, httpx.Headers]:
+def chat(
+    url: str, messages: list[dict[str, str]], max_tokens: int, dss_fields: dict[str, Any] | None
+) -> tuple[Any, httpx.Headers]:
     """One greedy chat completion (special tokens barred, so replies are plain words), answered
     200; the answer and the response headers."""
-    body: dict[str, Any] = {"model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "logit_bias": {str(i): -100 for i in SPECIAL.values()}}
+    body: dict[str, Any] = {
+        "model": NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logit_bias": {str(i): -100 for i in SPECIAL.values()},
+    }
     if dss_fields is not None:
         body["kv_transfer_params"] = {"dss": dss_fields}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
@@ -107,10 +114,24 @@ def test_the_router_follows_the_kv_and_fails_over(model: Path, tmp_path: Path) -
             wait_ready(process, url, log)
         port = free_port()
         router = subprocess.Popen(
-            [sys.executable, "-m", "dss", "route", "--home", str(store), "--port", str(port), "--health-interval",
-             "0.5", *[f"--backend={node}={url}" for node, (_, url, _) in servers.items()]],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "dss",
+                "route",
+                "--home",
+                str(store),
+                "--port",
+                str(port),
+                "--health-interval",
+                "0.5",
+                *[f"--backend={node}={url}" for node, (_, url, _) in servers.items()],
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         proxy = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -138,8 +159,11 @@ def test_the_router_follows_the_kv_and_fails_over(model: Path, tmp_path: Path) -
             stop(process)
     (turn1, h1), (turn2, h2), (turn3, h3) = turns
     first, other = h1["x-dss-node"], ("b" if h1["x-dss-node"] == "a" else "a")
-    assert [(h["x-dss-node"], h["x-dss-route"]) for h in (h1, h2, h3)] == [(first, "hash"), (first, "kv"),
-                                                                           (other, "kv")]
+    assert [(h["x-dss-node"], h["x-dss-route"]) for h in (h1, h2, h3)] == [
+        (first, "hash"),
+        (first, "kv"),
+        (other, "kv"),
+    ]
     assert [reply(r) for r in (turn1, turn2, turn3)] == [reply(r) for r in reference]
     assert [r["usage"]["prompt_tokens"] for r in (turn1, turn2, turn3)] == [100, 170, 198]
     assert [r["kv_transfer_params"]["dss"]["loaded_tokens"] for r in (turn1, turn2, turn3)] == [0, 128, 160]

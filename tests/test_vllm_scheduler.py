@@ -38,8 +38,13 @@ def test_later_stages_layouts_come_from_their_workers_and_must_agree(store: dss.
     with pytest.raises(dss.ConfigError, match=r"no worker reported the page layout of dss shard\(s\) \[1\]"):
         side.take_handshakes([ShardHandshake(0, STAGE0.to_dict())])
     with pytest.raises(dss.ConfigError, match="the workers of dss shard 1 disagree on its page layout"):
-        side.take_handshakes([ShardHandshake(0, STAGE0.to_dict()), ShardHandshake(1, STAGE1.to_dict()),
-                              ShardHandshake(1, STAGE0.to_dict())])
+        side.take_handshakes(
+            [
+                ShardHandshake(0, STAGE0.to_dict()),
+                ShardHandshake(1, STAGE1.to_dict()),
+                ShardHandshake(1, STAGE0.to_dict()),
+            ]
+        )
     with pytest.raises(dss.ConfigError, match="the worker of dss shard 0 has page layout"):
         side.take_handshakes([ShardHandshake(0, STAGE1.to_dict()), ShardHandshake(1, STAGE1.to_dict())])
     assert side.layouts == [STAGE0]
@@ -49,8 +54,9 @@ def test_later_stages_layouts_come_from_their_workers_and_must_agree(store: dss.
 
 def test_synchronous_loads_are_refused_with_several_kv_cache_groups(store: dss.Store) -> None:
     with pytest.raises(dss.ConfigError, match="load_mode='sync' needs one KV cache group"):
-        SchedulerSide(Settings.from_extra_config({"store": "unused", "load_mode": "sync"}), [STAGE0],
-                      Shards(1, 1, 1), 2, store)
+        SchedulerSide(
+            Settings.from_extra_config({"store": "unused", "load_mode": "sync"}), [STAGE0], Shards(1, 1, 1), 2, store
+        )
     assert scheduler(store, Shards(2, 2, 1), [STAGE0, STAGE0], load_mode="sync").can_load_sync
 
 
@@ -69,10 +75,17 @@ def test_the_host_picture_is_a_bounded_lru_per_shard() -> None:
 def test_context_parallelism_is_refused_at_start() -> None:
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
-    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=2,
-                               prefill_context_parallel_size=1)
-    with pytest.raises(dss.ConfigError, match=r"does not support context parallelism \(decode_context_parallel_size"
-                                              r"=2\); it serves tensor and pipeline parallelism"):
+    parallel = SimpleNamespace(
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        decode_context_parallel_size=2,
+        prefill_context_parallel_size=1,
+    )
+    with pytest.raises(
+        dss.ConfigError,
+        match=r"does not support context parallelism \(decode_context_parallel_size"
+        r"=2\); it serves tensor and pipeline parallelism",
+    ):
         engine_shards(SimpleNamespace(parallel_config=parallel), config)  # type: ignore[arg-type]
     parallel.decode_context_parallel_size = 1
     parallel.tensor_parallel_size = 4

@@ -32,8 +32,9 @@ NAMES = ["model.layers.1.self_attn.attn", "model.layers.0.self_attn.attn"]  # re
 LAYERS = [PageLayer(NAMES[1], 0), PageLayer(NAMES[0], 0)]
 TOKENS = list(range(10, 10 + 3 * BLOCK))
 SCOPE = Scope("t", "u", None)
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                     reason="needs a CUDA device")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
 
 
 def kv_caches(layout: str, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -56,8 +57,9 @@ def store(tmp_path: Path) -> Iterator[dss.Store]:
 
 
 def make_worker(store: dss.Store, tmp_path: Path, layers: list[PageLayer] = LAYERS, **options: object) -> WorkerSide:
-    return WorkerSide(Settings.from_extra_config({"store": str(tmp_path / "store")}), LAYOUT, store, layers,
-                      NUM_BLOCKS, **options)  # type: ignore[arg-type]
+    return WorkerSide(
+        Settings.from_extra_config({"store": str(tmp_path / "store")}), LAYOUT, store, layers, NUM_BLOCKS, **options
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -75,8 +77,9 @@ def stored_ids(store: dss.Store, count: int) -> list[bytes]:
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
-def test_blocks_saved_as_pages_load_back_into_other_blocks(worker: WorkerSide, store: dss.Store, layout: str,
-                                                           device: str) -> None:
+def test_blocks_saved_as_pages_load_back_into_other_blocks(
+    worker: WorkerSide, store: dss.Store, layout: str, device: str
+) -> None:
     """Whole-page copies on the CPU (numpy views or torch); on CUDA, the worker takes the
     layer-by-layer path for synchronous loads and saves (this test calls no per-layer hook,
     so every copy happens in ``start_load`` and ``save``)."""
@@ -89,8 +92,10 @@ def test_blocks_saved_as_pages_load_back_into_other_blocks(worker: WorkerSide, s
     ids = stored_ids(store, 2)
     assert worker.take_worker_meta() == DssWorkerMetadata({"r1": 1}, {}, {0: ids})
     layer0, layer1 = caches[NAMES[1]], caches[NAMES[0]]
-    assert store.read_pages(ids) == [block_bytes(layer0, 5) + block_bytes(layer1, 5),
-                                     block_bytes(layer0, 2) + block_bytes(layer1, 2)]
+    assert store.read_pages(ids) == [
+        block_bytes(layer0, 5) + block_bytes(layer1, 5),
+        block_bytes(layer0, 2) + block_bytes(layer1, 2),
+    ]
 
     before = {name: tensor.clone() for name, tensor in caches.items()}
     worker.start_load(DssConnectorMetadata(loads=[LoadJob("r2", [ids], [[7, 3]])]))
@@ -108,10 +113,12 @@ def test_blocks_saved_as_pages_load_back_into_other_blocks(worker: WorkerSide, s
     assert worker.take_worker_meta() == DssWorkerMetadata({}, {}, {0: ids})  # read pages are in its host tier
 
 
-@pytest.mark.parametrize(("layout", "device"), [("cpu", "cpu"), ("flash", "cpu"),
-                                                 pytest.param("flash", "cuda", marks=CUDA.marks)])
-def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(worker: WorkerSide, store: dss.Store,
-                                                                         layout: str, device: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "device"), [("cpu", "cpu"), ("flash", "cpu"), pytest.param("flash", "cuda", marks=CUDA.marks)]
+)
+def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(
+    worker: WorkerSide, store: dss.Store, layout: str, device: str
+) -> None:
     """Numpy views, or (``flash``) the staged torch path: plain memory on the CPU; on CUDA
     pinned buffers and asynchronous copies, a load reported done once its event completed."""
     caches = kv_caches(layout, device)
@@ -121,8 +128,14 @@ def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(worker
     worker.writer.flush()
     ids = stored_ids(store, 2)
     before = {name: tensor.clone() for name, tensor in caches.items()}
-    worker.start_load(DssConnectorMetadata(loads=[LoadJob("r2", [ids], [[7, 3]], is_async=True),
-                                                  LoadJob("r3", [[ids[0], b"\x00" * 16]], [[4, 6]], is_async=True)]))
+    worker.start_load(
+        DssConnectorMetadata(
+            loads=[
+                LoadJob("r2", [ids], [[7, 3]], is_async=True),
+                LoadJob("r3", [[ids[0], b"\x00" * 16]], [[4, 6]], is_async=True),
+            ]
+        )
+    )
     assert worker.loader is not None
     worker.loader.wait_idle()
     assert worker.transfer_results(set()) == ({"r2", "r3"}, set())
@@ -134,8 +147,9 @@ def test_an_asynchronous_load_is_done_in_the_background_and_reported_once(worker
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_on_cuda_an_asynchronous_load_is_done_when_its_copies_are(worker: WorkerSide, store: dss.Store,
-                                                                  device: str) -> None:
+def test_on_cuda_an_asynchronous_load_is_done_when_its_copies_are(
+    worker: WorkerSide, store: dss.Store, device: str
+) -> None:
     """The staging pool's stream is kept busy (``torch.cuda._sleep``, seconds of GPU time)
     before the load: the loader thread reads the pages and queues their copies behind it,
     and the load is not reported until the copies' event completed."""
@@ -168,12 +182,19 @@ def test_groups_use_their_own_blocks_and_skip_those_outside_the_window(store: ds
     worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:64], 0, [[5, 2], [1, 4]])]))
     worker.writer.flush()
     ids = stored_ids(store, 2)
-    assert store.read_pages(ids) == [block_bytes(layer0, 5) + block_bytes(layer1, 1),
-                                     block_bytes(layer0, 2) + block_bytes(layer1, 4)]
+    assert store.read_pages(ids) == [
+        block_bytes(layer0, 5) + block_bytes(layer1, 1),
+        block_bytes(layer0, 2) + block_bytes(layer1, 4),
+    ]
     before = {name: tensor.clone() for name, tensor in caches.items()}
-    worker.start_load(DssConnectorMetadata(loads=[
-        LoadJob("r2", [ids], [[7, 3], [NO_BLOCK, 6]], is_async=True),
-        LoadJob("r3", [[b"\x00" * 16]], [[0], [0]], is_async=True)]))
+    worker.start_load(
+        DssConnectorMetadata(
+            loads=[
+                LoadJob("r2", [ids], [[7, 3], [NO_BLOCK, 6]], is_async=True),
+                LoadJob("r3", [[b"\x00" * 16]], [[0], [0]], is_async=True),
+            ]
+        )
+    )
     assert worker.loader is not None
     worker.loader.wait_idle()
     assert worker.transfer_results(set()) == ({"r2", "r3"}, {"r3"})
@@ -184,21 +205,28 @@ def test_groups_use_their_own_blocks_and_skip_those_outside_the_window(store: ds
     worker.close()
 
 
-def test_a_page_that_cannot_be_read_is_reported_and_the_steps_saves_are_dropped(worker: WorkerSide,
-                                                                              store: dss.Store) -> None:
+def test_a_page_that_cannot_be_read_is_reported_and_the_steps_saves_are_dropped(
+    worker: WorkerSide, store: dss.Store
+) -> None:
     worker.register(kv_caches("cpu"))
     worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:32], 0, [[1]])]))
     worker.writer.flush()
     (stored,) = stored_ids(store, 1)
     missing = b"\x00" * 16  # a page the store does not hold, planned from the remote tier: a late miss there
-    step = DssConnectorMetadata(loads=[LoadJob("r2", [[stored, missing]], [[4, 6]], tiers=["disk", "remote"])],
-                                saves=[SaveJob("r2", SCOPE, 0, TOKENS, 2, [[0]])])
+    step = DssConnectorMetadata(
+        loads=[LoadJob("r2", [[stored, missing]], [[4, 6]], tiers=["disk", "remote"])],
+        saves=[SaveJob("r2", SCOPE, 0, TOKENS, 2, [[0]])],
+    )
     worker.start_load(step)
     worker.save(step)
     assert worker.take_load_errors() == {6}
     assert worker.take_worker_meta() == DssWorkerMetadata({"r1": 1, "r2": 1}, {"r2": 2}, {0: [stored, stored]})
     stats = worker.take_stats()
-    assert stats is not None and stats.data["counters"] == {"failed_pages": 1, "late_miss_pages_remote": 1, "saved_pages": 1}
+    assert stats is not None and stats.data["counters"] == {
+        "failed_pages": 1,
+        "late_miss_pages_remote": 1,
+        "saved_pages": 1,
+    }
     worker.writer.flush()
     assert store.lookup(TOKENS, layout=LAYOUT, user_id="u", tenant_id="t").matched_tokens == 32
 
@@ -208,11 +236,13 @@ def test_saves_of_a_step_with_synchronous_loads_are_held_until_settled(store: ds
     settles step 5 as sound, dropped (and reported) when it settles step 6 as failed."""
     worker = make_worker(store, tmp_path)
     worker.register(kv_caches("cpu"))
-    worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:32], 0, [[1]])], step=5,
-                                     hold_saves=True))
+    worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 0, TOKENS[:32], 0, [[1]])], step=5, hold_saves=True))
     assert worker.take_worker_meta() == DssWorkerMetadata({}, {}, {}, [5])
-    worker.save(DssConnectorMetadata(saves=[SaveJob("r1", SCOPE, 32, TOKENS[32:64], 1, [[2]])], step=6,
-                                     hold_saves=True, settled={5: False}))
+    worker.save(
+        DssConnectorMetadata(
+            saves=[SaveJob("r1", SCOPE, 32, TOKENS[32:64], 1, [[2]])], step=6, hold_saves=True, settled={5: False}
+        )
+    )
     worker.writer.flush()
     assert worker.take_worker_meta() == DssWorkerMetadata({"r1": 1}, {}, {0: stored_ids(store, 1)}, [6])
     worker.save(DssConnectorMetadata(step=7, settled={6: True}))
@@ -221,8 +251,9 @@ def test_saves_of_a_step_with_synchronous_loads_are_held_until_settled(store: ds
     assert store.lookup(TOKENS, layout=LAYOUT, user_id="u", tenant_id="t").matched_tokens == 32
 
 
-def test_shards_past_the_first_save_outside_the_session_and_replicas_save_nothing(store: dss.Store,
-                                                                                 tmp_path: Path) -> None:
+def test_shards_past_the_first_save_outside_the_session_and_replicas_save_nothing(
+    store: dss.Store, tmp_path: Path
+) -> None:
     session = Scope("t", "u", "chat-1")
     other = make_worker(store, tmp_path, shard=1)
     replica = make_worker(store, tmp_path, shard=0, is_saver=False)
@@ -254,8 +285,7 @@ def test_layer_by_layer_copies_match_whole_page_copies(store: dss.Store, layout:
     rows = layerwise.finish_saves(jobs)
     assert layerwise._buffers["save"].is_pinned() == (device == "cuda")
     assert rows.tobytes() == copier.gather([[5, 2, 6], [1, 4, 0]]).tobytes()
-    store.save_pages(None, TOKENS, {i: rows[i].tobytes() for i in range(3)}, tenant_id="t", user_id="u",
-                     layout=LAYOUT)
+    store.save_pages(None, TOKENS, {i: rows[i].tobytes() for i in range(3)}, tenant_id="t", user_id="u", layout=LAYOUT)
     ids = stored_ids(store, 3)
     before = [t.clone() for t in tensors]
     outcome = layerwise.load(store, ids, [[7, 3, 4], [NO_BLOCK, 6, 2]])

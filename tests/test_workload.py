@@ -3,13 +3,14 @@ benchmark's Belady optimum is right on a hand-built trace."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import tiers  # noqa: E402
-import workload  # noqa: E402
+import tiers
+import workload
 
 
 def test_same_seed_same_trace_and_prompts_extend_the_previous_turn() -> None:
@@ -18,7 +19,7 @@ def test_same_seed_same_trace_and_prompts_extend_the_previous_turn() -> None:
     assert trace == workload.generate(spec, seed=7)
     assert trace != workload.generate(spec, seed=8)
     assert [r.index for r in trace] == list(range(300))
-    assert all(a.t <= b.t for a, b in zip(trace, trace[1:]))
+    assert all(a.t <= b.t for a, b in itertools.pairwise(trace))
     last: dict[str, list[int]] = {}
     ended: set[str] = set()
     for r in trace:
@@ -41,8 +42,9 @@ def test_same_seed_same_trace_and_prompts_extend_the_previous_turn() -> None:
 def test_belady_drops_the_page_read_furthest_ahead() -> None:
     a, b, c = b"a", b"b", b"c"
     # reads per request (writes none): a b | c | a | b | a
-    trace = tiers.Trace(reads=[[a, b], [c], [a], [b], [a]], writes=[[], [], [], [], []], prompt_tokens=6 * 32,
-                        recompute_tokens=0)
+    trace = tiers.Trace(
+        reads=[[a, b], [c], [a], [b], [a]], writes=[[], [], [], [], []], prompt_tokens=6 * 32, recompute_tokens=0
+    )
     row = tiers.belady(trace, host_pages=2)
     # a, b cached; c arrives: b is read later than a and c is never read again -> c stays out;
     # a hit, b hit, a hit

@@ -15,15 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-import dss
 from sqlalchemy.exc import IntegrityError
 
+import dss
 from dss.catalog import feed
 from dss.catalog.change import Change, NewPage
+from dss.core.errors import UnknownSession
 from dss.core.hashing import checksum
 from dss.core.types import PageId
-from dss.core.errors import UnknownSession
 from tests.conftest import LAYOUT
 
 
@@ -92,8 +91,12 @@ def test_concurrent_commits_share_one_transaction(open_store: Callable[..., dss.
     tokens = {n: [n * 100 + i for i in range(10)] for n in range(7)}
     first = run({"s0": lambda: store.commit("s0", tokens[0], {0: payload(0, 0), 1: payload(0, 1)})})
     assert gate.reached.wait(30)
-    rest = run({f"s{n}": (lambda n=n: store.commit(f"s{n}", tokens[n], {0: payload(n, 0), 1: payload(n, 1)}))
-                for n in range(1, 7)})
+    rest = run(
+        {
+            f"s{n}": (lambda n=n: store.commit(f"s{n}", tokens[n], {0: payload(n, 0), 1: payload(n, 1)}))
+            for n in range(1, 7)
+        }
+    )
     gate.wait_queued(6)
     assert store.resume("s0", tokens[0]).matched_tokens == 0  # reads go on while a group waits for its fsyncs
     gate.open()
@@ -165,16 +168,23 @@ def test_a_member_failing_part_way_is_rolled_back_alone(open_store: Callable[...
         store.create_session(name, layout=LAYOUT)
     layout_ref = store.mirror.state("a", None).record.layout_ref
     stored = payload(1, 1)
-    bad = Change(user_ref=10**6, layout_ref=layout_ref,
-                 pages=(NewPage(PageId(b"\x01" * 16), 0, stored, stored, checksum(stored), 0),))
+    bad = Change(
+        user_ref=10**6,
+        layout_ref=layout_ref,
+        pages=(NewPage(PageId(b"\x01" * 16), 0, stored, stored, checksum(stored), 0),),
+    )
     seq = latest_seq(store)
     files = set(store.disk.files())
     gate = Gate(store)
     first = run({"lead": lambda: store.commit("lead", [1, 2, 3, 4])})
     assert gate.reached.wait(30)
-    rest = run({"a": lambda: store.commit("a", [8, 8, 8, 8], {0: payload(8, 0)}),
-                "bad": lambda: store.writer.apply(bad),
-                "b": lambda: store.commit("b", [9, 9, 9, 9], {0: payload(9, 0)})})
+    rest = run(
+        {
+            "a": lambda: store.commit("a", [8, 8, 8, 8], {0: payload(8, 0)}),
+            "bad": lambda: store.writer.apply(bad),
+            "b": lambda: store.commit("b", [9, 9, 9, 9], {0: payload(9, 0)}),
+        }
+    )
     gate.wait_queued(3)
     gate.open()
     for thread in first[2] + rest[2]:
@@ -209,7 +219,7 @@ def test_many_threads_commit_exactly(open_store: Callable[..., dss.Store], group
         done[n] = tokens
         return tokens
 
-    results, errors, threads = run({f"t{n}": (lambda n=n: worker(n)) for n in range(8)})
+    _, errors, threads = run({f"t{n}": (lambda n=n: worker(n)) for n in range(8)})
     for thread in threads:
         thread.join()
     assert errors == {}
@@ -237,7 +247,7 @@ def test_sessions_of_a_known_namespace_are_made_in_commit_groups(open_store: Cal
             store.create_session(f"s{n}-{i}", user_id="u", layout=LAYOUT)
             store.create_session(f"s{n}-{i}", user_id="u", layout=LAYOUT)  # idempotent
 
-    results, errors, threads = run({f"t{n}": (lambda n=n: worker(n)) for n in range(8)})
+    _, errors, threads = run({f"t{n}": (lambda n=n: worker(n)) for n in range(8)})
     for thread in threads:
         thread.join()
     assert errors == {}

@@ -19,14 +19,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kill_after(module: str, args: Sequence[str], marker: str, delay: float,
-               before: Callable[[], None] | None = None) -> list[str]:
+def kill_after(
+    module: str, args: Sequence[str], marker: str, delay: float, before: Callable[[], None] | None = None
+) -> list[str]:
     """Start ``python -m tests.<module> *args``; once it printed a line starting with
     ``marker``, run ``before()`` (if given), wait ``delay`` seconds and SIGKILL it. Returns
     the lines it printed that end with a newline."""
-    child = subprocess.Popen([sys.executable, "-m", f"tests.{module}", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    child = subprocess.Popen(
+        [sys.executable, "-m", f"tests.{module}", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     lines: list[str] = []
     started = threading.Event()
 

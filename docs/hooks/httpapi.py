@@ -17,8 +17,16 @@ from typing import Any
 
 Schema = dict[str, Any]
 
-TAG_TITLES = {"service": "Service", "sessions": "Sessions", "versions": "Versions", "resume": "Resume and lookup",
-              "pages": "Pages", "engines": "Engines (device tier)", "erasure": "Erasure", "admin": "Administration"}
+TAG_TITLES = {
+    "service": "Service",
+    "sessions": "Sessions",
+    "versions": "Versions",
+    "resume": "Resume and lookup",
+    "pages": "Pages",
+    "engines": "Engines (device tier)",
+    "erasure": "Erasure",
+    "admin": "Administration",
+}
 """Section titles of the tags the routes carry, in the order the page shows them."""
 
 
@@ -73,8 +81,11 @@ def _operation(method: str, path: str, operation: Schema, schemas: dict[str, Sch
     params = operation.get("parameters", [])
     if params:
         lines += ["| query parameter | type | required | meaning |", "|---|---|---|---|"]
-        lines += [f"| `{p['name']}` | {_type(p['schema'], schemas)} | {'yes' if p.get('required') else 'no'} | "
-                  f"{_cell(p.get('description') or p['schema'].get('description', ''))} |" for p in params]
+        lines += [
+            f"| `{p['name']}` | {_type(p['schema'], schemas)} | {'yes' if p.get('required') else 'no'} | "
+            f"{_cell(p.get('description') or p['schema'].get('description', ''))} |"
+            for p in params
+        ]
         lines.append("")
     body = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
     if body:
@@ -99,8 +110,10 @@ def _fields(schema: Schema, schemas: dict[str, Schema]) -> str:
     lines = ["| field | type | required | meaning |", "|---|---|---|---|"]
     for name, field in properties.items():
         default = f" Default `{field['default']}`." if "default" in field and field["default"] is not None else ""
-        lines.append(f"| `{name}` | {_type(field, schemas)} | {'yes' if name in required else 'no'} | "
-                     f"{_cell(field.get('description', ''))}{default} |")
+        lines.append(
+            f"| `{name}` | {_type(field, schemas)} | {'yes' if name in required else 'no'} | "
+            f"{_cell(field.get('description', ''))}{default} |"
+        )
     return "\n".join(lines) + "\n"
 
 

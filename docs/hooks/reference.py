@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
-
 import httpapi
 
-MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.M)
+MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
 
 
 class Undocumented(Exception):
@@ -51,6 +50,7 @@ def generated(name: str) -> str:
 
 
 # -- the command line --
+
 
 def cli_reference() -> str:
     """Every command of ``dss``, depth first, with its options."""
@@ -80,8 +80,11 @@ def _command(path: str, command: click.Command) -> str:
         lines += [_paragraphs(command.epilog), ""]
     arguments = [p for p in command.params if isinstance(p, click.Argument)]
     if arguments:
-        lines.append("Arguments: " + ", ".join(f"`{a.human_readable_name}`"
-                                               + ("" if a.required else " (optional)") for a in arguments) + ".\n")
+        lines.append(
+            "Arguments: "
+            + ", ".join(f"`{a.human_readable_name}`" + ("" if a.required else " (optional)") for a in arguments)
+            + ".\n"
+        )
     options = [p for p in command.params if isinstance(p, click.Option) and not p.hidden]
     if isinstance(command, click.Group) or options:
         lines += ["| option | meaning |", "|---|---|"]
@@ -118,13 +121,17 @@ def _option_help(path: str, option: click.Option) -> str:
 
 # -- the settings --
 
+
 def store_settings() -> str:
     """Every field of :class:`dss.core.config.StoreConfig`: variable, default, meaning."""
     from dss.core import config
 
     variables = {field: name for name, field in config._ENV.items()}
-    extra = {"home": f"`{config.DEFAULT_HOME}`", "master_key_file": "`~/.config/dss/master.key`",
-             "clock": "`time.monotonic`"}
+    extra = {
+        "home": f"`{config.DEFAULT_HOME}`",
+        "master_key_file": "`~/.config/dss/master.key`",
+        "clock": "`time.monotonic`",
+    }
     return _table(config.StoreConfig.model_fields.items(), variables, extra, "keyword argument or `dss.toml` only")
 
 
@@ -151,8 +158,12 @@ def _table(fields: Any, variables: dict[str, str], defaults: dict[str, str], no_
 def _bounds(field: Any) -> str:
     """The range a field's validation enforces (`` Range: > 0, ≤ 1.``), or nothing."""
     signs = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤", "min_length": "length ≥", "max_length": "length ≤"}
-    found = [f"{sign} {getattr(item, key)}" for item in field.metadata for key, sign in signs.items()
-             if getattr(item, key, None) is not None]
+    found = [
+        f"{sign} {getattr(item, key)}"
+        for item in field.metadata
+        for key, sign in signs.items()
+        if getattr(item, key, None) is not None
+    ]
     return f" Range: {', '.join(found)}." if found else ""
 
 

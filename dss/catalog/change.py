@@ -71,7 +71,7 @@ class NewPage(NamedTuple):
     sealed bytes and their checksum."""
 
     page_id: PageId
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index
     payload: bytes
     stored: bytes | None
     checksum: int
@@ -178,7 +178,7 @@ class Applied(NamedTuple):
     version_id: int | None
     events: tuple[Event, ...]
     stored: tuple[PageRecord, ...]
-    dropped: tuple[bytes, ...]
+    dropped: tuple[PageId, ...]
     """Pages the change removed from every tier (a deleted session's, quarantined ones)."""
     dead_files: tuple[str, ...]
     thinned: tuple[int, ...] = ()
@@ -206,8 +206,9 @@ def check(tx: Tx, change: Change) -> None:
             raise Stale()  # its namespace was erased (or is being) since it was built
 
 
-def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room(), *,
-          is_checked: bool = False) -> Applied:
+def apply(
+    tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: Room = Room(), *, is_checked: bool = False
+) -> Applied:
     """Write ``change`` in ``tx`` (with its segment files ``written`` and the policy's ``room``).
 
     Raises what :func:`check` raises, before writing anything (``is_checked``: the caller
@@ -227,12 +228,12 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
     evicted = _evict(conn, seq, room.victims, events, dead)
     stored = _store(conn, seq, stamp, change, layout_ref, written, room.fits, events, dead)
     version_id = None
-    held: list[bytes] = []
+    held: list[PageId] = []
     if ref is not None and not change.delete:
         version_id, held = _session(conn, seq, stamp, ref, change)
     dropped = _quarantine(conn, seq, change.quarantine, events, dead, thinned)
     _move(conn, seq, change.move, events, dead)
-    released: list[bytes] = []
+    released: list[PageId] = []
     if ref is not None and change.delete:
         released = pages.release(conn, ref)
         sessions.delete_session_rows(conn, ref)
@@ -244,19 +245,31 @@ def apply(tx: Tx, change: Change, written: Sequence[WrittenSegment] = (), room: 
     if ref is not None:
         assert change.user_ref is not None and layout_ref is not None
         unheld = tuple(p for p in (*evicted, *dropped))
-        events.append(SessionChanged(ref, change.user_ref, SessionWrite(change, seq, stamp, version_id, tuple(held),
-                                                                        unheld, layout_ref)))
+        events.append(
+            SessionChanged(
+                ref, change.user_ref, SessionWrite(change, seq, stamp, version_id, tuple(held), unheld, layout_ref)
+            )
+        )
     feed.record(conn, seq, events)
-    return Applied(seq, ref, version_id, tuple(events), tuple(stored), (*dropped, *released), tuple(dead),
-                   tuple(sorted(set(thinned))))
+    return Applied(
+        seq,
+        ref,
+        version_id,
+        tuple(events),
+        tuple(stored),
+        (*dropped, *released),
+        tuple(dead),
+        tuple(sorted(set(thinned))),
+    )
 
 
 def _create(conn: Any, seq: int, stamp: dt.datetime, change: Change) -> tuple[int, int]:
     new = change.create
     assert new is not None and change.user_ref is not None
     layout_ref = namespaces.ensure_layout(conn, new.layout)
-    ref = sessions.insert_session(conn, new.session_key, new.sealed_name, new.tenant_ref, change.user_ref,
-                                  layout_ref, seq, stamp)
+    ref = sessions.insert_session(
+        conn, new.session_key, new.sealed_name, new.tenant_ref, change.user_ref, layout_ref, seq, stamp
+    )
     return ref, layout_ref
 
 
@@ -274,8 +287,17 @@ def _evict(conn: Any, seq: int, victims: Sequence[int], events: list[Event], dea
     return ids
 
 
-def _store(conn: Any, seq: int, stamp: dt.datetime, change: Change, layout_ref: int | None,
-           written: Sequence[WrittenSegment], fits: bool, events: list[Event], dead: list[str]) -> list[PageRecord]:
+def _store(
+    conn: Any,
+    seq: int,
+    stamp: dt.datetime,
+    change: Change,
+    layout_ref: int | None,
+    written: Sequence[WrittenSegment],
+    fits: bool,
+    events: list[Event],
+    dead: list[str],
+) -> list[PageRecord]:
     """Record the segment files written for the change's new pages (those no one stored meanwhile)."""
     if not written:
         return []
@@ -291,25 +313,57 @@ def _store(conn: Any, seq: int, stamp: dt.datetime, change: Change, layout_ref: 
             dead.append(segment.name)
             continue
         pages.insert_segment(
-            conn, segment.name, "disk", segment.node_ref, change.user_ref, segment.size,
-            [{"page_id": p.page_id, "user_ref": change.user_ref, "layout_ref": layout_ref, "page_index": p.index,
-              "size": len(p.payload), "checksum": p.checksum, "created_at": stamp, "seq": seq} for p, _, _ in placed],
-            [{"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length} for p, offset, length in placed])
-        stored += [PageRecord(p.page_id, change.user_ref, p.index, len(p.payload), p.checksum, segment.name, offset,
-                              length) for p, offset, length in placed]
+            conn,
+            segment.name,
+            "disk",
+            segment.node_ref,
+            change.user_ref,
+            segment.size,
+            [
+                {
+                    "page_id": p.page_id,
+                    "user_ref": change.user_ref,
+                    "layout_ref": layout_ref,
+                    "page_index": p.index,
+                    "size": len(p.payload),
+                    "checksum": p.checksum,
+                    "created_at": stamp,
+                    "seq": seq,
+                }
+                for p, _, _ in placed
+            ],
+            [
+                {"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length}
+                for p, offset, length in placed
+            ],
+        )
+        stored += [
+            PageRecord(p.page_id, change.user_ref, p.index, len(p.payload), p.checksum, segment.name, offset, length)
+            for p, offset, length in placed
+        ]
     if stored:
         events.append(PagesStored(change.user_ref, seq, tuple(stored)))
     return stored
 
 
-def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) -> tuple[int | None, list[bytes]]:
+def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) -> tuple[int | None, list[PageId]]:
     """The session part: new version, holds, head, pin; the session stamped with ``seq``."""
     version_id = None
     head = change.head
     if change.version is not None:
         v = change.version
-        version_id = sessions.insert_version(conn, ref, v.parent_id, v.base_id, v.base_len, len(v.tokens) // TOKEN_BYTES,
-                                             v.stored_suffix, v.stored_label, v.sealed, stamp)
+        version_id = sessions.insert_version(
+            conn,
+            ref,
+            v.parent_id,
+            v.base_id,
+            v.base_len,
+            len(v.tokens) // TOKEN_BYTES,
+            v.stored_suffix,
+            v.stored_label,
+            v.sealed,
+            stamp,
+        )
         head = version_id
     tag = version_id or 0
     existing = pages.existing_pages(conn, change.hold) if change.hold else set()
@@ -328,8 +382,9 @@ def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) 
     return version_id, held
 
 
-def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Event], dead: list[str],
-                thinned: list[int]) -> list[bytes]:
+def _quarantine(
+    conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Event], dead: list[str], thinned: list[int]
+) -> list[PageId]:
     """Record pages that failed verification and drop them from the catalog."""
     if not bad:
         return []
@@ -350,8 +405,9 @@ def _quarantine(conn: Any, seq: int, bad: Sequence[Quarantined], events: list[Ev
 def _move(conn: Any, seq: int, moved: Sequence[MovedSegment], events: list[Event], dead: list[str]) -> None:
     """Point pages at their copies in compacted segments (those not dropped or moved meanwhile)."""
     for segment in moved:
-        records, emptied = compaction.relocate(conn, segment.name, segment.tier, segment.node_ref, segment.user_ref,
-                                          segment.size, segment.moves, seq)
+        records, emptied = compaction.relocate(
+            conn, segment.name, segment.tier, segment.node_ref, segment.user_ref, segment.size, segment.moves, seq
+        )
         dead += emptied
         if records:
             events.append(PagesStored(segment.user_ref, seq, tuple(records)))
@@ -363,5 +419,18 @@ def _changed(events: list[Event], conn: Any, session_refs: Sequence[int], skip: 
         events.append(SessionChanged(ref, user_ref))
 
 
-__all__ = ["Applied", "Change", "MovedSegment", "NewPage", "NewSession", "NewVersion", "Quarantined", "Room",
-           "SessionWrite", "Stale", "WrittenSegment", "apply", "check"]
+__all__ = [
+    "Applied",
+    "Change",
+    "MovedSegment",
+    "NewPage",
+    "NewSession",
+    "NewVersion",
+    "Quarantined",
+    "Room",
+    "SessionWrite",
+    "Stale",
+    "WrittenSegment",
+    "apply",
+    "check",
+]

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any, NamedTuple, TypeVar
@@ -29,14 +29,16 @@ from typing import Any, NamedTuple, TypeVar
 from sqlalchemy import create_engine, event, inspect, text, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, NoSuchModuleError, OperationalError
+from sqlalchemy.sql.expression import Executable
 
+from dss.catalog.readonly import ReadOnlySql
+from dss.catalog.schema import SCHEMA_REVISION
+from dss.catalog.schema import catalog_seq as _seq
 from dss.core.crypto import SealError
 from dss.core.errors import CatalogCorrupt, CatalogUnavailable, ConfigError, SchemaOutdated, SchemaTooNew
-from dss.catalog.readonly import ReadOnlySql
-from dss.catalog.schema import SCHEMA_REVISION, catalog_seq as _seq
 from dss.core.types import SqlResult
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 
 CHUNK = 500
 """Largest ``IN (...)`` list sent in one statement."""
@@ -48,6 +50,13 @@ def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
     """``items`` in slices of at most ``size`` (for ``IN`` lists)."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def insert_id(conn: Connection, statement: Executable, params: Mapping[str, Any] | None = None) -> int:
+    """Run ``statement``, an insert of one row, and return the row's new id."""
+    key = conn.execute(statement, params).inserted_primary_key
+    assert key is not None
+    return int(key[0])
 
 
 def now() -> dt.datetime:
@@ -65,8 +74,10 @@ def channel_of(database: str, schema: str) -> str:
     return "dss_feed_" + hashlib.blake2b(f"{database}\0{schema}".encode(), digest_size=10).hexdigest()
 
 
-_NEXT_SEQ_AND_NOTIFY = ("WITH s AS (UPDATE catalog_seq SET seq = seq + 1 WHERE id = 1 RETURNING seq) "
-                        "SELECT seq, pg_notify(%(channel)s, seq::text) FROM s")
+_NEXT_SEQ_AND_NOTIFY = (
+    "WITH s AS (UPDATE catalog_seq SET seq = seq + 1 WHERE id = 1 RETURNING seq) "
+    "SELECT seq, pg_notify(%(channel)s, seq::text) FROM s"
+)
 
 
 class Tx(NamedTuple):
@@ -114,8 +125,9 @@ def _reason(exc: DBAPIError) -> str:
 class Catalog:
     """One catalog database, reached through SQLAlchemy. Thread-safe (a connection pool)."""
 
-    def __init__(self, url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0,
-                 sql_url: str | None = None) -> None:
+    def __init__(
+        self, url: str, *, fsync: bool = True, sql_timeout_s: float = 10.0, sql_url: str | None = None
+    ) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         self.channel: str | None = None
@@ -158,10 +170,12 @@ class Catalog:
             if current in known:
                 raise SchemaOutdated(
                     f"the catalog at {self.url} is at schema revision {current}, this dss needs "
-                    f"{SCHEMA_REVISION}: run `dss db upgrade` (back the catalog up first)")
+                    f"{SCHEMA_REVISION}: run `dss db upgrade` (back the catalog up first)"
+                )
             raise SchemaTooNew(
                 f"the catalog at {self.url} is at schema revision {current}, unknown to this dss "
-                f"(it needs {SCHEMA_REVISION}): it was made by a newer dss; upgrade dss")
+                f"(it needs {SCHEMA_REVISION}): it was made by a newer dss; upgrade dss"
+            )
 
     def pending_revisions(self) -> list[str]:
         """The migrations :meth:`upgrade` would apply now, oldest first; none when the catalog
@@ -170,10 +184,11 @@ class Catalog:
         scripts = [script.revision for script in _scripts().walk_revisions()][::-1]
         if current is None:
             return scripts
-        return scripts[scripts.index(current) + 1:] if current in scripts else []
+        return scripts[scripts.index(current) + 1 :] if current in scripts else []
 
-    def upgrade(self, master_key: bytes | None = None,
-                progress: Callable[[str], None] | None = None) -> tuple[str | None, str]:
+    def upgrade(
+        self, master_key: bytes | None = None, progress: Callable[[str], None] | None = None
+    ) -> tuple[str | None, str]:
         """Apply every pending migration in one transaction; return ``(from_revision, to_revision)``.
 
         ``master_key`` is needed by migrations that seal rows already there (revision 0003);
@@ -188,7 +203,9 @@ class Catalog:
             try:
                 with conn.begin():
                     if not self.is_sqlite:  # processes opening an empty catalog at once: one creates, the others wait
-                        conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('dss-schema ' || current_schema()))")
+                        conn.exec_driver_sql(
+                            "SELECT pg_advisory_xact_lock(hashtext('dss-schema ' || current_schema()))"
+                        )
                     config = _alembic_config()
                     config.attributes["connection"] = conn
                     config.attributes["master_key"] = master_key

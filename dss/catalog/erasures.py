@@ -13,8 +13,7 @@ from typing import NamedTuple
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
-from dss.catalog.database import aware, chunks, now
-from dss.core.errors import ErasureInProgress
+from dss.catalog.database import aware, chunks, insert_id, now
 from dss.catalog.namespaces import destroy_key
 from dss.catalog.pages import delete_segments
 from dss.catalog.schema import (
@@ -31,6 +30,7 @@ from dss.catalog.schema import (
     users,
     versions,
 )
+from dss.core.errors import ErasureInProgress
 
 
 class JobRecord(NamedTuple):
@@ -54,8 +54,15 @@ class AuditRecord(NamedTuple):
     receipt: str
 
 
-_job_select = select(erasures.c.id, erasures.c.tenant_id, erasures.c.user_id, erasures.c.user_ref,
-                     erasures.c.state, erasures.c.plan, erasures.c.started_at)
+_job_select = select(
+    erasures.c.id,
+    erasures.c.tenant_id,
+    erasures.c.user_id,
+    erasures.c.user_ref,
+    erasures.c.state,
+    erasures.c.plan,
+    erasures.c.started_at,
+)
 
 
 def _job(r: tuple) -> JobRecord:
@@ -78,8 +85,11 @@ def open_job_of(conn: Connection, user_ref: int) -> JobRecord | None:
 
 def open_job_for(conn: Connection, tenant_id: str, user_id: str) -> JobRecord | None:
     """The unfinished erasure job of a user, found by name (it outlives the user's row)."""
-    row = conn.execute(_job_select.where(erasures.c.tenant_id == tenant_id, erasures.c.user_id == user_id,
-                                         erasures.c.finished_at.is_(None)).order_by(erasures.c.id)).first()
+    row = conn.execute(
+        _job_select.where(
+            erasures.c.tenant_id == tenant_id, erasures.c.user_id == user_id, erasures.c.finished_at.is_(None)
+        ).order_by(erasures.c.id)
+    ).first()
     return _job(row) if row else None
 
 
@@ -87,24 +97,47 @@ def check_fence(conn: Connection, user_ref: int) -> None:
     """Raise ``ErasureInProgress`` when an erasure of namespace ``user_ref`` has begun and not
     finished. Run inside a write transaction (which the catalog serialises with the one that
     records the job), it fences the namespace for every process and node at once."""
-    if conn.execute(select(erasures.c.id).where(erasures.c.user_ref == user_ref,
-                                                erasures.c.finished_at.is_(None))).first() is not None:
+    if (
+        conn.execute(
+            select(erasures.c.id).where(erasures.c.user_ref == user_ref, erasures.c.finished_at.is_(None))
+        ).first()
+        is not None
+    ):
         raise ErasureInProgress("this user's data is being erased; try again when the erasure has finished")
 
 
-def insert_job(conn: Connection, tenant_id: str, user_id: str, user_ref: int | None, plan: str,
-               state: str = "planned", *, finished: bool = False) -> int:
+def insert_job(
+    conn: Connection,
+    tenant_id: str,
+    user_id: str,
+    user_ref: int | None,
+    plan: str,
+    state: str = "planned",
+    *,
+    finished: bool = False,
+) -> int:
     """A new job row in ``state`` (``finished``: a job that is final from the start)."""
-    return int(conn.execute(insert(erasures).values(
-        tenant_id=tenant_id, user_id=user_id, user_ref=user_ref, state=state, plan=plan, started_at=now(),
-        finished_at=now() if finished else None,
-    )).inserted_primary_key[0])
+    return insert_id(
+        conn,
+        insert(erasures).values(
+            tenant_id=tenant_id,
+            user_id=user_id,
+            user_ref=user_ref,
+            state=state,
+            plan=plan,
+            started_at=now(),
+            finished_at=now() if finished else None,
+        ),
+    )
 
 
 def record_plan(conn: Connection, job_id: int, state: str, plan: str) -> bool:
     """Replace job ``job_id``'s document while it stands in ``state``; say whether it did."""
-    return bool(conn.execute(update(erasures).where(erasures.c.id == job_id, erasures.c.state == state)
-                             .values(plan=plan)).rowcount)
+    return bool(
+        conn.execute(
+            update(erasures).where(erasures.c.id == job_id, erasures.c.state == state).values(plan=plan)
+        ).rowcount
+    )
 
 
 def advance_job(conn: Connection, job_id: int, state: str, to: str, plan: str | None, *, finished: bool) -> bool:
@@ -116,18 +149,23 @@ def advance_job(conn: Connection, job_id: int, state: str, to: str, plan: str | 
     if finished:
         values["finished_at"] = now()
         values["user_ref"] = None
-    return bool(conn.execute(update(erasures).where(erasures.c.id == job_id, erasures.c.state == state)
-                             .values(**values)).rowcount)
+    return bool(
+        conn.execute(
+            update(erasures).where(erasures.c.id == job_id, erasures.c.state == state).values(**values)
+        ).rowcount
+    )
 
 
 def insert_audit(conn: Connection, kind: str, tenant_id: str, user_id: str, receipt: str) -> int:
-    return int(conn.execute(insert(audit).values(
-        kind=kind, tenant_id=tenant_id, user_id=user_id, created_at=now(), receipt=receipt)).inserted_primary_key[0])
+    return insert_id(
+        conn, insert(audit).values(kind=kind, tenant_id=tenant_id, user_id=user_id, created_at=now(), receipt=receipt)
+    )
 
 
 def audit_rows(conn: Connection, tenant_id: str | None = None) -> list[AuditRecord]:
-    query = select(audit.c.id, audit.c.kind, audit.c.tenant_id, audit.c.user_id, audit.c.created_at,
-                   audit.c.receipt).order_by(audit.c.id)
+    query = select(
+        audit.c.id, audit.c.kind, audit.c.tenant_id, audit.c.user_id, audit.c.created_at, audit.c.receipt
+    ).order_by(audit.c.id)
     if tenant_id is not None:
         query = query.where(audit.c.tenant_id == tenant_id)
     return [AuditRecord(r[0], r[1], r[2], r[3], aware(r[4]), r[5]) for r in conn.execute(query)]
@@ -151,11 +189,15 @@ def counts(conn: Connection, user_ref: int | None) -> Counts:
         return Counts(0, 0, 0, 0, 0)
     s, v, p, seg = sessions, versions, pages, segments
     num_sessions = conn.execute(select(func.count()).select_from(s).where(s.c.user_ref == user_ref)).scalar_one()
-    num_versions = conn.execute(select(func.count()).select_from(v).join(s, s.c.id == v.c.session_ref)
-                                .where(s.c.user_ref == user_ref)).scalar_one()
+    num_versions = conn.execute(
+        select(func.count()).select_from(v).join(s, s.c.id == v.c.session_ref).where(s.c.user_ref == user_ref)
+    ).scalar_one()
     num_pages = conn.execute(select(func.count()).select_from(p).where(p.c.user_ref == user_ref)).scalar_one()
-    files, size = conn.execute(select(func.count(), func.coalesce(func.sum(seg.c.size), 0))
-                               .where(seg.c.user_ref == user_ref, seg.c.tier == "disk")).one()
+    files, size = conn.execute(
+        select(func.count(), func.coalesce(func.sum(seg.c.size), 0)).where(
+            seg.c.user_ref == user_ref, seg.c.tier == "disk"
+        )
+    ).one()
     return Counts(num_sessions, num_versions, num_pages, files, int(size))
 
 
@@ -165,18 +207,25 @@ def rows_left(conn: Connection, user_ref: int) -> dict[str, int]:
     s = sessions
     out = {
         "users": conn.execute(select(func.count()).select_from(users).where(users.c.id == user_ref)).scalar_one(),
-        "user_keys": conn.execute(select(func.count()).select_from(user_keys)
-                                  .where(user_keys.c.user_ref == user_ref)).scalar_one(),
+        "user_keys": conn.execute(
+            select(func.count()).select_from(user_keys).where(user_keys.c.user_ref == user_ref)
+        ).scalar_one(),
         "sessions": conn.execute(select(func.count()).select_from(s).where(s.c.user_ref == user_ref)).scalar_one(),
-        "versions": conn.execute(select(func.count()).select_from(versions).join(s, s.c.id == versions.c.session_ref)
-                                 .where(s.c.user_ref == user_ref)).scalar_one(),
+        "versions": conn.execute(
+            select(func.count())
+            .select_from(versions)
+            .join(s, s.c.id == versions.c.session_ref)
+            .where(s.c.user_ref == user_ref)
+        ).scalar_one(),
         "pages": conn.execute(select(func.count()).select_from(pages).where(pages.c.user_ref == user_ref)).scalar_one(),
     }
     for table in (segments, quarantine):
-        out[table.name] = conn.execute(select(func.count()).select_from(table)
-                                       .where(table.c.user_ref == user_ref)).scalar_one()
-    out["feed"] = conn.execute(select(func.count()).select_from(feed).where(
-        feed.c.user_ref == user_ref, feed.c.kind != "forget")).scalar_one()
+        out[table.name] = conn.execute(
+            select(func.count()).select_from(table).where(table.c.user_ref == user_ref)
+        ).scalar_one()
+    out["feed"] = conn.execute(
+        select(func.count()).select_from(feed).where(feed.c.user_ref == user_ref, feed.c.kind != "forget")
+    ).scalar_one()
     return out
 
 
@@ -218,6 +267,16 @@ def digest_of(page_ids: list[bytes]) -> str:
     return digest.hexdigest()
 
 
-VACUUMED = ("user_keys", "versions", "sessions", "pages", "session_pages", "page_locations", "segments", "users",
-            "feed", "quarantine")
+VACUUMED = (
+    "user_keys",
+    "versions",
+    "sessions",
+    "pages",
+    "session_pages",
+    "page_locations",
+    "segments",
+    "users",
+    "feed",
+    "quarantine",
+)
 """The PostgreSQL tables an erasure vacuums."""

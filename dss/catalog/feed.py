@@ -11,14 +11,13 @@ process that falls further behind reloads everything.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from dss.catalog.pages import PageRecord
 from dss.catalog.schema import catalog_seq, feed
-
 
 KEPT = 100_000
 """How many feed rows survive pruning; a process further behind reloads everything."""
@@ -81,7 +80,7 @@ class NamespaceForgotten(NamedTuple):
         return [_row(seq, "forget", self.user_ref)]
 
 
-Event = Union[SessionChanged, PagesStored, PagesDropped, PagesEvicted, NamespaceForgotten]
+Event = SessionChanged | PagesStored | PagesDropped | PagesEvicted | NamespaceForgotten
 
 
 _INSERT_FEED = insert(feed)
@@ -96,8 +95,7 @@ def record(conn: Connection, seq: int, events: Sequence[Event]) -> None:
         _prune(conn)
 
 
-def _row(seq: int, kind: str, user_ref: int, *, session_ref: int | None = None,
-         page_id: bytes | None = None) -> dict:
+def _row(seq: int, kind: str, user_ref: int, *, session_ref: int | None = None, page_id: bytes | None = None) -> dict:
     return {"seq": seq, "kind": kind, "session_ref": session_ref, "user_ref": user_ref, "page_id": page_id}
 
 
@@ -111,8 +109,11 @@ def read_since(conn: Connection, seq: int) -> tuple[int, list[tuple[int, Event]]
     latest, floor = conn.execute(select(catalog_seq.c.seq, catalog_seq.c.floor).where(catalog_seq.c.id == 1)).one()
     if seq < floor:
         return latest, None
-    rows = conn.execute(select(feed.c.seq, feed.c.kind, feed.c.session_ref, feed.c.user_ref, feed.c.page_id)
-                        .where(feed.c.seq > seq).order_by(feed.c.id)).all()
+    rows = conn.execute(
+        select(feed.c.seq, feed.c.kind, feed.c.session_ref, feed.c.user_ref, feed.c.page_id)
+        .where(feed.c.seq > seq)
+        .order_by(feed.c.id)
+    ).all()
     out: list[tuple[int, Event]] = []
     for row_seq, kind, session_ref, user_ref, page_id in rows:
         if kind == "session":
@@ -124,8 +125,7 @@ def read_since(conn: Connection, seq: int) -> tuple[int, list[tuple[int, Event]]
         else:
             event_type = PagesDropped if kind == "drop" else PagesEvicted
             last = out[-1] if out else None
-            if last is not None and last[0] == row_seq and type(last[1]) is event_type \
-                    and last[1].user_ref == user_ref:
+            if last is not None and last[0] == row_seq and type(last[1]) is event_type and last[1].user_ref == user_ref:
                 out[-1] = (row_seq, event_type(user_ref, (*last[1].page_ids, bytes(page_id))))
             else:
                 out.append((row_seq, event_type(user_ref, (bytes(page_id),))))

@@ -61,9 +61,11 @@ class FeedListener:
                 self._listen()
             except psycopg.Error as exc:
                 if self.is_listening or not self._failing:  # once per loss, not per retry
-                    log.warning("catalog notifications lost (%s): polling every %.1fs until they are back",
-                                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                                self._poll_s)
+                    log.warning(
+                        "catalog notifications lost (%s): polling every %.1fs until they are back",
+                        str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                        self._poll_s,
+                    )
                 self.is_listening = False
                 self._failing = True
                 self._stop.wait(min(self._poll_s, 1.0))

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from sqlalchemy import insert, select
 from sqlalchemy.engine import Connection
 
-from dss.catalog.database import now
+from dss.catalog.database import insert_id, now
 from dss.catalog.schema import nodes
 
 
@@ -22,11 +22,12 @@ class NodeRecord(NamedTuple):
 
 def all_nodes(conn: Connection) -> list[NodeRecord]:
     """Every node, oldest first."""
-    return [NodeRecord(r[0], r[1], bytes(r[2])) for r in conn.execute(
-        select(nodes.c.id, nodes.c.node_id, nodes.c.folder_id).order_by(nodes.c.id))]
+    return [
+        NodeRecord(r[0], r[1], bytes(r[2]))
+        for r in conn.execute(select(nodes.c.id, nodes.c.node_id, nodes.c.folder_id).order_by(nodes.c.id))
+    ]
 
 
 def insert_node(conn: Connection, node_id: str, folder_id: bytes) -> int:
     """Register a folder as node ``node_id``; return its row number."""
-    return int(conn.execute(insert(nodes).values(node_id=node_id, folder_id=folder_id,
-                                                 created_at=now())).inserted_primary_key[0])
+    return insert_id(conn, insert(nodes).values(node_id=node_id, folder_id=folder_id, created_at=now()))

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from sqlalchemy import ColumnElement, Select, and_, bindparam, case, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
-from dss.catalog.database import chunks, now
+from dss.catalog.database import chunks, insert_id, now
 from dss.catalog.schema import (
     locations,
     nodes,
@@ -28,7 +28,7 @@ from dss.catalog.schema import (
     tier_totals,
     users,
 )
-
+from dss.core.types import PageId
 
 # The statements every commit runs, built once: building and keying a statement costs more
 # than executing it (SQLAlchemy memoizes a statement object's cache key, not an equal one's).
@@ -37,19 +37,28 @@ _INSERT_SEGMENT = insert(segments)
 _INSERT_PAGES = insert(pages)
 _INSERT_LOCATIONS = insert(locations)
 _INSERT_HOLDS = insert(session_pages)
-_COUNT_TIER = (update(tier_totals)
-               .where(tier_totals.c.tier == bindparam("t_tier"), tier_totals.c.node_ref == bindparam("t_node"))
-               .values(bytes=tier_totals.c.bytes + bindparam("t_bytes"),
-                       num_segments=tier_totals.c.num_segments + bindparam("t_num")))
-_TIER_BYTES = select(tier_totals.c.bytes).where(tier_totals.c.tier == bindparam("tier"),
-                                                tier_totals.c.node_ref == bindparam("node_ref"))
-_RETAG = (update(session_pages)
-          .where(session_pages.c.session_ref == bindparam("s_ref"), session_pages.c.version_ref == bindparam("old"))
-          .values(version_ref=bindparam("new")))
-_TOUCH = (update(session_pages)
-          .where(session_pages.c.session_ref == bindparam("s_ref"),
-                 session_pages.c.page_id.in_(bindparam("ids", expanding=True)))
-          .values(version_ref=bindparam("new")))
+_COUNT_TIER = (
+    update(tier_totals)
+    .where(tier_totals.c.tier == bindparam("t_tier"), tier_totals.c.node_ref == bindparam("t_node"))
+    .values(
+        bytes=tier_totals.c.bytes + bindparam("t_bytes"), num_segments=tier_totals.c.num_segments + bindparam("t_num")
+    )
+)
+_TIER_BYTES = select(tier_totals.c.bytes).where(
+    tier_totals.c.tier == bindparam("tier"), tier_totals.c.node_ref == bindparam("node_ref")
+)
+_RETAG = (
+    update(session_pages)
+    .where(session_pages.c.session_ref == bindparam("s_ref"), session_pages.c.version_ref == bindparam("old"))
+    .values(version_ref=bindparam("new"))
+)
+_TOUCH = (
+    update(session_pages)
+    .where(
+        session_pages.c.session_ref == bindparam("s_ref"), session_pages.c.page_id.in_(bindparam("ids", expanding=True))
+    )
+    .values(version_ref=bindparam("new"))
+)
 
 
 class PageRecord(NamedTuple):
@@ -68,8 +77,16 @@ class PageRecord(NamedTuple):
 def _page_select(node_ref: int) -> Select:
     """Page rows with their disk location on node ``node_ref`` (none where another node's disk holds them)."""
     return (
-        select(pages.c.page_id, pages.c.user_ref, pages.c.page_index, pages.c.size, pages.c.checksum,
-               segments.c.name, locations.c.offset, locations.c.length)
+        select(
+            pages.c.page_id,
+            pages.c.user_ref,
+            pages.c.page_index,
+            pages.c.size,
+            pages.c.checksum,
+            segments.c.name,
+            locations.c.offset,
+            locations.c.length,
+        )
         .outerjoin(locations, and_(locations.c.page_id == pages.c.page_id, locations.c.tier == "disk"))
         .outerjoin(segments, and_(segments.c.id == locations.c.segment_ref, segments.c.node_ref == node_ref))
     )
@@ -107,8 +124,11 @@ def existing_pages(conn: Connection, page_ids: Sequence[bytes]) -> set[bytes]:
 
 def page_owners(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, tuple[str, int]]:
     """``page_id -> (tenant_id, size)`` for the pages the catalog knows (others are left out)."""
-    query = (select(pages.c.page_id, tenants.c.tenant_id, pages.c.size)
-             .join(users, users.c.id == pages.c.user_ref).join(tenants, tenants.c.id == users.c.tenant_ref))
+    query = (
+        select(pages.c.page_id, tenants.c.tenant_id, pages.c.size)
+        .join(users, users.c.id == pages.c.user_ref)
+        .join(tenants, tenants.c.id == users.c.tenant_ref)
+    )
     out: dict[bytes, tuple[str, int]] = {}
     for part in chunks(list(dict.fromkeys(page_ids))):
         for page_id, tenant_id, size in conn.execute(query.where(pages.c.page_id.in_(part))):
@@ -116,11 +136,22 @@ def page_owners(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, tupl
     return out
 
 
-def insert_segment(conn: Connection, name: str, tier: str, node_ref: int, user_ref: int, size: int,
-                   page_rows: list[dict], location_rows: list[dict]) -> None:
+def insert_segment(
+    conn: Connection,
+    name: str,
+    tier: str,
+    node_ref: int,
+    user_ref: int,
+    size: int,
+    page_rows: list[dict],
+    location_rows: list[dict],
+) -> None:
     """Record a segment file of node ``node_ref`` and the pages it holds (``segment_ref`` is filled in)."""
-    ref = int(conn.execute(_INSERT_SEGMENT, {"name": name, "tier": tier, "node_ref": node_ref, "user_ref": user_ref,
-                                             "size": size, "created_at": now()}).inserted_primary_key[0])
+    ref = insert_id(
+        conn,
+        _INSERT_SEGMENT,
+        {"name": name, "tier": tier, "node_ref": node_ref, "user_ref": user_ref, "size": size, "created_at": now()},
+    )
     count_tier(conn, tier, node_ref, size, 1)
     conn.execute(_INSERT_PAGES, page_rows)
     conn.execute(_INSERT_LOCATIONS, [{**row, "segment_ref": ref} for row in location_rows])
@@ -128,8 +159,9 @@ def insert_segment(conn: Connection, name: str, tier: str, node_ref: int, user_r
 
 def delete_segments(conn: Connection, where: ColumnElement[bool]) -> list[str]:
     """Delete the segment rows matching ``where`` (keeping the tier totals); return their names."""
-    gone = conn.execute(select(segments.c.name, segments.c.tier, segments.c.node_ref, segments.c.size)
-                        .where(where)).all()
+    gone = conn.execute(
+        select(segments.c.name, segments.c.tier, segments.c.node_ref, segments.c.size).where(where)
+    ).all()
     conn.execute(delete(segments).where(where))
     for tier, node_ref in sorted({(row[1], row[2]) for row in gone}):
         rows = [row for row in gone if (row[1], row[2]) == (tier, node_ref)]
@@ -144,8 +176,9 @@ def count_tier(conn: Connection, tier: str, node_ref: int, size: int, num: int) 
         conn.execute(insert(tier_totals).values(tier=tier, node_ref=node_ref, bytes=size, num_segments=num))
 
 
-def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int,
-               thinned: list[int] | None = None) -> tuple[list[int], list[str]]:
+def drop_pages(
+    conn: Connection, page_ids: Sequence[bytes], seq: int, thinned: list[int] | None = None
+) -> tuple[list[int], list[str]]:
     """Delete pages with their holds and locations; delete the rows of segments left with no
     page. Returns the sessions that held any of them and the names of the emptied files;
     ``thinned`` (if given) gets the segments that lost pages but keep some (their dead bytes grew).
@@ -156,15 +189,20 @@ def drop_pages(conn: Connection, page_ids: Sequence[bytes], seq: int,
     touched: set[int] = set()
     holders: set[int] = set()
     for part in chunks(page_ids):
-        touched.update(r[0] for r in conn.execute(
-            select(locations.c.segment_ref).where(locations.c.page_id.in_(part)).distinct()))
-        holders.update(r[0] for r in conn.execute(
-            select(session_pages.c.session_ref).where(session_pages.c.page_id.in_(part)).distinct()))
+        touched.update(
+            r[0] for r in conn.execute(select(locations.c.segment_ref).where(locations.c.page_id.in_(part)).distinct())
+        )
+        holders.update(
+            r[0]
+            for r in conn.execute(
+                select(session_pages.c.session_ref).where(session_pages.c.page_id.in_(part)).distinct()
+            )
+        )
         conn.execute(delete(session_pages).where(session_pages.c.page_id.in_(part)))
         conn.execute(delete(locations).where(locations.c.page_id.in_(part)))
         conn.execute(delete(pages).where(pages.c.page_id.in_(part)))
-    for part in chunks(sorted(holders)):
-        conn.execute(update(sessions).where(sessions.c.id.in_(part)).values(seq=seq))
+    for refs in chunks(sorted(holders)):
+        conn.execute(update(sessions).where(sessions.c.id.in_(refs)).values(seq=seq))
     emptied = drop_empty_segments(conn, sorted(touched), kept=thinned)
     return sorted(holders), emptied
 
@@ -174,8 +212,10 @@ def drop_empty_segments(conn: Connection, segment_refs: Sequence[int], kept: lis
     given, gets the others)."""
     emptied: list[str] = []
     for part in chunks(segment_refs):
-        live = {r[0] for r in conn.execute(
-            select(locations.c.segment_ref).where(locations.c.segment_ref.in_(part)).distinct())}
+        live = {
+            r[0]
+            for r in conn.execute(select(locations.c.segment_ref).where(locations.c.segment_ref.in_(part)).distinct())
+        }
         if kept is not None:
             kept.extend(s for s in part if s in live)
         dead = [s for s in part if s not in live]
@@ -184,10 +224,20 @@ def drop_empty_segments(conn: Connection, segment_refs: Sequence[int], kept: lis
     return emptied
 
 
-def add_quarantine(conn: Connection, page_id: bytes, user_ref: int, tier: str, segment: str, offset: int,
-                   reason: str) -> None:
-    conn.execute(insert(quarantine).values(page_id=page_id, user_ref=user_ref, tier=tier, segment=segment,
-                                           offset=offset, reason=reason, detected_at=now()))
+def add_quarantine(
+    conn: Connection, page_id: bytes, user_ref: int, tier: str, segment: str, offset: int, reason: str
+) -> None:
+    conn.execute(
+        insert(quarantine).values(
+            page_id=page_id,
+            user_ref=user_ref,
+            tier=tier,
+            segment=segment,
+            offset=offset,
+            reason=reason,
+            detected_at=now(),
+        )
+    )
 
 
 # -- what sessions hold ------------------------------------------------------------------------
@@ -195,21 +245,39 @@ def add_quarantine(conn: Connection, page_id: bytes, user_ref: int, tier: str, s
 
 def held_pages(conn: Connection, session_ref: int) -> dict[bytes, int]:
     """The pages a session holds, with the newest of its versions holding each (0: saved ahead)."""
-    return {bytes(r[0]): r[1] for r in conn.execute(
-        select(session_pages.c.page_id, session_pages.c.version_ref).where(session_pages.c.session_ref == session_ref))}
+    return {
+        bytes(r[0]): r[1]
+        for r in conn.execute(
+            select(session_pages.c.page_id, session_pages.c.version_ref).where(
+                session_pages.c.session_ref == session_ref
+            )
+        )
+    }
 
 
 def committed_pages(conn: Connection, session_ref: int) -> set[bytes]:
     """The pages a session holds that some committed version of it contains."""
-    return {bytes(r[0]) for r in conn.execute(select(session_pages.c.page_id).where(
-        session_pages.c.session_ref == session_ref, session_pages.c.version_ref != 0))}
+    return {
+        bytes(r[0])
+        for r in conn.execute(
+            select(session_pages.c.page_id).where(
+                session_pages.c.session_ref == session_ref, session_pages.c.version_ref != 0
+            )
+        )
+    }
 
 
-def hold(conn: Connection, session_ref: int, page_ids: Iterable[bytes], version_id: int,
-         pinned: frozenset[bytes] = frozenset()) -> None:
+def hold(
+    conn: Connection,
+    session_ref: int,
+    page_ids: Iterable[bytes],
+    version_id: int,
+    pinned: frozenset[bytes] = frozenset(),
+) -> None:
     """The session holds these pages from now on, newest in ``version_id`` (0: saved ahead)."""
-    rows = [{"session_ref": session_ref, "page_id": p, "version_ref": version_id, "pinned": p in pinned}
-            for p in page_ids]
+    rows = [
+        {"session_ref": session_ref, "page_id": p, "version_ref": version_id, "pinned": p in pinned} for p in page_ids
+    ]
     if rows:
         conn.execute(_INSERT_HOLDS, rows)
 
@@ -227,19 +295,25 @@ def touch(conn: Connection, session_ref: int, page_ids: Sequence[bytes], version
 
 def set_pinned_pages(conn: Connection, session_ref: int, page_ids: Sequence[bytes], pinned: bool) -> None:
     for part in chunks(page_ids):
-        conn.execute(update(session_pages).where(session_pages.c.session_ref == session_ref,
-                                                 session_pages.c.page_id.in_(part)).values(pinned=pinned))
+        conn.execute(
+            update(session_pages)
+            .where(session_pages.c.session_ref == session_ref, session_pages.c.page_id.in_(part))
+            .values(pinned=pinned)
+        )
 
 
-def release(conn: Connection, session_ref: int) -> list[bytes]:
+def release(conn: Connection, session_ref: int) -> list[PageId]:
     """Drop every hold of a session; return the pages no session holds any more."""
-    held = [bytes(r[0]) for r in conn.execute(
-        select(session_pages.c.page_id).where(session_pages.c.session_ref == session_ref))]
+    held = [
+        PageId(bytes(r[0]))
+        for r in conn.execute(select(session_pages.c.page_id).where(session_pages.c.session_ref == session_ref))
+    ]
     conn.execute(delete(session_pages).where(session_pages.c.session_ref == session_ref))
     still: set[bytes] = set()
     for part in chunks(held):
-        still.update(bytes(r[0]) for r in conn.execute(
-            select(session_pages.c.page_id).where(session_pages.c.page_id.in_(part))))
+        still.update(
+            bytes(r[0]) for r in conn.execute(select(session_pages.c.page_id).where(session_pages.c.page_id.in_(part)))
+        )
     return [p for p in held if p not in still]
 
 
@@ -262,10 +336,12 @@ def disk_nodes(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, str]:
     one disk copy of a page in the fleet)."""
     out: dict[bytes, str] = {}
     for part in chunks(page_ids):
-        rows = conn.execute(select(locations.c.page_id, nodes.c.node_id)
-                            .join(segments, segments.c.id == locations.c.segment_ref)
-                            .join(nodes, nodes.c.id == segments.c.node_ref)
-                            .where(locations.c.page_id.in_(part), locations.c.tier == "disk"))
+        rows = conn.execute(
+            select(locations.c.page_id, nodes.c.node_id)
+            .join(segments, segments.c.id == locations.c.segment_ref)
+            .join(nodes, nodes.c.id == segments.c.node_ref)
+            .where(locations.c.page_id.in_(part), locations.c.tier == "disk")
+        )
         out.update({bytes(page_id): node_id for page_id, node_id in rows})
     return out
 
@@ -294,35 +370,51 @@ def segment_pages(conn: Connection, segment_refs: Sequence[int]) -> list[tuple[b
     """``(page_id, user_ref)`` of every page in these segments."""
     out: list[tuple[bytes, int]] = []
     for part in chunks(segment_refs):
-        out.extend((bytes(r[0]), r[1]) for r in conn.execute(
-            select(locations.c.page_id, pages.c.user_ref).join(pages, pages.c.page_id == locations.c.page_id)
-            .where(locations.c.segment_ref.in_(part))))
+        out.extend(
+            (bytes(r[0]), r[1])
+            for r in conn.execute(
+                select(locations.c.page_id, pages.c.user_ref)
+                .join(pages, pages.c.page_id == locations.c.page_id)
+                .where(locations.c.segment_ref.in_(part))
+            )
+        )
     return out
 
 
 def all_segments(conn: Connection, tier: str, node_ref: int) -> dict[str, tuple[int, int]]:
     """``name -> (ref, size)`` of every segment of a node's tier."""
-    return {r[0]: (r[1], r[2]) for r in conn.execute(
-        select(segments.c.name, segments.c.id, segments.c.size).where(segments.c.tier == tier,
-                                                                       segments.c.node_ref == node_ref))}
+    return {
+        r[0]: (r[1], r[2])
+        for r in conn.execute(
+            select(segments.c.name, segments.c.id, segments.c.size).where(
+                segments.c.tier == tier, segments.c.node_ref == node_ref
+            )
+        )
+    }
 
 
 def disk_extents(conn: Connection, node_ref: int) -> dict[int, list[tuple[int, int]]]:
     """``segment_ref -> [(offset, length), ...]`` of every page located on a node's disk."""
     extents: dict[int, list[tuple[int, int]]] = {}
     for seg, offset, length in conn.execute(
-            select(locations.c.segment_ref, locations.c.offset, locations.c.length)
-            .join(segments, segments.c.id == locations.c.segment_ref)
-            .where(locations.c.tier == "disk", segments.c.node_ref == node_ref)):
+        select(locations.c.segment_ref, locations.c.offset, locations.c.length)
+        .join(segments, segments.c.id == locations.c.segment_ref)
+        .where(locations.c.tier == "disk", segments.c.node_ref == node_ref)
+    ):
         extents.setdefault(seg, []).append((offset, length))
     return extents
 
 
 def count_located(conn: Connection, tier: str, node_ref: int) -> int:
     """Pages located on a node's tier."""
-    return int(conn.execute(select(func.count()).select_from(locations)
-                            .join(segments, segments.c.id == locations.c.segment_ref)
-                            .where(locations.c.tier == tier, segments.c.node_ref == node_ref)).scalar_one())
+    return int(
+        conn.execute(
+            select(func.count())
+            .select_from(locations)
+            .join(segments, segments.c.id == locations.c.segment_ref)
+            .where(locations.c.tier == tier, segments.c.node_ref == node_ref)
+        ).scalar_one()
+    )
 
 
 def user_page_ids(conn: Connection, user_ref: int) -> list[bytes]:
@@ -332,40 +424,61 @@ def user_page_ids(conn: Connection, user_ref: int) -> list[bytes]:
 
 def count_unheld_pages(conn: Connection) -> int:
     """Pages no session holds."""
-    return int(conn.execute(select(func.count()).select_from(pages).where(~select(session_pages.c.page_id).where(
-        session_pages.c.page_id == pages.c.page_id).exists())).scalar_one())
+    return int(
+        conn.execute(
+            select(func.count())
+            .select_from(pages)
+            .where(~select(session_pages.c.page_id).where(session_pages.c.page_id == pages.c.page_id).exists())
+        ).scalar_one()
+    )
 
 
 def count_homeless_pages(conn: Connection) -> int:
     """Pages with no location on any tier."""
-    return int(conn.execute(select(func.count()).select_from(pages).where(~select(locations.c.page_id).where(
-        locations.c.page_id == pages.c.page_id).exists())).scalar_one())
+    return int(
+        conn.execute(
+            select(func.count())
+            .select_from(pages)
+            .where(~select(locations.c.page_id).where(locations.c.page_id == pages.c.page_id).exists())
+        ).scalar_one()
+    )
 
 
 def owner_bytes(conn: Connection, tier: str, user_ref: int) -> tuple[int, int, int]:
     """Bytes of a tier's segments of the namespace ``user_ref``, of its whole tenant, and the
     tenant's row number."""
     tenant_ref = int(conn.execute(select(users.c.tenant_ref).where(users.c.id == user_ref)).scalar_one())
-    mine = conn.execute(select(func.coalesce(func.sum(segments.c.size), 0))
-                        .where(segments.c.tier == tier, segments.c.user_ref == user_ref)).scalar_one()
-    theirs = conn.execute(select(func.coalesce(func.sum(segments.c.size), 0))
-                          .join(users, users.c.id == segments.c.user_ref)
-                          .where(segments.c.tier == tier, users.c.tenant_ref == tenant_ref)).scalar_one()
+    mine = conn.execute(
+        select(func.coalesce(func.sum(segments.c.size), 0)).where(
+            segments.c.tier == tier, segments.c.user_ref == user_ref
+        )
+    ).scalar_one()
+    theirs = conn.execute(
+        select(func.coalesce(func.sum(segments.c.size), 0))
+        .join(users, users.c.id == segments.c.user_ref)
+        .where(segments.c.tier == tier, users.c.tenant_ref == tenant_ref)
+    ).scalar_one()
     return int(mine), int(theirs), tenant_ref
 
 
 def segment_owners(conn: Connection, tier: str) -> dict[int, tuple[int, int]]:
     """``segment_ref -> (user_ref, tenant_ref)`` of every segment of a tier."""
-    return {r[0]: (r[1], r[2]) for r in conn.execute(
-        select(segments.c.id, segments.c.user_ref, users.c.tenant_ref)
-        .join(users, users.c.id == segments.c.user_ref).where(segments.c.tier == tier))}
+    return {
+        r[0]: (r[1], r[2])
+        for r in conn.execute(
+            select(segments.c.id, segments.c.user_ref, users.c.tenant_ref)
+            .join(users, users.c.id == segments.c.user_ref)
+            .where(segments.c.tier == tier)
+        )
+    }
 
 
 def segment_page_ids(conn: Connection, tier: str) -> dict[int, list[bytes]]:
     """``segment_ref -> [page_id, ...]`` of every page located on a tier."""
     out: dict[int, list[bytes]] = {}
-    for ref, page_id in conn.execute(select(locations.c.segment_ref, locations.c.page_id)
-                                     .where(locations.c.tier == tier)):
+    for ref, page_id in conn.execute(
+        select(locations.c.segment_ref, locations.c.page_id).where(locations.c.tier == tier)
+    ):
         out.setdefault(ref, []).append(bytes(page_id))
     return out
 

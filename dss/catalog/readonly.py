@@ -43,9 +43,9 @@ from urllib.parse import quote
 from sqlalchemy import make_url
 from sqlalchemy.engine import Engine
 
-from dss.core.errors import ConfigError, DssError, ReadOnlyViolation, SqlError
 from dss.catalog.schema import Base
 from dss.catalog.sqlfunctions import BoundedPrintf, is_allowed
+from dss.core.errors import ConfigError, DssError, ReadOnlyViolation, SqlError
 from dss.core.types import SqlResult
 
 if TYPE_CHECKING:
@@ -60,8 +60,9 @@ VIEWS = ("session_summary", "user_summary", "tier_usage", "version_summary", "ti
 PASSWORD_KEY = "sql_password"
 """``store_meta`` key of the password of the role dss creates for ``sql()``."""
 
-NO_ROWS = ("sql() runs queries that return rows (SELECT, WITH, VALUES, TABLE, SHOW, EXPLAIN); "
-           "this statement returns none")
+NO_ROWS = (
+    "sql() runs queries that return rows (SELECT, WITH, VALUES, TABLE, SHOW, EXPLAIN); this statement returns none"
+)
 
 
 def readable_relations() -> list[str]:
@@ -149,11 +150,14 @@ class ReadOnlySql:
         if "interrupted" in message:
             return SqlError(f"query ran longer than {self.timeout_s}s")
         if getattr(exc, "sqlite_errorname", None) == "SQLITE_TOOBIG":
-            return SqlError(f"query failed: a value grew past {MAX_VALUE_BYTES >> 20} MiB, the most sql() "
-                            "allows for one string or blob")
+            return SqlError(
+                f"query failed: a value grew past {MAX_VALUE_BYTES >> 20} MiB, the most sql() "
+                "allows for one string or blob"
+            )
         if message == "query string is too large":
-            return SqlError(f"query failed: the query text is longer than {MAX_QUERY_BYTES >> 10} KiB, "
-                            "the most sql() allows")
+            return SqlError(
+                f"query failed: the query text is longer than {MAX_QUERY_BYTES >> 10} KiB, the most sql() allows"
+            )
         return SqlError(f"query failed: {message}")
 
     # -- PostgreSQL ------------------------------------------------------------------------
@@ -179,8 +183,9 @@ class ReadOnlySql:
             rows = cursor.fetchmany(max_rows)
             cursor.execute("SELECT pg_catalog.txid_current_if_assigned()", prepare=True)
             if cursor.fetchone() != (None,):
-                raise ReadOnlyViolation("sql() runs read-only queries only: the statement wrote to the "
-                                        "database (rolled back)")
+                raise ReadOnlyViolation(
+                    "sql() runs read-only queries only: the statement wrote to the database (rolled back)"
+                )
             return SqlResult(columns, [tuple(r) for r in rows])
         except psycopg.Error as exc:
             raise self._server_error(exc) from None
@@ -209,8 +214,9 @@ class ReadOnlySql:
         try:
             conn = psycopg.connect(**args)
         except psycopg.Error as exc:
-            raise SqlError(f"cannot connect to the catalog as the SQL role {args.get('user')!r}: "
-                           f"{str(exc).strip()}") from None
+            raise SqlError(
+                f"cannot connect to the catalog as the SQL role {args.get('user')!r}: {str(exc).strip()}"
+            ) from None
         conn.read_only = True
         return conn
 
@@ -233,8 +239,9 @@ class ReadOnlySql:
         _, args = self.engine.dialect.create_connect_args(url)
         args.pop("context", None)  # psycopg's own adapters, not SQLAlchemy's
         timeout_ms = max(1, int(self.timeout_s * 1000))
-        args["options"] = (f"{args.get('options', '')} -c statement_timeout={timeout_ms} "
-                           f"-c default_transaction_read_only=on").strip()
+        args["options"] = (
+            f"{args.get('options', '')} -c statement_timeout={timeout_ms} -c default_transaction_read_only=on"
+        ).strip()
         args["connect_timeout"] = max(2, math.ceil(self.timeout_s))
         args["application_name"] = "dss sql"
         try:
@@ -244,17 +251,19 @@ class ReadOnlySql:
             finally:
                 conn.close()
         except psycopg.Error as exc:
-            raise ConfigError(f"cannot connect to the catalog as the SQL role {url.username!r}: "
-                              f"{str(exc).strip()}") from None
+            raise ConfigError(
+                f"cannot connect to the catalog as the SQL role {url.username!r}: {str(exc).strip()}"
+            ) from None
         if problems:
-            raise ConfigError(f"the SQL role {url.username!r} is not read-only ({'; '.join(problems)}): "
-                              f"{_HOW_TO}")
-        return args
+            raise ConfigError(f"the SQL role {url.username!r} is not read-only ({'; '.join(problems)}): {_HOW_TO}")
+        return dict(args)
 
 
-_HOW_TO = ("sql() on PostgreSQL runs as a LOGIN role that is no superuser and may only SELECT dss's tables; "
-           "grant the catalog user CREATEROLE so that dss creates that role itself, or create one and set "
-           "sql_url (DSS_SQL_URL) to it (see the Python API documentation, section SQL)")
+_HOW_TO = (
+    "sql() on PostgreSQL runs as a LOGIN role that is no superuser and may only SELECT dss's tables; "
+    "grant the catalog user CREATEROLE so that dss creates that role itself, or create one and set "
+    "sql_url (DSS_SQL_URL) to it (see the Python API documentation, section SQL)"
+)
 
 
 def _cancel(conn: psycopg.Connection[Any]) -> None:
@@ -289,6 +298,7 @@ def _provision(engine: Engine, role: str, schema: str) -> str:
     raw = engine.raw_connection()
     try:
         conn = raw.driver_connection
+        assert conn is not None
         with conn.cursor() as cur:
             cur.execute("SELECT rolsuper OR rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = current_user")
             (may_create,) = cur.fetchone()
@@ -301,17 +311,24 @@ def _provision(engine: Engine, role: str, schema: str) -> str:
             password = bytes(stored[0]).decode() if stored else None
             if not exists or password is None:
                 if not may_create:
-                    raise ConfigError(f"the catalog user may not create the SQL role {role!r} (no CREATEROLE): "
-                                      f"{_HOW_TO}")
+                    raise ConfigError(
+                        f"the catalog user may not create the SQL role {role!r} (no CREATEROLE): {_HOW_TO}"
+                    )
                 password = secrets.token_urlsafe(32)
                 verifier = conn.pgconn.encrypt_password(password.encode(), role.encode()).decode()
                 create = "ALTER ROLE {} WITH" if exists else "CREATE ROLE {}"
-                cur.execute(sql.SQL(create + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
-                                    "NOINHERIT PASSWORD {}").format(sql.Identifier(role), sql.Literal(verifier)))
-                cur.execute(sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(
-                    sql.Identifier(role)))
-                cur.execute(sql.SQL("ALTER ROLE {} SET search_path = {}").format(
-                    sql.Identifier(role), sql.Identifier(schema)))
+                cur.execute(
+                    sql.SQL(
+                        create + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
+                        "NOINHERIT PASSWORD {}"
+                    ).format(sql.Identifier(role), sql.Literal(verifier))
+                )
+                cur.execute(
+                    sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(sql.Identifier(role))
+                )
+                cur.execute(
+                    sql.SQL("ALTER ROLE {} SET search_path = {}").format(sql.Identifier(role), sql.Identifier(schema))
+                )
                 cur.execute("DELETE FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
                 cur.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s)", (PASSWORD_KEY, password.encode()))
             _grant(cur, role, schema)
@@ -327,8 +344,11 @@ def _grant(cur: psycopg.Cursor[Any], role: str, schema: str) -> None:
     """SELECT on :func:`readable_relations` that exist in ``schema``, and nothing else there."""
     from psycopg import sql
 
-    cur.execute("SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = %s AND c.relname = ANY(%s)", (schema, readable_relations()))
+    cur.execute(
+        "SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = ANY(%s)",
+        (schema, readable_relations()),
+    )
     present = sorted(name for (name,) in cur.fetchall())
     who, where = sql.Identifier(role), sql.Identifier(schema)
     cur.execute(sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM {}").format(where, who))
@@ -339,8 +359,13 @@ def _grant(cur: psycopg.Cursor[Any], role: str, schema: str) -> None:
         cur.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(tables, who))
 
 
-_POWERFUL_ROLES = ("pg_read_all_data", "pg_write_all_data", "pg_read_server_files", "pg_write_server_files",
-                   "pg_execute_server_program")
+_POWERFUL_ROLES = (
+    "pg_read_all_data",
+    "pg_write_all_data",
+    "pg_read_server_files",
+    "pg_write_server_files",
+    "pg_execute_server_program",
+)
 
 
 def _reader_problems(conn: psycopg.Connection[Any], schema: str) -> list[str]:
@@ -348,20 +373,25 @@ def _reader_problems(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     problems = []
     attributes = conn.execute(
         "SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls FROM pg_catalog.pg_roles "
-        "WHERE rolname = current_user").fetchone()
+        "WHERE rolname = current_user"
+    ).fetchone()
+    assert attributes is not None  # the connected role has a row
     for flag, name in zip(attributes, ("SUPERUSER", "CREATEROLE", "CREATEDB", "REPLICATION", "BYPASSRLS")):
         if flag:
             problems.append(f"it has {name}")
-    member = conn.execute("SELECT rolname FROM pg_catalog.pg_roles WHERE rolname = ANY(%s) "
-                          "AND pg_catalog.pg_has_role(current_user, oid, 'USAGE') ORDER BY rolname",
-                          (list(_POWERFUL_ROLES),)).fetchall()
+    member = conn.execute(
+        "SELECT rolname FROM pg_catalog.pg_roles WHERE rolname = ANY(%s) "
+        "AND pg_catalog.pg_has_role(current_user, oid, 'USAGE') ORDER BY rolname",
+        (list(_POWERFUL_ROLES),),
+    ).fetchall()
     problems += [f"it has the privileges of {name}" for (name,) in member]
     rows = conn.execute(
         "SELECT c.relname, pg_catalog.has_table_privilege(c.oid, 'SELECT'), "
         "pg_catalog.has_table_privilege(c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER') "
         "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
         "WHERE n.nspname = %s AND c.relname = ANY(%s) ORDER BY c.relname",
-        (schema, readable_relations() + list(SECRET_TABLES))).fetchall()
+        (schema, readable_relations() + list(SECRET_TABLES)),
+    ).fetchall()
     problems += [f"it may write to {name}" for name, _, writes in rows if writes]
     problems += [f"it may read {name}" for name, reads, _ in rows if reads and name in SECRET_TABLES]
     return problems
@@ -379,8 +409,11 @@ MAX_QUERY_BYTES = 100 << 10
 MAX_RESULT_BYTES = 64 << 20
 """The most bytes of strings and blobs one ``sql()`` result may hold (on both catalogs)."""
 
-_SQLITE_LIMITS = ((sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES), (sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_QUERY_BYTES),
-                  (sqlite3.SQLITE_LIMIT_ATTACHED, 0))
+_SQLITE_LIMITS = (
+    (sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES),
+    (sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_QUERY_BYTES),
+    (sqlite3.SQLITE_LIMIT_ATTACHED, 0),
+)
 """Limits of the reader's own connection (the writer's connections keep SQLite's defaults)."""
 
 
@@ -393,8 +426,10 @@ def _fetch(cursor: Any, max_rows: int) -> list[tuple[Any, ...]]:
         rows.append(tuple(row))
         size += sum(len(v) for v in row if isinstance(v, (str, bytes, bytearray, memoryview)))
         if size > MAX_RESULT_BYTES:
-            raise SqlError(f"query failed: the result holds more than {MAX_RESULT_BYTES >> 20} MiB of strings and "
-                           "blobs, the most sql() returns; select fewer rows or columns")
+            raise SqlError(
+                f"query failed: the result holds more than {MAX_RESULT_BYTES >> 20} MiB of strings and "
+                "blobs, the most sql() returns; select fewer rows or columns"
+            )
         if len(rows) == max_rows:
             break
     return rows
@@ -411,8 +446,10 @@ def _sqlite_authorizer(refused: list[str]) -> Any:
         if action == sqlite3.SQLITE_FUNCTION:
             if is_allowed(arg2):
                 return sqlite3.SQLITE_OK
-            refused.append(f"sql() may not call {arg2}(): it is not on the list of functions sql() allows "
-                           "(see the Python API documentation, section SQL)")
+            refused.append(
+                f"sql() may not call {arg2}(): it is not on the list of functions sql() allows "
+                "(see the Python API documentation, section SQL)"
+            )
             return sqlite3.SQLITE_DENY
         if action in _SQLITE_ALLOWED or action == sqlite3.SQLITE_PRAGMA and arg1 in _SQLITE_PRAGMAS:
             return sqlite3.SQLITE_OK

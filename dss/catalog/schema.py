@@ -26,6 +26,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     UniqueConstraint,
     false,
@@ -299,12 +300,19 @@ class TierPolicy(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
-tenants, users, layouts = Tenant.__table__, User.__table__, LayoutRow.__table__
-sessions, versions = SessionRow.__table__, VersionRow.__table__
-pages, locations, session_pages = PageRow.__table__, PageLocation.__table__, SessionPage.__table__
-nodes = Node.__table__
-segments, quarantine, tier_totals = Segment.__table__, Quarantine.__table__, TierTotal.__table__
-user_keys, store_meta = UserKey.__table__, StoreMeta.__table__
-tier_policy = TierPolicy.__table__
-erasures, audit, feed, catalog_seq = Erasure.__table__, Audit.__table__, FeedRow.__table__, CatalogSeq.__table__
+def _table(model: type[Base]) -> Table:
+    """``model``'s table (typed as the ``Table`` it is, not the ``FromClause`` it is declared as)."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
+
+
+tenants, users, layouts = _table(Tenant), _table(User), _table(LayoutRow)
+sessions, versions = _table(SessionRow), _table(VersionRow)
+pages, locations, session_pages = _table(PageRow), _table(PageLocation), _table(SessionPage)
+nodes = _table(Node)
+segments, quarantine, tier_totals = _table(Segment), _table(Quarantine), _table(TierTotal)
+user_keys, store_meta = _table(UserKey), _table(StoreMeta)
+tier_policy = _table(TierPolicy)
+erasures, audit, feed, catalog_seq = _table(Erasure), _table(Audit), _table(FeedRow), _table(CatalogSeq)
 """The tables, for the queries of the other catalog modules."""

@@ -25,37 +25,166 @@ import re
 import sqlite3
 from typing import Any
 
-_SCALAR = frozenset({
-    "abs", "char", "coalesce", "concat", "concat_ws", "format", "glob", "hex", "if", "ifnull", "iif", "instr",
-    "length", "like", "likelihood", "likely", "lower", "ltrim", "max", "min", "nullif", "octet_length", "printf",
-    "quote", "random", "randomblob", "replace", "round", "rtrim", "sign", "soundex", "sqlite_source_id",
-    "sqlite_version", "substr", "substring", "trim", "typeof", "unhex", "unicode", "unistr", "unistr_quote",
-    "unlikely", "upper", "zeroblob",
-})
-_AGGREGATE = frozenset({
-    "avg", "count", "group_concat", "max", "median", "min", "percentile", "percentile_cont", "percentile_disc",
-    "string_agg", "sum", "total",
-})
-_WINDOW = frozenset({
-    "cume_dist", "dense_rank", "first_value", "lag", "last_value", "lead", "nth_value", "ntile", "percent_rank",
-    "rank", "row_number",
-})
-_DATE_TIME = frozenset({
-    "current_date", "current_time", "current_timestamp", "date", "datetime", "julianday", "strftime", "time",
-    "timediff", "unixepoch",
-})
-_MATH = frozenset({
-    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "ceiling", "cos", "cosh", "degrees", "exp",
-    "floor", "ln", "log", "log10", "log2", "mod", "pi", "pow", "power", "radians", "sin", "sinh", "sqrt", "tan",
-    "tanh", "trunc",
-})
-_JSON = frozenset({
-    "->", "->>", "json", "json_array", "json_array_length", "json_error_position", "json_extract", "json_group_array",
-    "json_group_object", "json_insert", "json_object", "json_patch", "json_pretty", "json_quote", "json_remove",
-    "json_replace", "json_set", "json_type", "json_valid", "jsonb", "jsonb_array", "jsonb_extract",
-    "jsonb_group_array", "jsonb_group_object", "jsonb_insert", "jsonb_object", "jsonb_patch", "jsonb_remove",
-    "jsonb_replace", "jsonb_set",
-})
+_SCALAR = frozenset(
+    {
+        "abs",
+        "char",
+        "coalesce",
+        "concat",
+        "concat_ws",
+        "format",
+        "glob",
+        "hex",
+        "if",
+        "ifnull",
+        "iif",
+        "instr",
+        "length",
+        "like",
+        "likelihood",
+        "likely",
+        "lower",
+        "ltrim",
+        "max",
+        "min",
+        "nullif",
+        "octet_length",
+        "printf",
+        "quote",
+        "random",
+        "randomblob",
+        "replace",
+        "round",
+        "rtrim",
+        "sign",
+        "soundex",
+        "sqlite_source_id",
+        "sqlite_version",
+        "substr",
+        "substring",
+        "trim",
+        "typeof",
+        "unhex",
+        "unicode",
+        "unistr",
+        "unistr_quote",
+        "unlikely",
+        "upper",
+        "zeroblob",
+    }
+)
+_AGGREGATE = frozenset(
+    {
+        "avg",
+        "count",
+        "group_concat",
+        "max",
+        "median",
+        "min",
+        "percentile",
+        "percentile_cont",
+        "percentile_disc",
+        "string_agg",
+        "sum",
+        "total",
+    }
+)
+_WINDOW = frozenset(
+    {
+        "cume_dist",
+        "dense_rank",
+        "first_value",
+        "lag",
+        "last_value",
+        "lead",
+        "nth_value",
+        "ntile",
+        "percent_rank",
+        "rank",
+        "row_number",
+    }
+)
+_DATE_TIME = frozenset(
+    {
+        "current_date",
+        "current_time",
+        "current_timestamp",
+        "date",
+        "datetime",
+        "julianday",
+        "strftime",
+        "time",
+        "timediff",
+        "unixepoch",
+    }
+)
+_MATH = frozenset(
+    {
+        "acos",
+        "acosh",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "ceil",
+        "ceiling",
+        "cos",
+        "cosh",
+        "degrees",
+        "exp",
+        "floor",
+        "ln",
+        "log",
+        "log10",
+        "log2",
+        "mod",
+        "pi",
+        "pow",
+        "power",
+        "radians",
+        "sin",
+        "sinh",
+        "sqrt",
+        "tan",
+        "tanh",
+        "trunc",
+    }
+)
+_JSON = frozenset(
+    {
+        "->",
+        "->>",
+        "json",
+        "json_array",
+        "json_array_length",
+        "json_error_position",
+        "json_extract",
+        "json_group_array",
+        "json_group_object",
+        "json_insert",
+        "json_object",
+        "json_patch",
+        "json_pretty",
+        "json_quote",
+        "json_remove",
+        "json_replace",
+        "json_set",
+        "json_type",
+        "json_valid",
+        "jsonb",
+        "jsonb_array",
+        "jsonb_extract",
+        "jsonb_group_array",
+        "jsonb_group_object",
+        "jsonb_insert",
+        "jsonb_object",
+        "jsonb_patch",
+        "jsonb_remove",
+        "jsonb_replace",
+        "jsonb_set",
+    }
+)
 
 SQLITE_FUNCTIONS: frozenset[str] = _SCALAR | _AGGREGATE | _WINDOW | _DATE_TIME | _MATH | _JSON
 """Every function ``sql()`` may call on SQLite, by its lower-case name (operators such as
@@ -80,7 +209,7 @@ class BoundedPrintf:
     with the same length limit. Not thread-safe: one per reader connection; :meth:`close` it.
     """
 
-    __slots__ = ("max_bytes", "refusal", "_conn")
+    __slots__ = ("_conn", "max_bytes", "refusal")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -94,8 +223,10 @@ class BoundedPrintf:
         if "*" in args[0]:
             numbers += [abs(n) for n in map(_as_int, args[1:]) if n is not None]
         if any(n > self.max_bytes for n in numbers):
-            self.refusal = (f"a printf() width or precision is larger than {self.max_bytes >> 20} MiB, "
-                            "the most sql() allows for one string")
+            self.refusal = (
+                f"a printf() width or precision is larger than {self.max_bytes >> 20} MiB, "
+                "the most sql() allows for one string"
+            )
             raise ValueError(self.refusal)
         return self._delegate(args)
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dss.store import Store
 from dss.core.types import Layout
+from dss.store import Store
 
 LAYOUT = Layout(name="demo-engine", page_tokens=32, page_bytes=4096, model="demo", dtype="bf16")
 USER = "demo-user"
@@ -41,8 +41,14 @@ class FakeEngine:
         loaded = store.read_pages(result.pages)
         verified = all(p == self.page(prompt, ref.index) for p, ref in zip(loaded, result.pages))
         tiers = ", ".join(f"{tier} {n}" for tier, n in sorted(result.tiers.items())) or "-"
-        return {"prompt": len(prompt), "reused": result.matched_tokens, "computed": result.num_new_tokens,
-                "tiers": tiers, "verified": verified, "ms": (time.perf_counter() - started) * 1e3}
+        return {
+            "prompt": len(prompt),
+            "reused": result.matched_tokens,
+            "computed": result.num_new_tokens,
+            "tiers": tiers,
+            "verified": verified,
+            "ms": (time.perf_counter() - started) * 1e3,
+        }
 
     def finish(self, store: Store, session_id: str, tokens: list[int], label: str) -> int:
         """Commit prompt + answer with every full page of KV; return the version id."""

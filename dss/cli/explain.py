@@ -54,31 +54,40 @@ def explanation_json(why: Explanation) -> dict[str, Any]:
 
 def describe(why: Explanation) -> str:
     """The explanation as a few lines an operator reads."""
-    lines = [f"prompt: {why.num_prompt_tokens} tokens; reused now: {why.matched_tokens}"
-             + (f" (from {why.source})" if why.source else "")]
+    lines = [
+        f"prompt: {why.num_prompt_tokens} tokens; reused now: {why.matched_tokens}"
+        + (f" (from {why.source})" if why.source else "")
+    ]
     near = why.nearest
     if near is None:
         lines.append("nearest stored version: none in this namespace and layout")
         return "\n".join(lines)
-    lines.append(f"nearest stored version: session {near.session_id!r} version {near.version_id} "
-                 f"({near.num_tokens} tokens), Jaccard {near.jaccard:.3f} (estimated {near.estimated_jaccard:.3f})")
+    lines.append(
+        f"nearest stored version: session {near.session_id!r} version {near.version_id} "
+        f"({near.num_tokens} tokens), Jaccard {near.jaccard:.3f} (estimated {near.estimated_jaccard:.3f})"
+    )
     if why.divergence is None:
         lines.append("no divergence: one is a prefix of the other")
         lines.append(f"reusable: {why.would_reuse_tokens} tokens")
         return "\n".join(lines)
     lines.append(f"first divergence: token {why.divergence}")
     cut = why.divergence - why.window_start
-    for name, window, text in (("prompt", why.prompt_window, why.prompt_text),
-                               ("stored", why.stored_window, why.stored_text)):
+    for name, window, text in (
+        ("prompt", why.prompt_window, why.prompt_text),
+        ("stored", why.stored_window, why.stored_text),
+    ):
         ids = " ".join(map(str, window[:cut])) + " | " + " ".join(map(str, window[cut:]))
         lines.append(f"  {name} [{why.window_start}:]: {ids}")
         if text is not None:
             lines.append(f"  {name} text: {text!r}")
     if why.resync_prompt is not None:
-        lines.append(f"runs together again: prompt token {why.resync_prompt}, stored token {why.resync_stored}, "
-                     f"for {why.num_shared_after} tokens")
+        lines.append(
+            f"runs together again: prompt token {why.resync_prompt}, stored token {why.resync_stored}, "
+            f"for {why.num_shared_after} tokens"
+        )
     lines.append(f"without the divergence: {why.would_reuse_tokens} tokens reused ({why.lost_tokens} lost to it)")
     if why.recurring:
-        lines.append("recurring divergence positions (this process): "
-                     + ", ".join(f"{pos} ({n}x)" for pos, n in why.recurring))
+        lines.append(
+            "recurring divergence positions (this process): " + ", ".join(f"{pos} ({n}x)" for pos, n in why.recurring)
+        )
     return "\n".join(lines)

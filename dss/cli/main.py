@@ -8,23 +8,22 @@ makes nothing; ``demo`` and ``db upgrade`` make one and say so on standard error
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from dss.core.version import VERSION
 from dss.catalog.database import catalog_errors, open_catalog
-from dss.cli.tables import emit as _emit
 from dss.cli.progress import bar
+from dss.cli.tables import emit as _emit
+from dss.compaction import Compaction
 from dss.core.config import StoreConfig, load_config
 from dss.core.crypto import read_master_key
 from dss.core.errors import DssError, NoStore
-from dss.compaction import Compaction
+from dss.core.version import VERSION
 from dss.erasure import STEPS, Plan
 from dss.folder import has_store
 from dss.store import Store
@@ -80,8 +79,12 @@ pass_ctx = click.make_pass_decorator(Context)
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--home", envvar="DSS_HOME", default=None, help="Store folder [default: $DSS_HOME or ./dss-data].")
-@click.option("--catalog-url", envvar="DSS_CATALOG_URL", default=None,
-              help="SQLAlchemy URL of the catalog [default: SQLite in the store folder].")
+@click.option(
+    "--catalog-url",
+    envvar="DSS_CATALOG_URL",
+    default=None,
+    help="SQLAlchemy URL of the catalog [default: SQLite in the store folder].",
+)
 @click.version_option(VERSION, prog_name="dss")
 @click.pass_context
 def main(ctx: click.Context, home: str | None, catalog_url: str | None) -> None:
@@ -96,9 +99,14 @@ class DemoUnavailable(DssCommandError):
 
 
 @main.command()
-@click.option("--engine", type=click.Choice(["store", "vllm"]), default="store", show_default=True,
-              help="store: a stand-in engine, in seconds; vllm: a real chat with SmolLM2-135M-Instruct through "
-                   "vLLM and the dss connector (about two minutes on a CPU).")
+@click.option(
+    "--engine",
+    type=click.Choice(["store", "vllm"]),
+    default="store",
+    show_default=True,
+    help="store: a stand-in engine, in seconds; vllm: a real chat with SmolLM2-135M-Instruct through "
+    "vLLM and the dss connector (about two minutes on a CPU).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (everything else on standard error).")
 @pass_ctx
 @_guard
@@ -149,9 +157,18 @@ def _vllm_demo(ctx: Context, as_json: bool, say: Callable[[str], None]) -> None:
 def sessions(ctx: Context, tenant: str | None, user: str | None, as_json: bool) -> None:
     """List sessions with their owner, head and number of versions."""
     with ctx.open() as store:
-        rows = [{"session_id": s.session_id, "tenant_id": s.tenant_id, "user_id": s.user_id,
-                 "layout": s.layout.name, "head": s.head_id, "versions": s.num_versions,
-                 "last_access": s.last_access} for s in store.sessions(tenant_id=tenant, user_id=user)]
+        rows = [
+            {
+                "session_id": s.session_id,
+                "tenant_id": s.tenant_id,
+                "user_id": s.user_id,
+                "layout": s.layout.name,
+                "head": s.head_id,
+                "versions": s.num_versions,
+                "last_access": s.last_access,
+            }
+            for s in store.sessions(tenant_id=tenant, user_id=user)
+        ]
     _emit(rows, as_json)
 
 
@@ -164,17 +181,31 @@ def sessions(ctx: Context, tenant: str | None, user: str | None, as_json: bool) 
 def versions(ctx: Context, session_id: str, tenant: str | None, as_json: bool) -> None:
     """List the versions of a session (the head is marked)."""
     with ctx.open() as store:
-        rows = [{"version_id": v.version_id, "parent_id": v.parent_id, "tokens": v.num_tokens, "label": v.label,
-                 "head": v.is_head, "pinned": v.is_pinned, "created_at": v.created_at}
-                for v in store.versions(session_id, tenant_id=tenant)]
+        rows = [
+            {
+                "version_id": v.version_id,
+                "parent_id": v.parent_id,
+                "tokens": v.num_tokens,
+                "label": v.label,
+                "head": v.is_head,
+                "pinned": v.is_pinned,
+                "created_at": v.created_at,
+            }
+            for v in store.versions(session_id, tenant_id=tenant)
+        ]
     _emit(rows, as_json)
 
 
 @main.command()
 @click.argument("query")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--max-rows", default=10_000, show_default=True, type=click.IntRange(min=1),
-              help="Stop after this many rows (standard error says when the result was cut).")
+@click.option(
+    "--max-rows",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Stop after this many rows (standard error says when the result was cut).",
+)
 @pass_ctx
 @_guard
 def sql(ctx: Context, query: str, as_json: bool, max_rows: int) -> None:
@@ -184,9 +215,12 @@ def sql(ctx: Context, query: str, as_json: bool, max_rows: int) -> None:
     rows = result.rows[:max_rows]
     _emit([dict(zip(result.columns, row)) for row in rows], as_json, columns=result.columns)
     if len(result.rows) > max_rows:
-        click.echo(json.dumps({"truncated": True, "max_rows": max_rows}) if as_json else
-                   f"dss sql: the result was cut at {max_rows} rows (--max-rows {max_rows}); the query returns more",
-                   err=True)
+        click.echo(
+            json.dumps({"truncated": True, "max_rows": max_rows})
+            if as_json
+            else f"dss sql: the result was cut at {max_rows} rows (--max-rows {max_rows}); the query returns more",
+            err=True,
+        )
 
 
 @main.command()
@@ -228,34 +262,74 @@ def stats(ctx: Context, as_json: bool) -> None:
         values = data[tier]
         capacity = values["capacity"] or 1
         inactive = values.get("inactive_bytes", 0)
-        rows.append({"tier": tier, "fill": round((values["bytes"] - inactive) / capacity, 4), "inactive": inactive,
-                     "high": round(values["high_watermark"] / capacity, 4),
-                     "low": round(values["low_watermark"] / capacity, 4), **values})
+        rows.append(
+            {
+                "tier": tier,
+                "fill": round((values["bytes"] - inactive) / capacity, 4),
+                "inactive": inactive,
+                "high": round(values["high_watermark"] / capacity, 4),
+                "low": round(values["low_watermark"] / capacity, 4),
+                **values,
+            }
+        )
     rows.append({"tier": "prefetch", **data["prefetch"]})
     lsh = data["lsh"]
     if as_json:
         _emit([*rows, {"tier": "lsh", **lsh}], True)
         return
-    columns = ("tier", "pages", "bytes", "capacity", "fill", "inactive", "high", "low", "hits", "misses", "promotions",
-               "demotions", "evictions", "moved_bytes")
-    table = [{**row, "fill": f"{row['fill']:.0%}" + (" (over high)" if row["fill"] > row["high"] else ""),
-              "high": f"{row['high']:.0%}", "low": f"{row['low']:.0%}"} for row in rows[:2]]
+    columns = (
+        "tier",
+        "pages",
+        "bytes",
+        "capacity",
+        "fill",
+        "inactive",
+        "high",
+        "low",
+        "hits",
+        "misses",
+        "promotions",
+        "demotions",
+        "evictions",
+        "moved_bytes",
+    )
+    table = [
+        {
+            **row,
+            "fill": f"{row['fill']:.0%}" + (" (over high)" if row["fill"] > row["high"] else ""),
+            "high": f"{row['high']:.0%}",
+            "low": f"{row['low']:.0%}",
+        }
+        for row in rows[:2]
+    ]
     _emit(table, False, columns)
     prefetch = data["prefetch"]
-    click.echo(f"prefetch: {prefetch['issued']} pages moved up, {prefetch['hits']} read from host, "
-               f"{prefetch['wasted']} left unread; policy {data['policy']['name']}")
-    click.echo(f"lsh index: {lsh['entries']} entries in {lsh['indexes']} indexes (capacity {lsh['capacity']}, "
-               f"{lsh['storage']})")
+    click.echo(
+        f"prefetch: {prefetch['issued']} pages moved up, {prefetch['hits']} read from host, "
+        f"{prefetch['wasted']} left unread; policy {data['policy']['name']}"
+    )
+    click.echo(
+        f"lsh index: {lsh['entries']} entries in {lsh['indexes']} indexes (capacity {lsh['capacity']}, "
+        f"{lsh['storage']})"
+    )
 
 
 @main.command()
 @click.argument("session_id", required=False)
 @click.argument("tokens", nargs=-1)
-@click.option("--tokens-file", type=click.File("r"), default=None,
-              help="Token ids: a JSON list or whitespace-separated ints ('-': stdin).")
+@click.option(
+    "--tokens-file",
+    type=click.File("r"),
+    default=None,
+    help="Token ids: a JSON list or whitespace-separated ints ('-': stdin).",
+)
 @click.option("--text-file", type=click.File("r"), default=None, help="The prompt as text (needs --tokenizer).")
-@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A tokenizer.json (Hugging Face tokenizers): decodes the windows, encodes --text-file.")
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A tokenizer.json (Hugging Face tokenizers): decodes the windows, encodes --text-file.",
+)
 @click.option("--tenant", default=None, help="Tenant of the session, or of --user.")
 @click.option("--user", default=None, help="Without a session: the user whose namespace to search.")
 @click.option("--layout", "layout_json", default=None, help="Without a session: the layout, as JSON.")
@@ -263,9 +337,19 @@ def stats(ctx: Context, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
 @_guard
-def explain(ctx: Context, session_id: str | None, tokens: tuple[str, ...], tokens_file: Any, text_file: Any,
-            tokenizer: str | None, tenant: str | None, user: str | None, layout_json: str | None, context: int,
-            as_json: bool) -> None:
+def explain(
+    ctx: Context,
+    session_id: str | None,
+    tokens: tuple[str, ...],
+    tokens_file: Any,
+    text_file: Any,
+    tokenizer: str | None,
+    tenant: str | None,
+    user: str | None,
+    layout_json: str | None,
+    context: int,
+    as_json: bool,
+) -> None:
     """Why exact reuse of a prompt stops where it does: its first divergence from the nearest
     stored version (the session's, or any of its namespace and layout), the tokens around it,
     and the reuse it costs. Token ids as arguments ("1 2 3" or "1,2,3"), or from a file.
@@ -273,7 +357,8 @@ def explain(ctx: Context, session_id: str | None, tokens: tuple[str, ...], token
     from dss.cli.explain import describe, explanation_json, load_tokenizer, read_prompt
 
     if user is not None and session_id is not None:
-        session_id, tokens = None, (session_id, *tokens)
+        tokens = (session_id, *tokens)
+        session_id = None
 
     coder = load_tokenizer(tokenizer) if tokenizer is not None else None
     prompt = read_prompt(tokens, tokens_file, text_file, coder)
@@ -287,8 +372,9 @@ def explain(ctx: Context, session_id: str | None, tokens: tuple[str, ...], token
             raise DssCommandError(f"InvalidInput: --layout is not JSON: {exc.msg}") from None
     decode = coder.decode if coder is not None else None
     with ctx.open() as store:
-        why = store.explain(session_id, prompt, tenant_id=tenant, user_id=user, layout=layout, decode=decode,
-                            context=context)
+        why = store.explain(
+            session_id, prompt, tenant_id=tenant, user_id=user, layout=layout, decode=decode, context=context
+        )
     if as_json:
         click.echo(json.dumps(explanation_json(why)))
     else:
@@ -299,12 +385,17 @@ NO_SUCH_USER_EXIT = 3
 """The exit status of ``dss forget-user`` (and its dry run) when the tenant has no such user."""
 
 
-@main.command("forget-user", epilog=f"Exit status: 0 erased and verified; {NO_SUCH_USER_EXIT} the tenant has no such "
-                                    "user (nothing erased; the receipt, status no_such_user, is printed and audited); "
-                                    "1 an error (ErasureIncomplete: run it again, or see the failed checks).")
+@main.command(
+    "forget-user",
+    epilog=f"Exit status: 0 erased and verified; {NO_SUCH_USER_EXIT} the tenant has no such "
+    "user (nothing erased; the receipt, status no_such_user, is printed and audited); "
+    "1 an error (ErasureIncomplete: run it again, or see the failed checks).",
+)
 @click.argument("user_id")
 @click.option("--tenant", required=True, help="The user's tenant (required: an erasure always names its tenant).")
-@click.option("--dry-run", is_flag=True, help="Print what would be removed (counts and bytes per tier); change nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print what would be removed (counts and bytes per tier); change nothing."
+)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
@@ -358,17 +449,21 @@ def _describe_compaction(done: Compaction) -> str:
     if not done.segments:
         return f"nothing to compact: no page file is sparse ({done.bytes_before} bytes on disk)"
     verb = "would rewrite" if done.dry_run else "rewrote"
-    return (f"{verb} {done.segments} page files into {done.new_segments} ({done.pages} pages): "
-            f"{done.bytes_before} -> {done.bytes_after} bytes on disk, {done.freed_bytes} freed")
+    return (
+        f"{verb} {done.segments} page files into {done.new_segments} ({done.pages} pages): "
+        f"{done.bytes_before} -> {done.bytes_after} bytes on disk, {done.freed_bytes} freed"
+    )
 
 
 def _describe_plan(plan: Plan) -> str:
     if not plan.user_known:
         return f"no such user: tenant {plan.tenant_id!r} has no user {plan.user_id!r}; nothing to erase"
     tiers = ", ".join(f"{tier}: {v.pages} pages, {v.bytes} bytes" for tier, v in plan.tiers.items())
-    return (f"user {plan.user_id!r} of tenant {plan.tenant_id!r}: {plan.sessions} sessions, "
-            f"{plan.versions} versions, {plan.pages} pages ({tiers}); data key "
-            f"{'present' if plan.key_present else 'absent'}")
+    return (
+        f"user {plan.user_id!r} of tenant {plan.tenant_id!r}: {plan.sessions} sessions, "
+        f"{plan.versions} versions, {plan.pages} pages ({tiers}); data key "
+        f"{'present' if plan.key_present else 'absent'}"
+    )
 
 
 @main.command()
@@ -383,9 +478,21 @@ def audit(ctx: Context, tenant: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([e.model_dump(exclude_none=True) for e in entries]))
         return
-    _emit([{"audit_id": e.audit_id, "kind": e.kind, "tenant_id": e.tenant_id, "user_id": e.user_id,
-            "created_at": e.created_at[:19], "pages": e.receipt.removed.pages,
-            "status": e.receipt.status} for e in entries], False)
+    _emit(
+        [
+            {
+                "audit_id": e.audit_id,
+                "kind": e.kind,
+                "tenant_id": e.tenant_id,
+                "user_id": e.user_id,
+                "created_at": e.created_at[:19],
+                "pages": e.receipt.removed.pages,
+                "status": e.receipt.status,
+            }
+            for e in entries
+        ],
+        False,
+    )
 
 
 @main.group()
@@ -405,8 +512,10 @@ def upgrade(ctx: Context) -> None:
         with catalog_errors():
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             with bar(len(catalog.pending_revisions()), "applying catalog migrations") as steps:
-                before, after = catalog.upgrade(read_master_key(config.master_key_file, config.home, hex_key),
-                                                progress=lambda revision: steps.advance(1, revision))
+                before, after = catalog.upgrade(
+                    read_master_key(config.master_key_file, config.home, hex_key),
+                    progress=lambda revision: steps.advance(1, revision),
+                )
     finally:
         catalog.close()
     if before == after:
@@ -452,12 +561,26 @@ def _store_options(group: click.Group) -> None:
     for command in group.commands.values():
         names = {name for param in command.params for name in param.opts}
         if "--home" not in names:
-            command.params.append(click.Option(["--home"], default=None, expose_value=False, callback=_override,
-                                               help="Store folder [default: dss --home, $DSS_HOME or ./dss-data]."))
+            command.params.append(
+                click.Option(
+                    ["--home"],
+                    default=None,
+                    expose_value=False,
+                    callback=_override,
+                    help="Store folder [default: dss --home, $DSS_HOME or ./dss-data].",
+                )
+            )
         if "--catalog-url" not in names:
-            command.params.append(click.Option(["--catalog-url"], default=None, expose_value=False, callback=_override,
-                                               help="SQLAlchemy URL of the catalog [default: dss --catalog-url, "
-                                                    "$DSS_CATALOG_URL or SQLite in the store folder]."))
+            command.params.append(
+                click.Option(
+                    ["--catalog-url"],
+                    default=None,
+                    expose_value=False,
+                    callback=_override,
+                    help="SQLAlchemy URL of the catalog [default: dss --catalog-url, "
+                    "$DSS_CATALOG_URL or SQLite in the store folder].",
+                )
+            )
         if isinstance(command, click.Group):
             _store_options(command)
 

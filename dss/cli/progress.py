@@ -57,6 +57,7 @@ def bar(total: int, label: str, *, quiet: bool = False) -> Iterator[Bar]:
         return
     import click
 
-    with click.progressbar(length=total, label=label, file=stream, show_pos=True, show_eta=False,
-                           item_show_func=lambda note: note) as drawn:
+    with click.progressbar(
+        length=total, label=label, file=stream, show_pos=True, show_eta=False, item_show_func=lambda note: note
+    ) as drawn:
         yield Bar(drawn, total)

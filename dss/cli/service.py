@@ -14,10 +14,9 @@ from typing import Any
 import click
 
 from dss.cli.tables import emit
-
-from dss.service.apikeys import add_key, read_keys, remove_key
 from dss.core.config import StoreConfig, load_config
 from dss.core.errors import DssError
+from dss.service.apikeys import add_key, read_keys, remove_key
 from dss.service.config import ServerConfig, load_server_config
 
 
@@ -26,8 +25,9 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def _server_config(ctx: click.Context, home: str | None, config_file: str | None,
-                   **overrides: Any) -> tuple[StoreConfig, ServerConfig]:
+def _server_config(
+    ctx: click.Context, home: str | None, config_file: str | None, **overrides: Any
+) -> tuple[StoreConfig, ServerConfig]:
     """The store and server configurations for a command (``--home`` here wins over ``dss --home``)."""
     parent = ctx.find_root().obj
     store_config = load_config(home or getattr(parent, "home", None), catalog_url=getattr(parent, "catalog_url", None))
@@ -35,8 +35,13 @@ def _server_config(ctx: click.Context, home: str | None, config_file: str | None
 
 
 _home_option = click.option("--home", default=None, help="Store folder [default: dss --home, $DSS_HOME or ./dss-data].")
-_config_option = click.option("--config", "config_file", default=None, type=click.Path(dir_okay=False),
-                              help="Server config TOML [default: $DSS_SERVER_CONFIG or HOME/dss-server.toml].")
+_config_option = click.option(
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Server config TOML [default: $DSS_SERVER_CONFIG or HOME/dss-server.toml].",
+)
 
 
 @click.command()
@@ -47,12 +52,19 @@ _config_option = click.option("--config", "config_file", default=None, type=clic
 @click.option("--keys-file", default=None, help="API keys file [default: HOME/api-keys.json; $DSS_SERVER_KEYS_FILE].")
 @click.option("--max-body-bytes", default=None, help="Largest request body, e.g. 32MiB [$DSS_SERVER_MAX_BODY_BYTES].")
 @click.option("--max-tokens", default=None, type=int, help="Most tokens per request [$DSS_SERVER_MAX_TOKENS].")
-@click.option("--public-metrics/--no-public-metrics", default=None,
-              help="Serve /metrics without an API key [default: off; $DSS_SERVER_PUBLIC_METRICS].")
+@click.option(
+    "--public-metrics/--no-public-metrics",
+    default=None,
+    help="Serve /metrics without an API key [default: off; $DSS_SERVER_PUBLIC_METRICS].",
+)
 @click.option("--threads", default=None, type=int, help="Threads running store calls [default: 32].")
 @click.option("--access-log/--no-access-log", default=None, help="Log every request line [default: off].")
-@click.option("--log-level", default=None, type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-              help="Log level [default: info; $DSS_SERVER_LOG_LEVEL].")
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    help="Log level [default: info; $DSS_SERVER_LOG_LEVEL].",
+)
 @click.pass_context
 def serve(ctx: click.Context, /, home: str | None, config_file: str | None, **options: Any) -> None:
     """Serve the store over HTTP until SIGTERM or Ctrl-C (in-flight requests finish first)."""
@@ -88,8 +100,15 @@ def keys() -> None:
 @_home_option
 @_config_option
 @click.pass_context
-def keys_add(ctx: click.Context, tenant: str, admin: bool, label: str | None, as_json: bool, home: str | None,
-             config_file: str | None) -> None:
+def keys_add(
+    ctx: click.Context,
+    tenant: str,
+    admin: bool,
+    label: str | None,
+    as_json: bool,
+    home: str | None,
+    config_file: str | None,
+) -> None:
     """Make a new API key for TENANT and print it (only now: only its hash is stored)."""
     try:
         _, config = _server_config(ctx, home, config_file)
@@ -98,12 +117,15 @@ def keys_add(ctx: click.Context, tenant: str, admin: bool, label: str | None, as
         _fail(f"{exc.kind}: {exc}")
         return
     if as_json:
-        click.echo(json.dumps({"key": key, "key_id": entry.key_id, "tenant_id": entry.tenant_id,
-                               "is_admin": entry.is_admin}))
+        click.echo(
+            json.dumps({"key": key, "key_id": entry.key_id, "tenant_id": entry.tenant_id, "is_admin": entry.is_admin})
+        )
         return
     click.echo(key)
-    click.echo(f"key {entry.key_id} for tenant {tenant!r}{' (admin)' if admin else ''}: store it now, it is not "
-               f"shown again", err=True)
+    click.echo(
+        f"key {entry.key_id} for tenant {tenant!r}{' (admin)' if admin else ''}: store it now, it is not shown again",
+        err=True,
+    )
 
 
 @keys.command("list")
@@ -120,13 +142,35 @@ def keys_list(ctx: click.Context, as_json: bool, home: str | None, config_file: 
         _fail(f"{exc.kind}: {exc}")
         return
     if as_json:
-        click.echo(json.dumps([{"key_id": k.key_id, "tenant_id": k.tenant_id, "is_admin": k.is_admin,
-                                "label": k.label, "created_at": k.created_at.isoformat(timespec="seconds")}
-                               for k in entries]))
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "key_id": k.key_id,
+                        "tenant_id": k.tenant_id,
+                        "is_admin": k.is_admin,
+                        "label": k.label,
+                        "created_at": k.created_at.isoformat(timespec="seconds"),
+                    }
+                    for k in entries
+                ]
+            )
+        )
         return
 
-    emit([{"key_id": k.key_id, "tenant_id": k.tenant_id, "is_admin": k.is_admin, "created_at": k.created_at,
-           "label": k.label} for k in entries], False)
+    emit(
+        [
+            {
+                "key_id": k.key_id,
+                "tenant_id": k.tenant_id,
+                "is_admin": k.is_admin,
+                "created_at": k.created_at,
+                "label": k.label,
+            }
+            for k in entries
+        ],
+        False,
+    )
 
 
 @keys.command("remove")
@@ -146,27 +190,66 @@ def keys_remove(ctx: click.Context, key_id: str, home: str | None, config_file: 
 
 
 @click.command()
-@click.option("--backend", "backends", multiple=True, required=True, metavar="NODE=URL",
-              help="A vLLM OpenAI-compatible server and its node id, e.g. node-a=http://10.0.0.5:8000 (repeat).")
-@click.option("--policy", type=click.Choice(["kv", "hash", "round_robin"]), default="kv", show_default=True,
-              help="kv: the node holding most of the session's pages; hash: consistent hashing with bounded load.")
+@click.option(
+    "--backend",
+    "backends",
+    multiple=True,
+    required=True,
+    metavar="NODE=URL",
+    help="A vLLM OpenAI-compatible server and its node id, e.g. node-a=http://10.0.0.5:8000 (repeat).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["kv", "hash", "round_robin"]),
+    default="kv",
+    show_default=True,
+    help="kv: the node holding most of the session's pages; hash: consistent hashing with bounded load.",
+)
 @_home_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8078, type=int, show_default=True, help="Port.")
-@click.option("--load-factor", default=2.0, type=float, show_default=True,
-              help="Most requests in flight on one node, as a multiple of the mean.")
+@click.option(
+    "--load-factor",
+    default=2.0,
+    type=float,
+    show_default=True,
+    help="Most requests in flight on one node, as a multiple of the mean.",
+)
 @click.option("--health-interval", default=1.0, type=float, show_default=True, help="Seconds between health checks.")
 @click.option("--no-store", is_flag=True, help="Do not open the store (kv routes by the router's memory only).")
 @click.option("--max-body-bytes", default="32MiB", show_default=True, help="Largest request body (413 beyond).")
-@click.option("--graceful-timeout", default=5.0, type=float, show_default=True,
-              help="On SIGTERM, seconds in-flight requests may take before they are cancelled.")
+@click.option(
+    "--graceful-timeout",
+    default=5.0,
+    type=float,
+    show_default=True,
+    help="On SIGTERM, seconds in-flight requests may take before they are cancelled.",
+)
 @click.option("--dry-run", is_flag=True, help="Check the settings and the store, say what would run, and exit.")
-@click.option("--log-level", default="info", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-              show_default=True, help="Log level.")
+@click.option(
+    "--log-level",
+    default="info",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    show_default=True,
+    help="Log level.",
+)
 @click.pass_context
-def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: str | None, host: str, port: int,
-          load_factor: float, health_interval: float, no_store: bool, max_body_bytes: str, graceful_timeout: float,
-          dry_run: bool, log_level: str) -> None:
+def route(
+    ctx: click.Context,
+    /,
+    backends: tuple[str, ...],
+    policy: str,
+    home: str | None,
+    host: str,
+    port: int,
+    load_factor: float,
+    health_interval: float,
+    no_store: bool,
+    max_body_bytes: str,
+    graceful_timeout: float,
+    dry_run: bool,
+    log_level: str,
+) -> None:
     """Proxy vLLM's OpenAI API (/v1/completions, /v1/chat/completions), sending each session
     to the node that holds its KV; fails over when a backend dies."""
     from pydantic import ValidationError
@@ -178,9 +261,16 @@ def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: s
         return
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = RouterConfig(backends=parse_backends(backends), policy=policy, host=host, port=port,
-                              load_factor=load_factor, health_interval_s=health_interval,
-                              max_body_bytes=max_body_bytes, graceful_timeout_s=graceful_timeout)
+        config = RouterConfig(
+            backends=parse_backends(backends),
+            policy=policy,
+            host=host,
+            port=port,
+            load_factor=load_factor,
+            health_interval_s=health_interval,
+            max_body_bytes=max_body_bytes,
+            graceful_timeout_s=graceful_timeout,
+        )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         _fail(f"ConfigError: invalid router configuration: {problems}")
@@ -194,12 +284,15 @@ def route(ctx: click.Context, /, backends: tuple[str, ...], policy: str, home: s
             from dss.store import Store
 
             parent = ctx.find_root().obj
-            store = Store(load_config(home or getattr(parent, "home", None),
-                                      catalog_url=getattr(parent, "catalog_url", None)))
+            store = Store(
+                load_config(home or getattr(parent, "home", None), catalog_url=getattr(parent, "catalog_url", None))
+            )
         if dry_run:
             where = f"store {store.config.home}: {store.count_sessions()} sessions" if store is not None else "no store"
-            click.echo(f"dss route ({policy}) on http://{host}:{port} in front of "
-                       f"{', '.join(f'{n}={u}' for n, u in config.backends)}; {where}")
+            click.echo(
+                f"dss route ({policy}) on http://{host}:{port} in front of "
+                f"{', '.join(f'{n}={u}' for n, u in config.backends)}; {where}"
+            )
             return
         serve_router(config, StoreHoldings(store) if store is not None else None, log_level=log_level)
     except DssError as exc:
@@ -214,4 +307,3 @@ def register(group: click.Group) -> None:
     group.add_command(serve)
     group.add_command(route)
     group.add_command(keys)
-

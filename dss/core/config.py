@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -21,8 +21,22 @@ from sqlalchemy.exc import ArgumentError
 
 from dss.core.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(value: int | str) -> int:
@@ -46,107 +60,212 @@ class StoreConfig(BaseModel):
     catalog_url: str | None = Field(None, description="SQLAlchemy URL of the catalog; default SQLite in home.")
     host_bytes: int = Field(1 << 30, description="Capacity of the host (RAM) tier of each process, bytes.")
     disk_bytes: int = Field(16 << 30, description="Capacity of the disk tier, bytes.")
-    master_key_file: Path | None = Field(None, description="File with the 32-byte master key that wraps every "
-                                         "user's data key; outside the store folder. Default ~/.config/dss/master.key.")
+    master_key_file: Path | None = Field(
+        None,
+        description="File with the 32-byte master key that wraps every "
+        "user's data key; outside the store folder. Default ~/.config/dss/master.key.",
+    )
     master_key: SecretStr | None = Field(None, description="The master key as 64 hex digits (instead of a file).")
     encrypt: bool = Field(True, description="Seal pages and token histories at rest; off only for benchmarks.")
     fsync: bool = Field(True, description="fsync page files and the catalog; turn off only for throwaway stores.")
-    group_commit: bool = Field(True, description="Concurrent writes of this process share one catalog "
-                               "transaction and one round of fsyncs; each returns once the group is durable.")
+    group_commit: bool = Field(
+        True,
+        description="Concurrent writes of this process share one catalog "
+        "transaction and one round of fsyncs; each returns once the group is durable.",
+    )
     segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
-    host_read_gbps: float = Field(8.0, gt=0, allow_inf_nan=False,
-                                  description="Estimated host-tier load bandwidth, GB/s.")
-    disk_read_gbps: float = Field(1.0, gt=0, allow_inf_nan=False,
-                                  description="Estimated disk-tier load bandwidth, GB/s.")
-    recompute_tokens_per_s: float = Field(4000.0, gt=0, allow_inf_nan=False,
-                                          description="Estimated prefill speed, for load-or-recompute.")
-    sql_timeout_s: float = Field(10.0, gt=0, le=86_400, allow_inf_nan=False,
-                                 description="Time limit of one read-only SQL query, seconds.")
-    sql_url: SecretStr | None = Field(None, description="URL of the PostgreSQL role sql() runs as (it may only read); "
-                                      "default: a role dss creates, which needs CREATEROLE for the catalog user.")
-    node_id: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
-                                description="Name of this folder as a node of a fleet sharing one catalog; needed "
-                                "to join a catalog another folder uses. Default: the folder's own id.")
-    remote_url: SecretStr | None = Field(None, description="URL of the remote tier shared by the fleet: "
-                                         "redis://host:port/db (rediss:// for TLS), redis+cluster://host:port for "
-                                         "a Redis Cluster.")
-    remote_prefix: str = Field("dss:", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
-                               description="Prefix of every key dss writes in the remote tier.")
-    remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False,
-                                    description="Time limit of one remote-tier round trip, seconds.")
-    remote_pending_bytes: int = Field(256 << 20, description="Most page bytes waiting to be written to the "
-                                      "remote tier; beyond it the oldest are not written (a later miss).")
-    remote_read_gbps: float = Field(1.0, gt=0, allow_inf_nan=False,
-                                    description="Estimated remote-tier load bandwidth, GB/s.")
-    feed_poll_s: float = Field(1.0, gt=0, le=3600, allow_inf_nan=False,
-                               description="PostgreSQL catalog: how often a node polls for other nodes' writes "
-                               "when no notification came (LISTEN/NOTIFY tells it sooner).")
-    compact_dead_share: float = Field(0.5, gt=0, le=1, allow_inf_nan=False,
-                                      description="A disk segment whose dead records (of dropped pages) reach "
-                                      "this share of its size is rewritten by compaction.")
-    compact_auto: bool = Field(True, description="Compact sparse disk segments after writes that drop pages and "
-                               "before a full disk evicts live ones.")
-    residency_ttl_s: float = Field(300.0, gt=0, allow_inf_nan=False,
-                                   description="An engine that reports no residency (device tier) for this many "
-                                   "seconds is taken to be gone: the pages it held no longer count as on device.")
+    host_read_gbps: float = Field(
+        8.0, gt=0, allow_inf_nan=False, description="Estimated host-tier load bandwidth, GB/s."
+    )
+    disk_read_gbps: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="Estimated disk-tier load bandwidth, GB/s."
+    )
+    recompute_tokens_per_s: float = Field(
+        4000.0, gt=0, allow_inf_nan=False, description="Estimated prefill speed, for load-or-recompute."
+    )
+    sql_timeout_s: float = Field(
+        10.0, gt=0, le=86_400, allow_inf_nan=False, description="Time limit of one read-only SQL query, seconds."
+    )
+    sql_url: SecretStr | None = Field(
+        None,
+        description="URL of the PostgreSQL role sql() runs as (it may only read); "
+        "default: a role dss creates, which needs CREATEROLE for the catalog user.",
+    )
+    node_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Name of this folder as a node of a fleet sharing one catalog; needed "
+        "to join a catalog another folder uses. Default: the folder's own id.",
+    )
+    remote_url: SecretStr | None = Field(
+        None,
+        description="URL of the remote tier shared by the fleet: "
+        "redis://host:port/db (rediss:// for TLS), redis+cluster://host:port for "
+        "a Redis Cluster.",
+    )
+    remote_prefix: str = Field(
+        "dss:",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._:-]+$",
+        description="Prefix of every key dss writes in the remote tier.",
+    )
+    remote_timeout_s: float = Field(
+        0.5, gt=0, le=60, allow_inf_nan=False, description="Time limit of one remote-tier round trip, seconds."
+    )
+    remote_pending_bytes: int = Field(
+        256 << 20,
+        description="Most page bytes waiting to be written to the "
+        "remote tier; beyond it the oldest are not written (a later miss).",
+    )
+    remote_read_gbps: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="Estimated remote-tier load bandwidth, GB/s."
+    )
+    feed_poll_s: float = Field(
+        1.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="PostgreSQL catalog: how often a node polls for other nodes' writes "
+        "when no notification came (LISTEN/NOTIFY tells it sooner).",
+    )
+    compact_dead_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="A disk segment whose dead records (of dropped pages) reach "
+        "this share of its size is rewritten by compaction.",
+    )
+    compact_auto: bool = Field(
+        True,
+        description="Compact sparse disk segments after writes that drop pages and "
+        "before a full disk evicts live ones.",
+    )
+    residency_ttl_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="An engine that reports no residency (device tier) for this many "
+        "seconds is taken to be gone: the pages it held no longer count as on device.",
+    )
 
-    approximate: bool = Field(False, description="Default of resume(approximate=...): when the exact paths match "
-                              "less than lsh_min_share of the prompt, verify MinHash-LSH candidates exactly "
-                              "(needs datasketch).")
-    lsh_threshold: float = Field(0.85, gt=0, lt=1, allow_inf_nan=False,
-                                 description="Jaccard similarity of token shingles from which LSH proposes a version.")
+    approximate: bool = Field(
+        False,
+        description="Default of resume(approximate=...): when the exact paths match "
+        "less than lsh_min_share of the prompt, verify MinHash-LSH candidates exactly "
+        "(needs datasketch).",
+    )
+    lsh_threshold: float = Field(
+        0.85,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Jaccard similarity of token shingles from which LSH proposes a version.",
+    )
     lsh_permutations: int = Field(128, ge=16, le=1024, description="MinHash permutations per signature.")
     lsh_shingle_tokens: int = Field(4, ge=1, le=64, description="Tokens per shingle.")
-    lsh_window_tokens: int = Field(256, ge=16, le=1 << 20,
-                                   description="Tokens per page-aligned window indexed besides each whole version.")
-    lsh_min_share: float = Field(0.5, ge=0, le=1, allow_inf_nan=False,
-                                 description="Approximate resume runs only when the exact match is below this "
-                                 "share of the prompt.")
+    lsh_window_tokens: int = Field(
+        256, ge=16, le=1 << 20, description="Tokens per page-aligned window indexed besides each whole version."
+    )
+    lsh_min_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Approximate resume runs only when the exact match is below this share of the prompt.",
+    )
     lsh_max_entries: int = Field(1_000_000, ge=1, description="Most LSH entries (versions and windows) held.")
-    lsh_redis_url: SecretStr | None = Field(None, description="Redis URL: keep the LSH index there (shared by every "
-                                            "node) instead of in memory.")
-    lsh_redis_prefix: str = Field("dss-lsh", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
-                                  description="Prefix of the LSH index's Redis keys.")
+    lsh_redis_url: SecretStr | None = Field(
+        None, description="Redis URL: keep the LSH index there (shared by every node) instead of in memory."
+    )
+    lsh_redis_prefix: str = Field(
+        "dss-lsh",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Prefix of the LSH index's Redis keys.",
+    )
 
     # -- placement policy (dss.policy) --
-    policy: Literal["dss", "lru"] = Field("dss", description="Placement policy: 'dss' (score of frequency, "
-                                          "recency and cost) or 'lru' (plain least recently used).")
-    policy_weights: tuple[float, float, float] = Field((0.6, 0.3, 0.1), description="Weights of frequency, "
-                                                       "recency and 1/cost in a page's score.")
-    frequency_half_life_s: float = Field(120.0, gt=0, allow_inf_nan=False,
-                                         description="Half-life of a page's access frequency, seconds.")
-    recency_half_life_s: float = Field(60.0, gt=0, allow_inf_nan=False,
-                                       description="Longest age at which a page's recency term halves, "
-                                                   "seconds (a user's own: twice its time between turns, "
-                                                   "at least an eighth of this).")
-    promote_after: int = Field(2, ge=1, description="Accesses within promote_interval_s before a read "
-                                                    "promotes a page from disk to host (engine loads always do).")
-    promote_interval_s: float = Field(300.0, gt=0, allow_inf_nan=False,
-                                      description="Window of the accesses that earn a promotion, seconds.")
-    cooldown_s: float = Field(30.0, ge=0, allow_inf_nan=False,
-                              description="After a demotion, seconds before a read may promote the page again.")
-    host_high_watermark: float = Field(0.85, gt=0, le=1, allow_inf_nan=False,
-                                       description="Host fill (share of host_bytes, active pages) at which "
-                                                   "the mover starts.")
-    host_low_watermark: float = Field(0.70, ge=0, le=1, allow_inf_nan=False,
-                                      description="Host fill the mover demotes down to.")
-    disk_high_watermark: float = Field(0.85, gt=0, le=1, allow_inf_nan=False,
-                                       description="Disk fill (share of disk_bytes) at which the mover starts.")
-    disk_low_watermark: float = Field(0.70, ge=0, le=1, allow_inf_nan=False,
-                                      description="Disk fill the mover evicts down to.")
+    policy: Literal["dss", "lru"] = Field(
+        "dss",
+        description="Placement policy: 'dss' (score of frequency, "
+        "recency and cost) or 'lru' (plain least recently used).",
+    )
+    policy_weights: tuple[float, float, float] = Field(
+        (0.6, 0.3, 0.1), description="Weights of frequency, recency and 1/cost in a page's score."
+    )
+    frequency_half_life_s: float = Field(
+        120.0, gt=0, allow_inf_nan=False, description="Half-life of a page's access frequency, seconds."
+    )
+    recency_half_life_s: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest age at which a page's recency term halves, "
+        "seconds (a user's own: twice its time between turns, "
+        "at least an eighth of this).",
+    )
+    promote_after: int = Field(
+        2,
+        ge=1,
+        description="Accesses within promote_interval_s before a read "
+        "promotes a page from disk to host (engine loads always do).",
+    )
+    promote_interval_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="Window of the accesses that earn a promotion, seconds."
+    )
+    cooldown_s: float = Field(
+        30.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="After a demotion, seconds before a read may promote the page again.",
+    )
+    host_high_watermark: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Host fill (share of host_bytes, active pages) at which the mover starts.",
+    )
+    host_low_watermark: float = Field(
+        0.70, ge=0, le=1, allow_inf_nan=False, description="Host fill the mover demotes down to."
+    )
+    disk_high_watermark: float = Field(
+        0.85, gt=0, le=1, allow_inf_nan=False, description="Disk fill (share of disk_bytes) at which the mover starts."
+    )
+    disk_low_watermark: float = Field(
+        0.70, ge=0, le=1, allow_inf_nan=False, description="Disk fill the mover evicts down to."
+    )
     host_user_quota: int = Field(0, description="Most host bytes one user's pages may take (0: no quota).")
     host_tenant_quota: int = Field(0, description="Most host bytes one tenant's pages may take (0: no quota).")
     disk_user_quota: int = Field(0, description="Most disk bytes one user's pages may take (0: no quota).")
     disk_tenant_quota: int = Field(0, description="Most disk bytes one tenant's pages may take (0: no quota).")
     mover: bool = Field(True, description="Run the background mover thread (off: call store.run_mover()).")
-    mover_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False,
-                                    description="How often the mover thread looks at the tiers, seconds.")
+    mover_interval_s: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="How often the mover thread looks at the tiers, seconds."
+    )
     move_batch_pages: int = Field(16, ge=8, le=16, description="Pages the mover moves per batch (8 to 16).")
-    clock: Callable[[], float] | None = Field(None, exclude=True, description="Policy time source (seconds); "
-                                              "default time.monotonic. Not read from files or the environment.")
+    clock: Callable[[], float] | None = Field(
+        None,
+        exclude=True,
+        description="Policy time source (seconds); default time.monotonic. Not read from files or the environment.",
+    )
 
-    @field_validator("host_bytes", "disk_bytes", "segment_bytes", "host_user_quota", "host_tenant_quota",
-                     "disk_user_quota", "disk_tenant_quota", "remote_pending_bytes", mode="before")
+    @field_validator(
+        "host_bytes",
+        "disk_bytes",
+        "segment_bytes",
+        "host_user_quota",
+        "host_tenant_quota",
+        "disk_user_quota",
+        "disk_tenant_quota",
+        "remote_pending_bytes",
+        mode="before",
+    )
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
@@ -154,8 +273,9 @@ class StoreConfig(BaseModel):
     @model_validator(mode="after")
     def _policy_is_sound(self) -> StoreConfig:
         if any(w < 0 for w in self.policy_weights) or not sum(self.policy_weights) > 0:
-            raise ValueError(f"policy_weights must be non-negative and sum to a positive number, "
-                             f"got {self.policy_weights}")
+            raise ValueError(
+                f"policy_weights must be non-negative and sum to a positive number, got {self.policy_weights}"
+            )
         for tier in ("host", "disk"):
             high, low = getattr(self, f"{tier}_high_watermark"), getattr(self, f"{tier}_low_watermark")
             if low > high:
@@ -164,8 +284,9 @@ class StoreConfig(BaseModel):
             for kind in ("user", "tenant"):
                 quota = getattr(self, f"{tier}_{kind}_quota")
                 if quota > size:
-                    raise ValueError(f"{tier}_{kind}_quota ({quota} bytes) is over the tier's size "
-                                     f"{tier}_bytes ({size} bytes)")
+                    raise ValueError(
+                        f"{tier}_{kind}_quota ({quota} bytes) is over the tier's size {tier}_bytes ({size} bytes)"
+                    )
         return self
 
     @model_validator(mode="after")
@@ -181,8 +302,10 @@ class StoreConfig(BaseModel):
     @model_validator(mode="after")
     def _lsh_window_holds_shingles(self) -> StoreConfig:
         if self.lsh_window_tokens < self.lsh_shingle_tokens:
-            raise ValueError(f"lsh_window_tokens ({self.lsh_window_tokens}) must be at least lsh_shingle_tokens "
-                             f"({self.lsh_shingle_tokens})")
+            raise ValueError(
+                f"lsh_window_tokens ({self.lsh_window_tokens}) must be at least lsh_shingle_tokens "
+                f"({self.lsh_shingle_tokens})"
+            )
         return self
 
     @property
@@ -207,7 +330,6 @@ def sqlite_file(url: str) -> Path | None:
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
     return Path(parsed.database)
-
 
 
 _ENV = {

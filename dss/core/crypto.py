@@ -140,11 +140,14 @@ def read_master_key(path: Path | None, store_folder: Path, hex_value: str | None
     file = master_key_file(path)
     folder = store_folder.expanduser().resolve()
     if file == folder or folder in file.parents:
-        raise ConfigError(f"the master key file {file} lies inside the store folder {folder}: keep it elsewhere "
-                          "(master_key_file / DSS_MASTER_KEY_FILE)")
+        raise ConfigError(
+            f"the master key file {file} lies inside the store folder {folder}: keep it elsewhere "
+            "(master_key_file / DSS_MASTER_KEY_FILE)"
+        )
     if file.is_dir():
-        raise ConfigError(f"the master key file {file} is a folder: name a file "
-                          "(master_key_file / DSS_MASTER_KEY_FILE)")
+        raise ConfigError(
+            f"the master key file {file} is a folder: name a file (master_key_file / DSS_MASTER_KEY_FILE)"
+        )
     try:
         key = file.read_bytes()
     except FileNotFoundError:

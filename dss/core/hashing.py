@@ -31,7 +31,9 @@ def chain_root(key: bytes, layout_digest: bytes) -> PageId:
     return PageId(hashlib.blake2b(_ROOT_TAG + layout_digest, key=key, digest_size=PAGE_ID_BYTES).digest())
 
 
-def chain_ids(key: bytes, prev: PageId, buf: bytes | memoryview, first: int, count: int, page_tokens: int) -> list[PageId]:
+def chain_ids(
+    key: bytes, prev: PageId, buf: bytes | memoryview, first: int, count: int, page_tokens: int
+) -> list[PageId]:
     """Ids of pages ``first .. first+count-1`` of the packed tokens ``buf``.
 
     ``prev`` is the id of page ``first-1`` (or the chain root when ``first == 0``). The
@@ -46,7 +48,7 @@ def chain_ids(key: bytes, prev: PageId, buf: bytes | memoryview, first: int, cou
     return out
 
 
-def checksum(payload: bytes | memoryview) -> int:
+def checksum(payload: bytes | bytearray | memoryview) -> int:
     """XXH3-64 of a payload, as a signed 64-bit int (it fits a SQL BIGINT)."""
     value = xxhash.xxh3_64_intdigest(payload)
     return value - (1 << 64) if value >= 1 << 63 else value

@@ -47,8 +47,14 @@ def scan(files: Sequence[str], needles: Sequence[Needle]) -> dict[str, int]:
     """Distinct needles found per file, read by a child process; raises :class:`ScanFailed`."""
     request = json.dumps({"files": list(files), "needles": list(needles)})
     try:
-        done = subprocess.run([sys.executable, "-I", str(Path(__file__).resolve())], input=request,
-                              capture_output=True, text=True, timeout=SCAN_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [sys.executable, "-I", str(Path(__file__).resolve())],
+            input=request,
+            capture_output=True,
+            text=True,
+            timeout=SCAN_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ScanFailed(f"the raw-byte scanner did not run: {exc}") from None
     if done.returncode != 0:

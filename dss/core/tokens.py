@@ -10,7 +10,7 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from dss.core.errors import InvalidTokens
 TOKEN_BYTES = 4
 MAX_TOKEN = (1 << 32) - 1
 
-TokenInput = Union[Sequence[int], array.array, np.ndarray, memoryview]
+TokenInput = Sequence[int] | array.array | np.ndarray | memoryview
 """A list or tuple of ints (what engines pass), or a 1-D integer buffer (array, numpy)."""
 
 _LITTLE = sys.byteorder == "little"
@@ -46,7 +46,7 @@ def pack(tokens: TokenInput) -> bytes:
         return _to_bytes(tokens)
     if isinstance(tokens, (str, bytes, bytearray)):
         raise InvalidTokens(f"tokens must be integer ids, not {type(tokens).__name__}")
-    if isinstance(tokens, np.ndarray) or isinstance(tokens, (array.array, memoryview)):
+    if isinstance(tokens, (np.ndarray, array.array, memoryview)):
         return _pack_array(np.asarray(tokens))
     if isinstance(tokens, tuple):
         try:
@@ -63,9 +63,13 @@ def pack(tokens: TokenInput) -> bytes:
 def view(tokens: TokenInput) -> bytes | memoryview:
     """Packed tokens for reading: a zero-copy view of a contiguous little-endian uint32
     array (numpy or ``array.array("I")``), else :func:`pack`'s bytes. Validates like ``pack``."""
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.ndim == 1 \
-            and tokens.flags.c_contiguous:
-        return memoryview(tokens).cast("B")
+    if (
+        isinstance(tokens, np.ndarray)
+        and tokens.dtype == np.dtype("<u4")
+        and tokens.ndim == 1
+        and tokens.flags.c_contiguous
+    ):
+        return tokens.data.cast("B")
     if isinstance(tokens, array.array) and tokens.typecode == "I" and _LITTLE:
         return memoryview(tokens).cast("B")
     return pack(tokens)

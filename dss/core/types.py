@@ -36,7 +36,7 @@ class Layout:
     every field is equal; their :attr:`digest` is then equal too.
     """
 
-    __slots__ = ("name", "page_tokens", "page_bytes", "fields", "digest")
+    __slots__ = ("digest", "fields", "name", "page_bytes", "page_tokens")
 
     name: str
     page_tokens: int
@@ -117,7 +117,7 @@ def _utf8(value: str) -> bool:
 class PageRef(NamedTuple):
     """One matched page: its position in the prompt, its id, and the fastest tier holding it."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index
     page_id: PageId
     tier: str
 

@@ -35,8 +35,9 @@ def check_layout(layout: Any) -> Layout:
 def check_page_ids(pages: Any) -> list[PageId]:
     """The ids of ``read_pages``' argument: a list or tuple of ``PageRef`` or 16-byte ids."""
     if isinstance(pages, (str, bytes, bytearray)) or not isinstance(pages, Sequence):
-        raise InvalidInput(f"pages must be a list of PageRef or {PAGE_ID_BYTES}-byte page ids, "
-                           f"not {type(pages).__name__}")
+        raise InvalidInput(
+            f"pages must be a list of PageRef or {PAGE_ID_BYTES}-byte page ids, not {type(pages).__name__}"
+        )
     ids: list[PageId] = []
     for i, item in enumerate(pages):
         raw = item.page_id if isinstance(item, PageRef) else item
@@ -112,11 +113,14 @@ def check_pages(pages: Mapping[int, Any] | None, num_tokens: int, layout: Layout
     out: dict[int, bytes] = {}
     for index, view in page_payloads(pages).items():
         if not 0 <= index < full:
-            raise InvalidPage(f"page index {index!r} is out of range: {num_tokens} tokens hold {full} full pages "
-                              f"of {layout.page_tokens} tokens")
+            raise InvalidPage(
+                f"page index {index!r} is out of range: {num_tokens} tokens hold {full} full pages "
+                f"of {layout.page_tokens} tokens"
+            )
         if view.nbytes != layout.page_bytes:
-            raise InvalidPage(f"page {index} has {view.nbytes} bytes; layout {layout.name!r} pages have "
-                              f"{layout.page_bytes}")
+            raise InvalidPage(
+                f"page {index} has {view.nbytes} bytes; layout {layout.name!r} pages have {layout.page_bytes}"
+            )
         payload = pages[index]
         out[index] = payload if type(payload) is bytes else view.tobytes()
     return dict(sorted(out.items()))

@@ -31,8 +31,8 @@ from typing import Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dss.core.errors import ConfigError, InvalidInput, NotFound
-from dss.service.problems import Unauthorized
 from dss.core.validate import check_name
+from dss.service.problems import Unauthorized
 
 log = logging.getLogger("dss.service.apikeys")
 
@@ -88,8 +88,9 @@ def read_keys(path: Path) -> list[ApiKey]:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"]))
-        raise ConfigError(f"the API keys file {path} is not a valid {KEYS_FORMAT!r} file: {where}: {first['msg']}"
-                          ) from None
+        raise ConfigError(
+            f"the API keys file {path} is not a valid {KEYS_FORMAT!r} file: {where}: {first['msg']}"
+        ) from None
     ids = [k.key_id for k in keys]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"the API keys file {path} lists a key id twice")
@@ -110,8 +111,14 @@ def add_key(path: Path, tenant_id: str, *, is_admin: bool = False, label: str | 
         while any(k.key_id == key_id for k in keys):
             key_id = secrets.token_hex(6)
         key = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
-        entry = ApiKey(key_id=key_id, sha256=hash_key(key), tenant_id=tenant_id, is_admin=is_admin, label=label,
-                       created_at=dt.datetime.now(dt.UTC))
+        entry = ApiKey(
+            key_id=key_id,
+            sha256=hash_key(key),
+            tenant_id=tenant_id,
+            is_admin=is_admin,
+            label=label,
+            created_at=dt.datetime.now(dt.UTC),
+        )
         _write(path, [*keys, entry])
     return key, entry
 

@@ -24,23 +24,23 @@ A client is thread-safe (one connection pool); close it, or use it as a context 
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Self
 
 import httpx
 
 from dss.compaction import Compaction
-from dss.core.version import VERSION
-from dss.service import models as m
-from dss.erasure import AuditEntry, Plan, Receipt
-from dss.service.problems import Unavailable, error_from_problem
-from dss.nearest import Decode, Explanation
-from dss.resume import Candidate, Rates, ResumeResult
-from dss.service.config import default_api_key
 from dss.core.tokens import TokenInput, pack, unpack
 from dss.core.types import Layout, PageRef, Session, SqlResult, Version
 from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads
+from dss.core.version import VERSION
+from dss.erasure import AuditEntry, Plan, Receipt
+from dss.nearest import Decode, Explanation
+from dss.resume import Candidate, Rates, ResumeResult
+from dss.service import models as m
+from dss.service.config import default_api_key
+from dss.service.problems import Unavailable, error_from_problem
 
 
 class Client:
@@ -51,17 +51,28 @@ class Client:
     writes); ``transport`` replaces the HTTP transport (tests).
     """
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 60.0, retries: int = 2,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         api_key = api_key if api_key is not None else default_api_key()
         headers = {"User-Agent": f"dss-client/{VERSION}"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
-                                  transport=transport or httpx.HTTPTransport(retries=retries),
-                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=timeout,
+            transport=transport or httpx.HTTPTransport(retries=retries),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
         self._rates: Rates | None = None
         self._lock = threading.Lock()
 
@@ -95,19 +106,22 @@ class Client:
 
     # -- sessions --------------------------------------------------------------------------
 
-    def create_session(self, session_id: str, *, user_id: str = "anonymous", tenant_id: str | None = None,
-                       layout: Layout) -> Session:
+    def create_session(
+        self, session_id: str, *, user_id: str = "anonymous", tenant_id: str | None = None, layout: Layout
+    ) -> Session:
         """:meth:`dss.Store.create_session` in the key's tenant (idempotent for the same owner and layout)."""
         body = {"session_id": session_id, "user_id": user_id, "layout": _layout(layout), "tenant_id": tenant_id}
         return m.session_from(self._call("POST", "/v1/sessions", json=body))
 
     def session(self, session_id: str, *, tenant_id: str | None = None) -> Session:
         """:meth:`dss.Store.session`; raises ``UnknownSession``."""
-        return m.session_from(self._call("GET", "/v1/session", params=_params(session_id=session_id,
-                                                                               tenant_id=tenant_id)))
+        return m.session_from(
+            self._call("GET", "/v1/session", params=_params(session_id=session_id, tenant_id=tenant_id))
+        )
 
-    def sessions(self, *, tenant_id: str | None = None, user_id: str | None = None,
-                 all_tenants: bool = False) -> list[Session]:
+    def sessions(
+        self, *, tenant_id: str | None = None, user_id: str | None = None, all_tenants: bool = False
+    ) -> list[Session]:
         """The key's tenant's sessions (``all_tenants``: every tenant's, admin key), oldest first."""
         params = _params(tenant_id=tenant_id, user_id=user_id, all_tenants="true" if all_tenants else None)
         return [m.session_from(s) for s in self._call("GET", "/v1/sessions", params=params)]
@@ -123,18 +137,44 @@ class Client:
 
     # -- versions --------------------------------------------------------------------------
 
-    def commit(self, session_id: str, tokens: TokenInput, pages: Mapping[int, bytes] | None = None, *,
-               label: str | None = None, tenant_id: str | None = None) -> Version:
+    def commit(
+        self,
+        session_id: str,
+        tokens: TokenInput,
+        pages: Mapping[int, bytes] | None = None,
+        *,
+        label: str | None = None,
+        tenant_id: str | None = None,
+    ) -> Version:
         """:meth:`dss.Store.commit`; returns once the service has made the version durable."""
-        body = {"session_id": session_id, "tokens": _token_list(tokens), "pages": _encode_pages(pages),
-                "label": label, "tenant_id": tenant_id}
+        body = {
+            "session_id": session_id,
+            "tokens": _token_list(tokens),
+            "pages": _encode_pages(pages),
+            "label": label,
+            "tenant_id": tenant_id,
+        }
         return m.version_from(self._call("POST", "/v1/commit", json=body))
 
-    def save_pages(self, session_id: str | None, tokens: TokenInput, pages: Mapping[int, bytes], *,
-                   tenant_id: str | None = None, user_id: str | None = None, layout: Layout | None = None) -> int:
+    def save_pages(
+        self,
+        session_id: str | None,
+        tokens: TokenInput,
+        pages: Mapping[int, bytes],
+        *,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+    ) -> int:
         """:meth:`dss.Store.save_pages`: how many pages were new."""
-        body = {"session_id": session_id, "tokens": _token_list(tokens), "pages": _encode_pages(pages) or {},
-                "tenant_id": tenant_id, "user_id": user_id, "layout": _layout(layout) if layout is not None else None}
+        body = {
+            "session_id": session_id,
+            "tokens": _token_list(tokens),
+            "pages": _encode_pages(pages) or {},
+            "tenant_id": tenant_id,
+            "user_id": user_id,
+            "layout": _layout(layout) if layout is not None else None,
+        }
         return int(self._call("POST", "/v1/pages", json=body)["num_new_pages"])
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
@@ -142,11 +182,23 @@ class Client:
         body = {"session_id": session_id, "version_id": check_version_id(version_id), "tenant_id": tenant_id}
         return m.version_from(self._call("POST", "/v1/rollback", json=body))
 
-    def branch(self, session_id: str, version_id: int, new_session_id: str, *, tenant_id: str | None = None,
-               label: str | None = None) -> Session:
+    def branch(
+        self,
+        session_id: str,
+        version_id: int,
+        new_session_id: str,
+        *,
+        tenant_id: str | None = None,
+        label: str | None = None,
+    ) -> Session:
         """:meth:`dss.Store.branch`: the new session."""
-        body = {"session_id": session_id, "version_id": check_version_id(version_id), "new_session_id": new_session_id,
-                "label": label, "tenant_id": tenant_id}
+        body = {
+            "session_id": session_id,
+            "version_id": check_version_id(version_id),
+            "new_session_id": new_session_id,
+            "label": label,
+            "tenant_id": tenant_id,
+        }
         return m.session_from(self._call("POST", "/v1/branch", json=body))
 
     def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
@@ -164,47 +216,97 @@ class Client:
     def pin(self, session_id: str, version_id: int, *, pinned: bool = True, tenant_id: str | None = None) -> Version:
         """:meth:`dss.Store.pin`."""
         check_flag("pinned", pinned)
-        body = {"session_id": session_id, "version_id": check_version_id(version_id), "pinned": pinned,
-                "tenant_id": tenant_id}
+        body = {
+            "session_id": session_id,
+            "version_id": check_version_id(version_id),
+            "pinned": pinned,
+            "tenant_id": tenant_id,
+        }
         return m.version_from(self._call("POST", "/v1/pin", json=body))
 
     # -- resume and pages ------------------------------------------------------------------
 
-    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None,
-               approximate: bool | None = None) -> ResumeResult:
+    def resume(
+        self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None, approximate: bool | None = None
+    ) -> ResumeResult:
         """:meth:`dss.Store.resume`."""
-        body = {"session_id": session_id, "tokens": _token_list(tokens), "tenant_id": tenant_id,
-                "approximate": approximate}
+        body = {
+            "session_id": session_id,
+            "tokens": _token_list(tokens),
+            "tenant_id": tenant_id,
+            "approximate": approximate,
+        }
         return m.resume_from(self._call("POST", "/v1/resume", json=body), self._resume_rates())
 
-    def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
-               tenant_id: str | None = None, approximate: bool | None = None) -> ResumeResult:
+    def lookup(
+        self,
+        tokens: TokenInput,
+        *,
+        layout: Layout,
+        user_id: str = "anonymous",
+        tenant_id: str | None = None,
+        approximate: bool | None = None,
+    ) -> ResumeResult:
         """:meth:`dss.Store.lookup` in the key's tenant."""
-        body = {"tokens": _token_list(tokens), "layout": _layout(layout), "user_id": user_id, "tenant_id": tenant_id,
-                "approximate": approximate}
+        body = {
+            "tokens": _token_list(tokens),
+            "layout": _layout(layout),
+            "user_id": user_id,
+            "tenant_id": tenant_id,
+            "approximate": approximate,
+        }
         return m.resume_from(self._call("POST", "/v1/lookup", json=body), self._resume_rates())
 
-    def nearest(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
-                user_id: str | None = None, layout: Layout | None = None, k: int = 5) -> list[Candidate]:
+    def nearest(
+        self,
+        tokens: TokenInput,
+        *,
+        session_id: str | None = None,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+        k: int = 5,
+    ) -> list[Candidate]:
         """:meth:`dss.Store.nearest`."""
-        body = {"tokens": _token_list(tokens), "session_id": session_id, "tenant_id": tenant_id, "user_id": user_id,
-                "layout": _layout(layout) if layout is not None else None, "k": k}
+        body = {
+            "tokens": _token_list(tokens),
+            "session_id": session_id,
+            "tenant_id": tenant_id,
+            "user_id": user_id,
+            "layout": _layout(layout) if layout is not None else None,
+            "k": k,
+        }
         return [m.candidate_from(c) for c in self._call("POST", "/v1/nearest", json=body)["candidates"]]
 
-    def explain(self, session_id: str | None, tokens: TokenInput, *, tenant_id: str | None = None,
-                user_id: str | None = None, layout: Layout | None = None, decode: Decode | None = None,
-                context: int = 8) -> Explanation:
+    def explain(
+        self,
+        session_id: str | None,
+        tokens: TokenInput,
+        *,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+        decode: Decode | None = None,
+        context: int = 8,
+    ) -> Explanation:
         """:meth:`dss.Store.explain` (``decode`` runs here, on the windows the service returns)."""
         check_callback("decode", decode)
-        body = {"tokens": _token_list(tokens), "session_id": session_id, "tenant_id": tenant_id, "user_id": user_id,
-                "layout": _layout(layout) if layout is not None else None, "context": context}
+        body = {
+            "tokens": _token_list(tokens),
+            "session_id": session_id,
+            "tenant_id": tenant_id,
+            "user_id": user_id,
+            "layout": _layout(layout) if layout is not None else None,
+            "context": context,
+        }
         why = m.explain_from(self._call("POST", "/v1/explain", json=body))
         if decode is not None and why.divergence is not None:
             why = replace(why, prompt_text=decode(why.prompt_window), stored_text=decode(why.stored_window))
         return why
 
-    def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None,
-                   load: bool = True) -> list[bytes | None]:
+    def read_pages(
+        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True
+    ) -> list[bytes | None]:
         """:meth:`dss.Store.read_pages`; ``None`` also for a page the key may not read (another tenant's)."""
         ids = [page_id.hex() for page_id in check_page_ids(pages)]
         check_flag("load", load)
@@ -217,20 +319,45 @@ class Client:
         sizes = self._call("POST", "/v1/pages/sizes", json={"page_ids": ids, "tenant_id": tenant_id})["sizes"]
         return {bytes.fromhex(page_id): int(size) for page_id, size in sizes.items()}
 
-    def prefetch_candidates(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
-                            user_id: str | None = None, layout: Layout | None = None,
-                            promote: bool = True) -> list[bytes]:
+    def prefetch_candidates(
+        self,
+        tokens: TokenInput,
+        *,
+        session_id: str | None = None,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+        promote: bool = True,
+    ) -> list[bytes]:
         """:meth:`dss.Store.prefetch_candidates` (``promote`` reads the pages into the service's host tier)."""
         check_flag("promote", promote)
-        body = {"tokens": _token_list(tokens), "session_id": session_id, "tenant_id": tenant_id, "user_id": user_id,
-                "layout": _layout(layout) if layout is not None else None, "promote": promote}
+        body = {
+            "tokens": _token_list(tokens),
+            "session_id": session_id,
+            "tenant_id": tenant_id,
+            "user_id": user_id,
+            "layout": _layout(layout) if layout is not None else None,
+            "promote": promote,
+        }
         return [bytes.fromhex(p) for p in self._call("POST", "/v1/prefetch_candidates", json=body)["page_ids"]]
 
-    def register_prefix(self, tokens: TokenInput, pages: Mapping[int, bytes], *, layout: Layout,
-                        tenant_id: str | None = None, label: str | None = None) -> Version:
+    def register_prefix(
+        self,
+        tokens: TokenInput,
+        pages: Mapping[int, bytes],
+        *,
+        layout: Layout,
+        tenant_id: str | None = None,
+        label: str | None = None,
+    ) -> Version:
         """:meth:`dss.Store.register_prefix` in the key's tenant: the pinned version of the shared prefix."""
-        body = {"tokens": _token_list(tokens), "pages": _encode_pages(pages) or {}, "layout": _layout(layout),
-                "label": label, "tenant_id": tenant_id}
+        body = {
+            "tokens": _token_list(tokens),
+            "pages": _encode_pages(pages) or {},
+            "layout": _layout(layout),
+            "label": label,
+            "tenant_id": tenant_id,
+        }
         return m.version_from(self._call("POST", "/v1/prefixes", json=body))
 
     def shared_prefixes(self, *, tenant_id: str | None = None) -> list[Version]:
@@ -260,8 +387,9 @@ class Client:
 
     # -- erasure ---------------------------------------------------------------------------
 
-    def forget_user(self, user_id: str, *, tenant_id: str, dry_run: bool = False,
-                    progress: Callable[[str], None] | None = None) -> Receipt | Plan:
+    def forget_user(
+        self, user_id: str, *, tenant_id: str, dry_run: bool = False, progress: Callable[[str], None] | None = None
+    ) -> Receipt | Plan:
         """:meth:`dss.Store.forget_user` of tenant ``tenant_id`` (the key's own; an admin key may
         name another only for a dry run): the receipt (or, ``dry_run``, the plan).
 
@@ -324,8 +452,10 @@ class Client:
         try:
             response = self._http.request(method, path, json=json, params=params)
         except httpx.TimeoutException as exc:
-            raise Unavailable(f"the dss service at {self.url} did not answer {method} {path} within "
-                              f"{self.timeout}s (a write may or may not have happened)") from exc
+            raise Unavailable(
+                f"the dss service at {self.url} did not answer {method} {path} within "
+                f"{self.timeout}s (a write may or may not have happened)"
+            ) from exc
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach the dss service at {self.url}: {exc}") from exc
         if response.status_code >= 400:

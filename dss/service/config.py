@@ -32,8 +32,9 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(8077, ge=1, le=65535, description="TCP port to listen on.")
     keys_file: Path = Field(description="JSON file of API keys (hashed), as `dss keys add` writes it.")
-    max_body_bytes: int = Field(32 << 20, ge=1024, description="Largest request body; also the most page bytes "
-                                                                "one read returns.")
+    max_body_bytes: int = Field(
+        32 << 20, ge=1024, description="Largest request body; also the most page bytes one read returns."
+    )
     max_tokens: int = Field(1 << 20, ge=1, le=1 << 31, description="Most tokens one request may carry.")
     public_metrics: bool = Field(False, description="Serve /metrics without an API key (else an admin key).")
     graceful_timeout_s: int = Field(30, ge=0, description="On SIGTERM, seconds in-flight requests may take to finish.")
@@ -67,8 +68,9 @@ _ENV = {
 }
 
 
-def load_server_config(home: str | os.PathLike[str], config_file: str | os.PathLike[str] | None = None,
-                       **overrides: Any) -> ServerConfig:
+def load_server_config(
+    home: str | os.PathLike[str], config_file: str | os.PathLike[str] | None = None, **overrides: Any
+) -> ServerConfig:
     """Build a :class:`ServerConfig` for the store folder ``home``; raises ``ConfigError`` naming the
     bad value and where it came from. ``None`` overrides are ignored (an option not given)."""
     sources: dict[str, str] = {}

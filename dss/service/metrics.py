@@ -65,27 +65,41 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tiers = tuple(t for t in ("device", "host", "disk", "remote") if t in store.rates.tier_bytes_per_s)
         r = self.registry
-        self.requests = Counter("dss_http_requests", "HTTP requests answered.", ["method", "route", "status"],
-                                registry=r)
-        self.latency = Histogram("dss_http_request_seconds", "Time to answer an HTTP request.", ["method", "route"],
-                                 buckets=HTTP_BUCKETS, registry=r)
+        self.requests = Counter(
+            "dss_http_requests", "HTTP requests answered.", ["method", "route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "dss_http_request_seconds",
+            "Time to answer an HTTP request.",
+            ["method", "route"],
+            buckets=HTTP_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge("dss_http_requests_in_flight", "HTTP requests being answered.", registry=r)
-        self.resume_seconds = Histogram("dss_resume_seconds", "Time the store took to answer a resume or lookup.",
-                                        buckets=RESUME_BUCKETS, registry=r)
-        self.resumes = Counter("dss_resume", "Resumes and lookups, by whether any page matched.", ["result"],
-                               registry=r)
-        self.prompt_tokens = Counter("dss_resume_prompt_tokens", "Prompt tokens resumes were asked about.",
-                                     registry=r)
-        self.matched_tokens = Counter("dss_resume_matched_tokens", "Prompt tokens resumes found stored KV for.",
-                                      registry=r)
-        self.page_hits = Counter("dss_page_hits", "Resumed pages found on a tier (the fastest holding them).",
-                                 ["tier"], registry=r)
-        self.page_misses = Counter("dss_page_misses", "Resumed pages a tier did not hold (and no faster tier).",
-                                   ["tier"], registry=r)
+        self.resume_seconds = Histogram(
+            "dss_resume_seconds",
+            "Time the store took to answer a resume or lookup.",
+            buckets=RESUME_BUCKETS,
+            registry=r,
+        )
+        self.resumes = Counter(
+            "dss_resume", "Resumes and lookups, by whether any page matched.", ["result"], registry=r
+        )
+        self.prompt_tokens = Counter("dss_resume_prompt_tokens", "Prompt tokens resumes were asked about.", registry=r)
+        self.matched_tokens = Counter(
+            "dss_resume_matched_tokens", "Prompt tokens resumes found stored KV for.", registry=r
+        )
+        self.page_hits = Counter(
+            "dss_page_hits", "Resumed pages found on a tier (the fastest holding them).", ["tier"], registry=r
+        )
+        self.page_misses = Counter(
+            "dss_page_misses", "Resumed pages a tier did not hold (and no faster tier).", ["tier"], registry=r
+        )
         self.commits = Counter("dss_commits", "Commits acknowledged.", registry=r)
         self.committed_tokens = Counter("dss_committed_tokens", "Tokens of acknowledged commits.", registry=r)
-        self.erasures = Counter("dss_erasures", "Erasures (forget_user) run through this service, by result.",
-                                ["result"], registry=r)
+        self.erasures = Counter(
+            "dss_erasures", "Erasures (forget_user) run through this service, by result.", ["result"], registry=r
+        )
         for result in ("done", "failed"):
             self.erasures.labels(result)
         for result in ("hit", "miss"):
@@ -139,20 +153,30 @@ class StoreCollector(Collector):
         pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
         size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
         capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
-        inactive = GaugeMetricFamily("dss_tier_inactive_bytes", "Bytes of pages the mover demoted that a tier still "
-                                     "holds, readable until their room is needed (host).", labels=["tier"])
+        inactive = GaugeMetricFamily(
+            "dss_tier_inactive_bytes",
+            "Bytes of pages the mover demoted that a tier still holds, readable until their room is needed (host).",
+            labels=["tier"],
+        )
         open_erasures = GaugeMetricFamily("dss_erasures_open", "Erasure jobs not finished (every process).")
-        oldest = GaugeMetricFamily("dss_erasure_oldest_open_seconds",
-                                   "Seconds since the oldest unfinished erasure job started (0 when none).")
-        high = GaugeMetricFamily("dss_tier_high_watermark_bytes", "Fill of a tier at which the mover starts.",
-                                 labels=["tier"])
-        low = GaugeMetricFamily("dss_tier_low_watermark_bytes", "Fill of a tier the mover moves pages down to.",
-                                labels=["tier"])
-        moves = {name: CounterMetricFamily(f"dss_tier_{name}", text, labels=["tier"]) for name, text in (
-            ("promotions", "Pages moved up into a tier."),
-            ("demotions", "Pages moved down out of a tier (a lower tier keeps a copy)."),
-            ("evictions", "Pages dropped from a tier with no copy on a lower tier."),
-            ("moved_bytes", "Bytes of pages promoted into or demoted out of a tier."))}
+        oldest = GaugeMetricFamily(
+            "dss_erasure_oldest_open_seconds", "Seconds since the oldest unfinished erasure job started (0 when none)."
+        )
+        high = GaugeMetricFamily(
+            "dss_tier_high_watermark_bytes", "Fill of a tier at which the mover starts.", labels=["tier"]
+        )
+        low = GaugeMetricFamily(
+            "dss_tier_low_watermark_bytes", "Fill of a tier the mover moves pages down to.", labels=["tier"]
+        )
+        moves = {
+            name: CounterMetricFamily(f"dss_tier_{name}", text, labels=["tier"])
+            for name, text in (
+                ("promotions", "Pages moved up into a tier."),
+                ("demotions", "Pages moved down out of a tier (a lower tier keeps a copy)."),
+                ("evictions", "Pages dropped from a tier with no copy on a lower tier."),
+                ("moved_bytes", "Bytes of pages promoted into or demoted out of a tier."),
+            )
+        }
         prefetch_hits = CounterMetricFamily("dss_prefetch_hits", "Prefetched pages then read from host.")
         prefetch_wasted = CounterMetricFamily("dss_prefetch_wasted", "Prefetched pages that left host unread.")
         try:
@@ -178,18 +202,35 @@ class StoreCollector(Collector):
         prefetch = stats.get("prefetch", {})
         prefetch_hits.add_metric([], prefetch.get("hits", 0))
         prefetch_wasted.add_metric([], prefetch.get("wasted", 0))
-        yield from (sessions, pages, size, capacity, inactive, high, low, *moves.values(), prefetch_hits, prefetch_wasted,
-                    open_erasures, oldest)
+        yield from (
+            sessions,
+            pages,
+            size,
+            capacity,
+            inactive,
+            high,
+            low,
+            *moves.values(),
+            prefetch_hits,
+            prefetch_wasted,
+            open_erasures,
+            oldest,
+        )
         remote = self.store.remote
         if remote is not None:
-            up = GaugeMetricFamily("dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call "
-                                   "failed.")
+            up = GaugeMetricFamily(
+                "dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call failed."
+            )
             up.add_metric([], 1.0 if remote.is_up else 0.0)
-            errors = CounterMetricFamily("dss_remote_errors", "Remote-tier calls that failed, and values that failed "
-                                         "verification.", labels=["op"])
+            errors = CounterMetricFamily(
+                "dss_remote_errors",
+                "Remote-tier calls that failed, and values that failed verification.",
+                labels=["op"],
+            )
             for op, count in remote.errors.items():
                 errors.add_metric([op], count)
-            pending = GaugeMetricFamily("dss_remote_pending_bytes", "Page bytes waiting to be written to the "
-                                        "remote tier.")
+            pending = GaugeMetricFamily(
+                "dss_remote_pending_bytes", "Page bytes waiting to be written to the remote tier."
+            )
             pending.add_metric([], remote.pending_bytes)
             yield from (up, errors, pending)

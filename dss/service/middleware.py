@@ -15,10 +15,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from dss.service.apikeys import KeyRing
 from dss.core.errors import DssError
-from dss.service.problems import PROBLEM_MEDIA_TYPE, PayloadTooLarge, problem_of
+from dss.service.apikeys import KeyRing
 from dss.service.metrics import UNMATCHED, Metrics
+from dss.service.problems import PROBLEM_MEDIA_TYPE, PayloadTooLarge, problem_of
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

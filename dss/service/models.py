@@ -29,14 +29,15 @@ from pydantic_core import PydanticCustomError
 
 from dss.compaction import Compaction
 from dss.core.errors import InvalidPage
-from dss.nearest import Explanation
-from dss.resume import Candidate, Rates, ResumeResult
 from dss.core.tokens import MAX_TOKEN
 from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.nearest import Explanation
+from dss.resume import Candidate, Rates, ResumeResult
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN)]
-Tokens = Annotated[list[TokenId], Field(description="Token ids in [0, 2**32); at most the server's max_tokens "
-                                                    "(see /v1/info).")]
+Tokens = Annotated[
+    list[TokenId], Field(description="Token ids in [0, 2**32); at most the server's max_tokens (see /v1/info).")
+]
 PageData = Annotated[str, Field(description="A page payload, standard base64.")]
 _CANONICAL_INDEX = re.compile(r"0|[1-9][0-9]*")
 
@@ -46,8 +47,11 @@ def _page_index(key: Any) -> int:
     (``"0"``, ``"17"``): pydantic would also read ``"00"``, ``"+1"``, ``" 1"`` or ``"1.0"`` as an
     index, and a body naming page 0 as both ``"0"`` and ``"00"`` would lose one payload."""
     if not isinstance(key, str) or _CANONICAL_INDEX.fullmatch(key) is None:
-        raise PydanticCustomError("page_index", "a page index is a decimal integer from 0, without sign, spaces "
-                                                "or leading zeros, got {key}", {"key": repr(key)})
+        raise PydanticCustomError(
+            "page_index",
+            "a page index is a decimal integer from 0, without sign, spaces or leading zeros, got {key}",
+            {"key": repr(key)},
+        )
     return int(key)
 
 
@@ -56,8 +60,13 @@ Pages = dict[PageIndex, PageData]
 PageIdHex = Annotated[str, Field(pattern=r"^([0-9a-fA-F]{2}){0,64}$", description="A page id, hex.")]
 Int64 = Annotated[int, Field(strict=True, ge=-(1 << 63), le=(1 << 63) - 1)]
 SqlParam = None | StrictBool | Int64 | float | StrictStr
-TenantField = Annotated[str | None, Field(description="Tenant to act in; default the API key's own. Only admin keys "
-                                                      "may name another tenant, and only to read.")]
+TenantField = Annotated[
+    str | None,
+    Field(
+        description="Tenant to act in; default the API key's own. Only admin keys "
+        "may name another tenant, and only to read."
+    ),
+]
 
 
 class _Model(BaseModel):
@@ -128,8 +137,10 @@ class SavePagesIn(_Model):
     tenant_id: TenantField = None
 
 
-Approximate = Annotated[StrictBool | None, Field(description="Verify MinHash-LSH candidates when the exact match is "
-                                                            "short (default: the store's setting).")]
+Approximate = Annotated[
+    StrictBool | None,
+    Field(description="Verify MinHash-LSH candidates when the exact match is short (default: the store's setting)."),
+]
 
 
 class ResumeIn(_Model):
@@ -232,16 +243,20 @@ class PrefetchOut(_Model):
 
 class ForgetUserIn(_Model):
     user_id: str
-    tenant_id: str = Field(description="The user's tenant (required: an erasure always names it). It must be the API "
-                                       "key's own tenant; an admin key may name another tenant only for a dry run.")
+    tenant_id: str = Field(
+        description="The user's tenant (required: an erasure always names it). It must be the API "
+        "key's own tenant; an admin key may name another tenant only for a dry run."
+    )
     dry_run: StrictBool = False
 
 
 class ReadPagesIn(_Model):
     page_ids: list[PageIdHex]
     tenant_id: TenantField = None
-    load: StrictBool = Field(True, description="An engine waits for these pages: promote them to host (else only "
-                                               "as the placement policy allows).")
+    load: StrictBool = Field(
+        True,
+        description="An engine waits for these pages: promote them to host (else only as the placement policy allows).",
+    )
 
 
 class PageSizesIn(_Model):
@@ -468,49 +483,107 @@ def layout_of(model: LayoutModel) -> Layout:
 
 
 def session_out(s: Session) -> dict[str, Any]:
-    return {"session_id": s.session_id, "tenant_id": s.tenant_id, "user_id": s.user_id, "layout": s.layout.to_dict(),
-            "head_id": s.head_id, "num_versions": s.num_versions, "created_at": s.created_at,
-            "last_access": s.last_access}
+    return {
+        "session_id": s.session_id,
+        "tenant_id": s.tenant_id,
+        "user_id": s.user_id,
+        "layout": s.layout.to_dict(),
+        "head_id": s.head_id,
+        "num_versions": s.num_versions,
+        "created_at": s.created_at,
+        "last_access": s.last_access,
+    }
 
 
 def session_from(d: dict[str, Any]) -> Session:
-    return Session(d["session_id"], d["tenant_id"], d["user_id"], Layout.from_dict(d["layout"]),
-                   _vid(d["head_id"]), d["num_versions"], _time(d["created_at"]), _time(d["last_access"]))
+    return Session(
+        d["session_id"],
+        d["tenant_id"],
+        d["user_id"],
+        Layout.from_dict(d["layout"]),
+        _vid(d["head_id"]),
+        d["num_versions"],
+        _time(d["created_at"]),
+        _time(d["last_access"]),
+    )
 
 
 def version_out(v: Version) -> dict[str, Any]:
-    return {"version_id": v.version_id, "session_id": v.session_id, "parent_id": v.parent_id,
-            "num_tokens": v.num_tokens, "created_at": v.created_at, "label": v.label, "is_head": v.is_head,
-            "is_pinned": v.is_pinned}
+    return {
+        "version_id": v.version_id,
+        "session_id": v.session_id,
+        "parent_id": v.parent_id,
+        "num_tokens": v.num_tokens,
+        "created_at": v.created_at,
+        "label": v.label,
+        "is_head": v.is_head,
+        "is_pinned": v.is_pinned,
+    }
 
 
 def version_from(d: dict[str, Any]) -> Version:
-    return Version(VersionId(d["version_id"]), d["session_id"], _vid(d["parent_id"]), d["num_tokens"],
-                   _time(d["created_at"]), d["label"], d["is_head"], d["is_pinned"])
+    return Version(
+        VersionId(d["version_id"]),
+        d["session_id"],
+        _vid(d["parent_id"]),
+        d["num_tokens"],
+        _time(d["created_at"]),
+        d["label"],
+        d["is_head"],
+        d["is_pinned"],
+    )
 
 
 def resume_out(r: ResumeResult) -> dict[str, Any]:
-    return {"session_id": r.session_id, "version_id": r.version_id, "matched_tokens": r.matched_tokens,
-            "num_prompt_tokens": r.num_prompt_tokens, "num_history_tokens": r.num_history_tokens,
-            "num_new_tokens": r.num_new_tokens, "page_tokens": r.page_tokens, "page_bytes": r.page_bytes,
-            "tiers": r.tiers, "load_seconds": r.load_seconds, "recompute_seconds": r.recompute_seconds,
-            "should_load": r.should_load,
-            "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages],
-            "source": r.source, "num_candidates": r.num_candidates,
-            "near": r.near._asdict() if r.near is not None else None}
+    return {
+        "session_id": r.session_id,
+        "version_id": r.version_id,
+        "matched_tokens": r.matched_tokens,
+        "num_prompt_tokens": r.num_prompt_tokens,
+        "num_history_tokens": r.num_history_tokens,
+        "num_new_tokens": r.num_new_tokens,
+        "page_tokens": r.page_tokens,
+        "page_bytes": r.page_bytes,
+        "tiers": r.tiers,
+        "load_seconds": r.load_seconds,
+        "recompute_seconds": r.recompute_seconds,
+        "should_load": r.should_load,
+        "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages],
+        "source": r.source,
+        "num_candidates": r.num_candidates,
+        "near": r.near._asdict() if r.near is not None else None,
+    }
 
 
 def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
     pages = [PageRef(p["index"], PageId(bytes.fromhex(p["page_id"])), p["tier"]) for p in d["pages"]]
-    return ResumeResult(d["session_id"], _vid(d["version_id"]), d["matched_tokens"], d["num_prompt_tokens"],
-                        d["num_history_tokens"], d["page_tokens"], d["page_bytes"], pages=pages, rates=rates,
-                        source=d.get("source"), num_candidates=d.get("num_candidates", 0),
-                        near=candidate_from(d["near"]) if d.get("near") is not None else None)
+    return ResumeResult(
+        d["session_id"],
+        _vid(d["version_id"]),
+        d["matched_tokens"],
+        d["num_prompt_tokens"],
+        d["num_history_tokens"],
+        d["page_tokens"],
+        d["page_bytes"],
+        pages=pages,
+        rates=rates,
+        source=d.get("source"),
+        num_candidates=d.get("num_candidates", 0),
+        near=candidate_from(d["near"]) if d.get("near") is not None else None,
+    )
 
 
 def candidate_from(d: dict[str, Any]) -> Candidate:
-    return Candidate(d["session_id"], VersionId(d["version_id"]), d["num_tokens"], d["estimated_jaccard"],
-                     d["jaccard"], d["common_prefix"], d["divergence"], d["matched_tokens"])
+    return Candidate(
+        d["session_id"],
+        VersionId(d["version_id"]),
+        d["num_tokens"],
+        d["estimated_jaccard"],
+        d["jaccard"],
+        d["common_prefix"],
+        d["divergence"],
+        d["matched_tokens"],
+    )
 
 
 def explain_out(e: Explanation) -> dict[str, Any]:
@@ -523,8 +596,13 @@ def explain_out(e: Explanation) -> dict[str, Any]:
 
 
 def explain_from(d: dict[str, Any]) -> Explanation:
-    return Explanation(**{**d, "nearest": candidate_from(d["nearest"]) if d["nearest"] is not None else None,
-                          "recurring": [(int(p), int(n)) for p, n in d["recurring"]]})
+    return Explanation(
+        **{
+            **d,
+            "nearest": candidate_from(d["nearest"]) if d["nearest"] is not None else None,
+            "recurring": [(int(p), int(n)) for p, n in d["recurring"]],
+        }
+    )
 
 
 def compaction_out(c: Compaction) -> dict[str, Any]:
@@ -532,8 +610,15 @@ def compaction_out(c: Compaction) -> dict[str, Any]:
 
 
 def compaction_from(d: dict[str, Any]) -> Compaction:
-    return Compaction(d["dry_run"], d["segments"], d["new_segments"], d["pages"], d["bytes_before"], d["bytes_after"],
-                      d["quarantined"])
+    return Compaction(
+        d["dry_run"],
+        d["segments"],
+        d["new_segments"],
+        d["pages"],
+        d["bytes_before"],
+        d["bytes_after"],
+        d["quarantined"],
+    )
 
 
 def rates_out(rates: Rates) -> dict[str, Any]:
@@ -588,8 +673,14 @@ def _cell_out(value: Any) -> Any:
 
 
 _CELL_DECODERS: dict[str, Any] = {
-    "bytes": base64.b64decode, "float": float, "datetime": dt.datetime.fromisoformat, "date": dt.date.fromisoformat,
-    "time": dt.time.fromisoformat, "decimal": decimal.Decimal, "text": str, "json": json.loads,
+    "bytes": base64.b64decode,
+    "float": float,
+    "datetime": dt.datetime.fromisoformat,
+    "date": dt.date.fromisoformat,
+    "time": dt.time.fromisoformat,
+    "decimal": decimal.Decimal,
+    "text": str,
+    "json": json.loads,
 }
 
 

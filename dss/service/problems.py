@@ -32,12 +32,21 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 
 SERVICE_ERRORS: dict[str, type[DssError]] = {
-    cls.__name__: cls for cls in (Unauthorized, Forbidden, MethodNotAllowed, PayloadTooLarge, Unavailable, InternalError)
+    cls.__name__: cls
+    for cls in (Unauthorized, Forbidden, MethodNotAllowed, PayloadTooLarge, Unavailable, InternalError)
 }
 
-_BY_STATUS: dict[int, type[DssError]] = {400: InvalidInput, 401: Unauthorized, 403: Forbidden, 404: NotFound,
-                                         405: MethodNotAllowed, 409: errors.Conflict, 413: PayloadTooLarge,
-                                         500: InternalError, 503: Unavailable}
+_BY_STATUS: dict[int, type[DssError]] = {
+    400: InvalidInput,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    405: MethodNotAllowed,
+    409: errors.Conflict,
+    413: PayloadTooLarge,
+    500: InternalError,
+    503: Unavailable,
+}
 
 
 def problem(kind: str, status: int, detail: str) -> dict[str, Any]:

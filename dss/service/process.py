@@ -37,8 +37,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServiceProcess:
     """One ``dss serve`` child process on ``home`` (see the module docstring)."""
 
-    def __init__(self, home: str | os.PathLike[str], *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        home: str | os.PathLike[str],
+        *,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 30.0,
+    ) -> None:
         self.home = Path(home)
         self.args = args
         self.env = env
@@ -65,8 +71,19 @@ class ServiceProcess:
         for _ in range(3):  # another process may take the free port first
             self.port = free_port()
             self.log_path = self.home / f"serve-{self.port}.log"
-            command = [sys.executable, "-m", "dss", "serve", "--home", str(self.home), "--host", "127.0.0.1",
-                       "--port", str(self.port), *self.args]
+            command = [
+                sys.executable,
+                "-m",
+                "dss",
+                "serve",
+                "--home",
+                str(self.home),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *self.args,
+            ]
             env = {**os.environ, **(self.env or {})}
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

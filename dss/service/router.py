@@ -80,8 +80,20 @@ SERVED_SESSIONS = 100_000
 MAX_DEPTH = 128
 """Deepest nesting of arrays and objects in a request body, the top-level object counting as one
 (OpenAI requests nest a handful deep; tool schemas a few dozen)."""
-HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-                         "proxy-authorization", "proxy-authenticate", "host", "content-length"})
+HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "host",
+        "content-length",
+    }
+)
 
 
 class RouterConfig(BaseModel):
@@ -98,8 +110,9 @@ class RouterConfig(BaseModel):
     connect_timeout_s: float = Field(2.0, gt=0, allow_inf_nan=False)
     timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description="Longest a backend may take to answer.")
     max_body_bytes: int = Field(32 << 20, ge=1024, description="Largest request body, as dss serve's.")
-    graceful_timeout_s: float = Field(5.0, ge=0, allow_inf_nan=False,
-                                      description="On SIGTERM, seconds in-flight requests may take to finish.")
+    graceful_timeout_s: float = Field(
+        5.0, ge=0, allow_inf_nan=False, description="On SIGTERM, seconds in-flight requests may take to finish."
+    )
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod
@@ -141,8 +154,9 @@ def parse_backends(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
 class HoldingsSource(Protocol):
     """Where a session's head pages are (see the module docstring)."""
 
-    def of(self, session_id: str, tenant_id: str | None, served_by: str | None,
-           node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    def of(
+        self, session_id: str, tenant_id: str | None, served_by: str | None, node_ids: Sequence[str]
+    ) -> dict[str, dict[str, int]]:
         """Pages of the session's head held per node and tier; empty for an unknown session."""
         ...
 
@@ -153,8 +167,9 @@ class StoreHoldings:
     def __init__(self, store: Any) -> None:
         self.store = store
 
-    def of(self, session_id: str, tenant_id: str | None, served_by: str | None,
-           node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    def of(
+        self, session_id: str, tenant_id: str | None, served_by: str | None, node_ids: Sequence[str]
+    ) -> dict[str, dict[str, int]]:
         from dss.catalog import pages
         from dss.catalog.database import catalog_errors
         from dss.core.errors import NotFound
@@ -170,8 +185,9 @@ class StoreHoldings:
         return head_holdings([where.get(page_id) for page_id in ids], served_by, node_ids)
 
 
-def head_holdings(disk_nodes: Sequence[str | None], served_by: str | None,
-                  node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+def head_holdings(
+    disk_nodes: Sequence[str | None], served_by: str | None, node_ids: Sequence[str]
+) -> dict[str, dict[str, int]]:
     """Holdings of a head whose stored pages lie on ``disk_nodes`` (one entry per page: the node
     whose disk holds it, ``None`` for the remote tier only). A page on a router node's disk
     counts there; one on the disk of a node the router does not front (a store folder the
@@ -181,7 +197,7 @@ def head_holdings(disk_nodes: Sequence[str | None], served_by: str | None,
     out: dict[str, dict[str, int]] = {}
     fronted = set(node_ids)
     for node in disk_nodes:
-        for holder in ((node,) if node in fronted else node_ids if node is not None else ()):
+        for holder in (node,) if node in fronted else node_ids if node is not None else ():
             held = out.setdefault(holder, {})
             held["disk"] = held.get("disk", 0) + 1
     if served_by in fronted and disk_nodes:
@@ -221,15 +237,19 @@ class RouterMetrics:
     def __init__(self, node_ids: Sequence[str]) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("dss_router_requests", "Requests proxied.", ["node", "reason", "status"], registry=r)
-        self.seconds = Histogram("dss_router_request_seconds", "Time until a backend's response ended.", ["node"],
-                                 registry=r)
-        self.failovers = Counter("dss_router_failovers", "Requests moved off a backend that failed.", ["node"],
-                                 registry=r)
-        self.healthy = Gauge("dss_router_backend_healthy", "1 when the backend answers its health check.", ["node"],
-                             registry=r)
+        self.seconds = Histogram(
+            "dss_router_request_seconds", "Time until a backend's response ended.", ["node"], registry=r
+        )
+        self.failovers = Counter(
+            "dss_router_failovers", "Requests moved off a backend that failed.", ["node"], registry=r
+        )
+        self.healthy = Gauge(
+            "dss_router_backend_healthy", "1 when the backend answers its health check.", ["node"], registry=r
+        )
         self.in_flight = Gauge("dss_router_in_flight", "Requests in flight per backend.", ["node"], registry=r)
-        self.holdings_errors = Counter("dss_router_holdings_errors", "Failures asking the store where pages are.",
-                                       registry=r)
+        self.holdings_errors = Counter(
+            "dss_router_holdings_errors", "Failures asking the store where pages are.", registry=r
+        )
         for node in node_ids:
             self.healthy.labels(node).set(1)
             self.in_flight.labels(node).set(0)
@@ -256,10 +276,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 def _nests_deeper(value: object, depth: int) -> bool:
     """Whether ``value`` nests more than ``depth`` arrays and objects (level by level, no recursion)."""
-    level = [value]
+    level: list[Any] = [value]
     for _ in range(depth):
-        level = [child for item in level
-                 for child in (item.values() if isinstance(item, dict) else item) if isinstance(child, (dict, list))]
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, (dict, list))
+        ]
         if not level:
             return False
     return True
@@ -314,8 +338,11 @@ def create_router_app(config: RouterConfig, holdings: HoldingsSource | None = No
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "policy": config.policy,
-                "backends": {b.node_id: {"healthy": b.is_healthy, "load": b.load} for b in state.backends.values()}}
+        return {
+            "status": "ok",
+            "policy": config.policy,
+            "backends": {b.node_id: {"healthy": b.is_healthy, "load": b.load} for b in state.backends.values()},
+        }
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -366,15 +393,22 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
     client: httpx.AsyncClient = request.app.state.client
     while True:
         state.counter += 1
-        decision = route(state.view(tried), policy=state.config.policy, key=served_key or prefix_key,
-                         holdings=held, counter=state.counter, load_factor=state.config.load_factor)
+        decision = route(
+            state.view(tried),
+            policy=state.config.policy,
+            key=served_key or prefix_key,
+            holdings=held,
+            counter=state.counter,
+            load_factor=state.config.load_factor,
+        )
         backend = state.backends[decision.node_id]
         backend.load += 1
         metrics.in_flight.labels(backend.node_id).inc()
         start = time.perf_counter()
         try:
-            upstream = await client.send(client.build_request("POST", backend.url + request.url.path, content=raw,
-                                                              headers=forward), stream=True)
+            upstream = await client.send(
+                client.build_request("POST", backend.url + request.url.path, content=raw, headers=forward), stream=True
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             _done(backend, metrics)
             _mark(backend, False, metrics)
@@ -388,14 +422,17 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
                 raise
             metrics.requests.labels(backend.node_id, decision.reason, "cancelled").inc()
             log.warning("request to backend %s cancelled: the router is shutting down", backend.node_id)
-            return problem_response(Unavailable("the router is shutting down (graceful_timeout_s passed)"),
-                                    {"Connection": "close"})
+            return problem_response(
+                Unavailable("the router is shutting down (graceful_timeout_s passed)"), {"Connection": "close"}
+            )
         if served_key is not None and upstream.status_code < 500:
             state.remember(served_key, backend.node_id)
         passed = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
-        return StreamingResponse(_relay(upstream, backend, decision, state, metrics, start),
-                                 status_code=upstream.status_code,
-                                 headers={**passed, "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason})
+        return StreamingResponse(
+            _relay(upstream, backend, decision, state, metrics, start),
+            status_code=upstream.status_code,
+            headers={**passed, "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason},
+        )
 
 
 class ResponseCut(Exception):
@@ -403,8 +440,14 @@ class ResponseCut(Exception):
     cause already logged; :class:`ReportedCuts` keeps uvicorn from logging it again."""
 
 
-async def _relay(upstream: httpx.Response, backend: BackendState, decision: Decision, state: RouterState,
-                 metrics: RouterMetrics, start: float) -> AsyncIterator[bytes]:
+async def _relay(
+    upstream: httpx.Response,
+    backend: BackendState,
+    decision: Decision,
+    state: RouterState,
+    metrics: RouterMetrics,
+    start: float,
+) -> AsyncIterator[bytes]:
     """The backend's response, chunk by chunk as it arrives; the backend's load drops when it ends.
     A backend failing mid-response, or shutdown's cancellation, cuts it off (see the module docstring)."""
     status = str(upstream.status_code)
@@ -413,8 +456,9 @@ async def _relay(upstream: httpx.Response, backend: BackendState, decision: Deci
             yield chunk
     except httpx.HTTPError as exc:
         status = "broken"
-        log.warning("backend %s failed mid-response (%s): the response was cut off", backend.node_id,
-                    type(exc).__name__)
+        log.warning(
+            "backend %s failed mid-response (%s): the response was cut off", backend.node_id, type(exc).__name__
+        )
         raise ResponseCut(backend.node_id) from None
     except asyncio.CancelledError:
         if state.is_stopping:
@@ -447,8 +491,9 @@ async def _health_loop(state: RouterState, metrics: RouterMetrics, client: httpx
         await asyncio.sleep(state.config.health_interval_s)
 
 
-async def _check(backend: BackendState, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 config: RouterConfig) -> None:
+async def _check(
+    backend: BackendState, metrics: RouterMetrics, client: httpx.AsyncClient, config: RouterConfig
+) -> None:
     try:
         answer = await client.get(f"{backend.url}/health", timeout=config.connect_timeout_s)
         _mark(backend, answer.status_code == 200, metrics)
@@ -491,20 +536,45 @@ def serve_router(config: RouterConfig, holdings: HoldingsSource | None, *, log_l
     then are cancelled (see the module docstring); uvicorn then re-raises the signal."""
     app = create_router_app(config, holdings)
     state: RouterState = app.state.router
-    server = RouterServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                         access_log=False, server_header=False, lifespan="on",
-                                         timeout_graceful_shutdown=config.graceful_timeout_s),  # type: ignore[arg-type]
-                          state)
+    server = RouterServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            access_log=False,
+            server_header=False,
+            lifespan="on",
+            timeout_graceful_shutdown=config.graceful_timeout_s,  # type: ignore[arg-type]  # a float works
+        ),
+        state,
+    )
     uvicorn_log = logging.getLogger("uvicorn.error")
     cuts = ReportedCuts(state)
     uvicorn_log.addFilter(cuts)  # after uvicorn.Config, which configures its logging
-    log.info("dss route (%s) on http://%s:%d in front of %s", config.policy, config.host, config.port,
-             ", ".join(f"{n}={u}" for n, u in config.backends))
+    log.info(
+        "dss route (%s) on http://%s:%d in front of %s",
+        config.policy,
+        config.host,
+        config.port,
+        ", ".join(f"{n}={u}" for n, u in config.backends),
+    )
     try:
         server.run()
     finally:
         uvicorn_log.removeFilter(cuts)
 
 
-__all__ = ["MAX_DEPTH", "HoldingsSource", "RouterConfig", "StoreHoldings", "create_router_app", "head_holdings",
-           "parse_backends", "parse_body", "request_key", "serve_router", "with_session"]
+__all__ = [
+    "MAX_DEPTH",
+    "HoldingsSource",
+    "RouterConfig",
+    "StoreHoldings",
+    "create_router_app",
+    "head_holdings",
+    "parse_backends",
+    "parse_body",
+    "request_key",
+    "serve_router",
+    "with_session",
+]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
@@ -27,35 +27,35 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dss.core.config import StoreConfig
+from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, InvalidTokens, NotFound, StoreClosed
 from dss.core.version import VERSION
+from dss.erasure import AuditEntry, Plan, Receipt
 from dss.service import models as m
 from dss.service.apikeys import KeyRing, Principal
-from dss.core.config import StoreConfig
-from dss.erasure import AuditEntry, Plan, Receipt
-from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, InvalidTokens, NotFound, StoreClosed
-from dss.service.problems import PROBLEM_MEDIA_TYPE, InternalError, MethodNotAllowed, error_class
 from dss.service.config import ServerConfig
 from dss.service.docs import BEARER, add_docs
-from dss.service.middleware import (
-    PRINCIPAL,
-    AuthMiddleware,
-    BodyLimitMiddleware,
-    MetricsMiddleware,
-    problem_response,
-)
 from dss.service.metrics import Metrics
-from dss.store import Store
+from dss.service.middleware import PRINCIPAL, AuthMiddleware, BodyLimitMiddleware, MetricsMiddleware, problem_response
+from dss.service.problems import PROBLEM_MEDIA_TYPE, InternalError, MethodNotAllowed, error_class
 from dss.service.tenancy import TenantScope
+from dss.store import Store
 
 log = logging.getLogger("dss.service.server")
 
 _PROBLEM_CONTENT = {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/ProblemOut"}}}
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"description": text, "content": _PROBLEM_CONTENT} for code, text in (
-    (400, "Bad input (InvalidInput, InvalidTokens, InvalidPage, InvalidLayout, SqlError)"),
-    (401, "Missing or unknown API key (Unauthorized)"), (403, "Not allowed for this key (Forbidden, ReadOnlyViolation)"),
-    (404, "Not found, or another tenant's (UnknownSession, UnknownVersion)"),
-    (409, "Conflict (SessionExists, ErasureInProgress)"), (413, "Request body too large (PayloadTooLarge)"),
-    (503, "The store is closing or needs an upgrade (StoreClosed, SchemaOutdated)"))}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": text, "content": _PROBLEM_CONTENT}
+    for code, text in (
+        (400, "Bad input (InvalidInput, InvalidTokens, InvalidPage, InvalidLayout, SqlError)"),
+        (401, "Missing or unknown API key (Unauthorized)"),
+        (403, "Not allowed for this key (Forbidden, ReadOnlyViolation)"),
+        (404, "Not found, or another tenant's (UnknownSession, UnknownVersion)"),
+        (409, "Conflict (SessionExists, ErasureInProgress)"),
+        (413, "Request body too large (PayloadTooLarge)"),
+        (503, "The store is closing or needs an upgrade (StoreClosed, SchemaOutdated)"),
+    )
+}
 
 
 class Call(NamedTuple):
@@ -89,7 +89,7 @@ def _admin_first(what: str) -> type[APIRoute]:
     :func:`_admin` alone a non-admin key would learn how its body was refused."""
 
     class AdminFirst(APIRoute):
-        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handle = super().get_route_handler()
 
             async def admin_first(request: Request) -> Response:
@@ -118,14 +118,17 @@ def _known_query(request: Request) -> None:
     unknown = sorted(set(request.query_params) - known)
     if unknown:
         takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
-        raise InvalidInput(f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
-                           f"{', '.join(map(repr, unknown))} for {request.method} {request.url.path}: {takes}")
+        raise InvalidInput(
+            f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))} for {request.method} {request.url.path}: {takes}"
+        )
 
 
 def _tokens(call: Call, tokens: list[int]) -> list[int]:
     if len(tokens) > call.config.max_tokens:
-        raise InvalidTokens(f"a request may carry at most {call.config.max_tokens} tokens (max_tokens), "
-                            f"got {len(tokens)}")
+        raise InvalidTokens(
+            f"a request may carry at most {call.config.max_tokens} tokens (max_tokens), got {len(tokens)}"
+        )
     return tokens
 
 
@@ -142,9 +145,15 @@ def create_app(store: Store, config: ServerConfig, keys: KeyRing, *, close_store
                 await anyio.to_thread.run_sync(store.close)
                 log.info("store closed")
 
-    app = FastAPI(title="dss", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  dependencies=[Depends(_known_query)],
-                  description="Dialogue state store: sessions, versions, resume, rollback and branch over HTTP.")
+    app = FastAPI(
+        title="dss",
+        version=VERSION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        dependencies=[Depends(_known_query)],
+        description="Dialogue state store: sessions, versions, resume, rollback and branch over HTTP.",
+    )
     app.state.store = store
     app.state.config = config
     app.state.metrics = metrics = Metrics(store)
@@ -154,9 +163,11 @@ def create_app(store: Store, config: ServerConfig, keys: KeyRing, *, close_store
     _document_problems(app)
     routes = frozenset(getattr(r, "path", "") for r in app.routes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=keys,
-                       protected=lambda path: path.startswith("/v1/") or (path == "/metrics"
-                                                                          and not config.public_metrics))
+    app.add_middleware(
+        AuthMiddleware,
+        keys=keys,
+        protected=lambda path: path.startswith("/v1/") or (path == "/metrics" and not config.public_metrics),
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
     return app
 
@@ -222,9 +233,17 @@ def _add_routes(app: FastAPI) -> None:
             raise StoreClosed("this store is closed")
         return {"status": "ok", "version": VERSION}
 
-    @app.get("/metrics", tags=["service"], response_class=Response, dependencies=[Security(BEARER)],
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
-                        401: _ERRORS[401], 403: _ERRORS[403]})
+    @app.get(
+        "/metrics",
+        tags=["service"],
+        response_class=Response,
+        dependencies=[Security(BEARER)],
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
+            401: _ERRORS[401],
+            403: _ERRORS[403],
+        },
+    )
     def metrics(request: Request) -> Response:
         """Prometheus metrics (see :mod:`dss.service.metrics`); needs an admin key unless public_metrics."""
         if not request.app.state.config.public_metrics:
@@ -235,20 +254,29 @@ def _add_routes(app: FastAPI) -> None:
     def info(call: Call = call_dep) -> dict[str, Any]:
         """The caller's key (tenant, admin), the service's limits and the rates resume estimates use."""
         p = call.scope.principal
-        return {"version": VERSION, "key_id": p.key_id, "tenant_id": p.tenant_id, "is_admin": p.is_admin,
-                "limits": {"max_body_bytes": call.config.max_body_bytes, "max_tokens": call.config.max_tokens},
-                "rates": m.rates_out(call.store.rates)}
+        return {
+            "version": VERSION,
+            "key_id": p.key_id,
+            "tenant_id": p.tenant_id,
+            "is_admin": p.is_admin,
+            "limits": {"max_body_bytes": call.config.max_body_bytes, "max_tokens": call.config.max_tokens},
+            "rates": m.rates_out(call.store.rates),
+        }
 
     @app.post("/v1/sessions", response_model=m.SessionOut, tags=["sessions"], **v1)
     def create_session(body: m.CreateSessionIn, call: Call = call_dep) -> dict[str, Any]:
         """Create a session (idempotent for the same owner and layout: returns the existing one)."""
         tenant = call.scope.writing(body.tenant_id)
-        return m.session_out(call.store.create_session(body.session_id, user_id=body.user_id, tenant_id=tenant,
-                                                       layout=m.layout_of(body.layout)))
+        return m.session_out(
+            call.store.create_session(
+                body.session_id, user_id=body.user_id, tenant_id=tenant, layout=m.layout_of(body.layout)
+            )
+        )
 
     @app.get("/v1/sessions", response_model=list[m.SessionOut], tags=["sessions"], **v1)
-    def sessions(call: Call = call_dep, tenant_id: str | None = None, user_id: str | None = None,
-                 all_tenants: bool = False) -> list[dict[str, Any]]:
+    def sessions(
+        call: Call = call_dep, tenant_id: str | None = None, user_id: str | None = None, all_tenants: bool = False
+    ) -> list[dict[str, Any]]:
         """The tenant's sessions (optionally one user's), oldest first; ``all_tenants`` needs an admin key."""
         if all_tenants:
             call.scope.require_admin("listing every tenant's sessions")
@@ -274,8 +302,9 @@ def _add_routes(app: FastAPI) -> None:
         return [m.version_out(v) for v in call.store.versions(session_id, tenant_id=call.scope.reading(tenant_id))]
 
     @app.get("/v1/tokens", response_model=m.TokensOut, tags=["versions"], **v1)
-    def tokens(session_id: str, version_id: int | None = Query(None), tenant_id: str | None = None,
-               call: Call = call_dep) -> dict[str, Any]:
+    def tokens(
+        session_id: str, version_id: int | None = Query(None), tenant_id: str | None = None, call: Call = call_dep
+    ) -> dict[str, Any]:
         """The tokens of a version (default the head; empty if the session has none)."""
         tenant = call.scope.reading(tenant_id)
         if version_id is None:
@@ -289,8 +318,9 @@ def _add_routes(app: FastAPI) -> None:
         the head. Answered only once durable."""
         tenant = call.scope.writing(body.tenant_id)
         pages = m.decode_pages(body.pages) if body.pages is not None else None
-        version = call.store.commit(body.session_id, _tokens(call, body.tokens), pages, label=body.label,
-                                    tenant_id=tenant)
+        version = call.store.commit(
+            body.session_id, _tokens(call, body.tokens), pages, label=body.label, tenant_id=tenant
+        )
         call.metrics.observe_commit(version.num_tokens)
         return m.version_out(version)
 
@@ -300,8 +330,14 @@ def _add_routes(app: FastAPI) -> None:
         namespace (user_id, layout))."""
         tenant = call.scope.writing(body.tenant_id)
         layout = m.layout_of(body.layout) if body.layout is not None else None
-        new = call.store.save_pages(body.session_id, _tokens(call, body.tokens), m.decode_pages(body.pages),
-                                    tenant_id=tenant, user_id=body.user_id, layout=layout)
+        new = call.store.save_pages(
+            body.session_id,
+            _tokens(call, body.tokens),
+            m.decode_pages(body.pages),
+            tenant_id=tenant,
+            user_id=body.user_id,
+            layout=layout,
+        )
         return {"num_new_pages": new}
 
     @app.post("/v1/pages/read", response_model=m.ReadPagesOut, tags=["pages"], **v1)
@@ -309,8 +345,9 @@ def _add_routes(app: FastAPI) -> None:
         """Payloads of pages by id (null for a page no tier holds, or one the key may not read, or one of
         another tenant than ``tenant_id``)."""
         ids = [bytes.fromhex(p) for p in body.page_ids]
-        payloads = call.scope.read_pages(call.store, ids, call.config.max_body_bytes, tenant_id=body.tenant_id,
-                                         load=body.load)
+        payloads = call.scope.read_pages(
+            call.store, ids, call.config.max_body_bytes, tenant_id=body.tenant_id, load=body.load
+        )
         return {"pages": [m.encode_page(p) for p in payloads]}
 
     @app.post("/v1/pages/sizes", response_model=m.PageSizesOut, tags=["pages"], **v1)
@@ -325,9 +362,15 @@ def _add_routes(app: FastAPI) -> None:
         """Share a prefix (a system prompt, tool definitions) with every user of the tenant: its pages
         belong to the tenant, are pinned and stay when a user is erased."""
         tenant = call.scope.writing(body.tenant_id)
-        return m.version_out(call.store.register_prefix(_tokens(call, body.tokens), m.decode_pages(body.pages),
-                                                        layout=m.layout_of(body.layout), tenant_id=tenant,
-                                                        label=body.label))
+        return m.version_out(
+            call.store.register_prefix(
+                _tokens(call, body.tokens),
+                m.decode_pages(body.pages),
+                layout=m.layout_of(body.layout),
+                tenant_id=tenant,
+                label=body.label,
+            )
+        )
 
     @app.get("/v1/prefixes", response_model=list[m.VersionOut], tags=["pages"], **v1)
     def shared_prefixes(tenant_id: str | None = None, call: Call = call_dep) -> list[dict[str, Any]]:
@@ -350,8 +393,13 @@ def _add_routes(app: FastAPI) -> None:
         tenant = call.scope.reading(body.tenant_id)
         prompt = _tokens(call, body.tokens)
         start = time.perf_counter()
-        result = call.store.lookup(prompt, layout=m.layout_of(body.layout), user_id=body.user_id, tenant_id=tenant,
-                                   approximate=body.approximate)
+        result = call.store.lookup(
+            prompt,
+            layout=m.layout_of(body.layout),
+            user_id=body.user_id,
+            tenant_id=tenant,
+            approximate=body.approximate,
+        )
         call.metrics.observe_resume(result, time.perf_counter() - start)
         return m.resume_out(result)
 
@@ -360,9 +408,14 @@ def _add_routes(app: FastAPI) -> None:
         """Stored versions nearest a prompt (MinHash-LSH candidates verified token by token), in one
         namespace and layout: the session's, or (user_id, layout) of the tenant."""
         tenant = call.scope.reading(body.tenant_id)
-        found = call.store.nearest(_tokens(call, body.tokens), session_id=body.session_id, tenant_id=tenant,
-                                   user_id=body.user_id,
-                                   layout=m.layout_of(body.layout) if body.layout is not None else None, k=body.k)
+        found = call.store.nearest(
+            _tokens(call, body.tokens),
+            session_id=body.session_id,
+            tenant_id=tenant,
+            user_id=body.user_id,
+            layout=m.layout_of(body.layout) if body.layout is not None else None,
+            k=body.k,
+        )
         return {"candidates": [c._asdict() for c in found]}
 
     @app.post("/v1/explain", response_model=m.ExplainOut, tags=["resume"], **v1)
@@ -370,9 +423,14 @@ def _add_routes(app: FastAPI) -> None:
         """Why exact reuse of a prompt stops where it does: the first divergence from its nearest
         stored version, the tokens around it, the reuse it costs, the tenant's recurring positions."""
         tenant = call.scope.reading(body.tenant_id)
-        why = call.store.explain(body.session_id, _tokens(call, body.tokens), tenant_id=tenant, user_id=body.user_id,
-                                 layout=m.layout_of(body.layout) if body.layout is not None else None,
-                                 context=body.context)
+        why = call.store.explain(
+            body.session_id,
+            _tokens(call, body.tokens),
+            tenant_id=tenant,
+            user_id=body.user_id,
+            layout=m.layout_of(body.layout) if body.layout is not None else None,
+            context=body.context,
+        )
         return m.explain_out(why)
 
     @app.post("/v1/rollback", response_model=m.VersionOut, tags=["versions"], **v1)
@@ -385,8 +443,9 @@ def _add_routes(app: FastAPI) -> None:
     def branch(body: m.BranchIn, call: Call = call_dep) -> dict[str, Any]:
         """Start a new session at a version of this one, sharing its pages."""
         tenant = call.scope.writing(body.tenant_id)
-        return m.session_out(call.store.branch(body.session_id, body.version_id, body.new_session_id,
-                                               tenant_id=tenant, label=body.label))
+        return m.session_out(
+            call.store.branch(body.session_id, body.version_id, body.new_session_id, tenant_id=tenant, label=body.label)
+        )
 
     @app.post("/v1/pin", response_model=m.VersionOut, tags=["versions"], **v1)
     def pin(body: m.PinIn, call: Call = call_dep) -> dict[str, Any]:
@@ -407,10 +466,14 @@ def _add_routes(app: FastAPI) -> None:
         """Ids of the pages the nearest near-duplicate lets a prompt reuse, longest first; with ``promote``
         they are read now (disk pages come into the host tier). Scope as /v1/nearest."""
         tenant = call.scope.reading(body.tenant_id)
-        ids = call.store.prefetch_candidates(_tokens(call, body.tokens), session_id=body.session_id,
-                                             tenant_id=tenant, user_id=body.user_id,
-                                             layout=m.layout_of(body.layout) if body.layout is not None else None,
-                                             promote=body.promote)
+        ids = call.store.prefetch_candidates(
+            _tokens(call, body.tokens),
+            session_id=body.session_id,
+            tenant_id=tenant,
+            user_id=body.user_id,
+            layout=m.layout_of(body.layout) if body.layout is not None else None,
+            promote=body.promote,
+        )
         return {"page_ids": [page_id.hex() for page_id in ids]}
 
     @app.get("/v1/residency", response_model=m.ResidencyOut, tags=["engines"], **v1)
@@ -419,8 +482,13 @@ def _add_routes(app: FastAPI) -> None:
         engines = call.store.residency(session_id, tenant_id=call.scope.reading(tenant_id))
         return {"session_id": session_id, "engines": engines}
 
-    @app.post("/v1/engines/resident", response_model=m.EngineOut, tags=["engines"],
-              dependencies=[_admin("reporting an engine's pages")], **v1)
+    @app.post(
+        "/v1/engines/resident",
+        response_model=m.EngineOut,
+        tags=["engines"],
+        dependencies=[_admin("reporting an engine's pages")],
+        **v1,
+    )
     def mark_resident(body: m.EnginePagesIn, call: Call = call_dep) -> dict[str, Any]:
         """An engine instance holds these pages in its own KV memory (the device tier); renews its lease.
         Admin key: an engine serves every tenant."""
@@ -428,24 +496,45 @@ def _add_routes(app: FastAPI) -> None:
         call.store.mark_resident(body.engine_id, ids)
         return {"engine_id": body.engine_id, "num_pages": len(ids)}
 
-    @app.post("/v1/engines/evicted", response_model=m.EngineOut, tags=["engines"],
-              dependencies=[_admin("reporting an engine's pages")], **v1)
+    @app.post(
+        "/v1/engines/evicted",
+        response_model=m.EngineOut,
+        tags=["engines"],
+        dependencies=[_admin("reporting an engine's pages")],
+        **v1,
+    )
     def evicted(body: m.EnginePagesIn, call: Call = call_dep) -> dict[str, Any]:
         """An engine instance no longer holds these pages (it reused their memory). Admin key."""
         ids = [bytes.fromhex(p) for p in body.page_ids]
         call.store.evicted(body.engine_id, ids)
         return {"engine_id": body.engine_id, "num_pages": len(ids)}
 
-    @app.post("/v1/engines/forget", response_model=m.EngineOut, tags=["engines"],
-              dependencies=[_admin("forgetting an engine")], **v1)
+    @app.post(
+        "/v1/engines/forget",
+        response_model=m.EngineOut,
+        tags=["engines"],
+        dependencies=[_admin("forgetting an engine")],
+        **v1,
+    )
     def forget_engine(body: m.EngineIn, call: Call = call_dep) -> dict[str, Any]:
         """An engine instance went away: forget the pages it held (answers how many). Admin key."""
         return {"engine_id": body.engine_id, "num_pages": call.store.forget_engine(body.engine_id)}
 
-    @app.post("/v1/forget_user", response_model=Receipt | Plan, response_model_exclude_none=True, tags=["erasure"], dependencies=[_admin("forget_user")],
-              responses={**_ERRORS, 500: {"description": "The erasure could not finish now (it stays open and may be "
-                                                         "retried), or verification failed for good (ErasureIncomplete)",
-                                          "content": _PROBLEM_CONTENT}})
+    @app.post(
+        "/v1/forget_user",
+        response_model=Receipt | Plan,
+        response_model_exclude_none=True,
+        tags=["erasure"],
+        dependencies=[_admin("forget_user")],
+        responses={
+            **_ERRORS,
+            500: {
+                "description": "The erasure could not finish now (it stays open and may be "
+                "retried), or verification failed for good (ErasureIncomplete)",
+                "content": _PROBLEM_CONTENT,
+            },
+        },
+    )
     def forget_user(body: m.ForgetUserIn, call: Call = call_dep) -> Receipt | Plan:
         """Erase every session, version, token and page of one user of the tenant named in the body
         (GDPR Art. 17), keys first; returns the receipt (``status``: ``verified``, or ``no_such_user`` when the
@@ -474,22 +563,35 @@ def _add_routes(app: FastAPI) -> None:
         """Run one read-only SQL statement on the catalog (admin key)."""
         return m.sql_out(call.store.sql(body.query, body.params, max_rows=body.max_rows))
 
-    app.router.add_api_route("/v1/sql", sql, methods=["POST"], response_model=m.SqlOut, tags=["admin"],
-                             route_class_override=_admin_first("SQL"), **v1)
+    app.router.add_api_route(
+        "/v1/sql",
+        sql,
+        methods=["POST"],
+        response_model=m.SqlOut,
+        tags=["admin"],
+        route_class_override=_admin_first("SQL"),
+        **v1,
+    )
 
     @app.get("/v1/check", response_model=m.CheckOut, tags=["admin"], dependencies=[_admin("check")], **v1)
     def check(call: Call = call_dep) -> dict[str, Any]:
         """Every broken invariant of the store (empty when sound; admin key)."""
         return {"problems": call.store.check()}
 
-    @app.get("/v1/stats", response_model=dict[str, dict[str, Any]], tags=["admin"], dependencies=[_admin("stats")],
-             **v1)
+    @app.get(
+        "/v1/stats", response_model=dict[str, dict[str, Any]], tags=["admin"], dependencies=[_admin("stats")], **v1
+    )
     def stats(call: Call = call_dep) -> dict[str, Any]:
         """The tiers: sizes, watermarks, what the placement policy did, prefetch counts (admin key)."""
         return call.store.stats()
 
-    @app.get("/v1/sessions/count", response_model=m.CountOut, tags=["admin"],
-             dependencies=[_admin("counting every tenant's sessions")], **v1)
+    @app.get(
+        "/v1/sessions/count",
+        response_model=m.CountOut,
+        tags=["admin"],
+        dependencies=[_admin("counting every tenant's sessions")],
+        **v1,
+    )
     def count_sessions(call: Call = call_dep) -> dict[str, Any]:
         """The number of sessions in the store, every tenant's (admin key)."""
         return {"num_sessions": call.store.count_sessions()}
@@ -500,8 +602,9 @@ def _add_routes(app: FastAPI) -> None:
         would do and changes nothing (admin key)."""
         return m.compaction_out(call.store.compact(dry_run=body.dry_run))
 
-    @app.post("/v1/mover", response_model=dict[str, int], tags=["admin"], dependencies=[_admin("running the mover")],
-              **v1)
+    @app.post(
+        "/v1/mover", response_model=dict[str, int], tags=["admin"], dependencies=[_admin("running the mover")], **v1
+    )
     def run_mover(call: Call = call_dep) -> dict[str, int]:
         """One pass of the mover now: the pages demoted from host and evicted from disk (admin key)."""
         return call.store.run_mover()
@@ -516,12 +619,22 @@ def serve(store_config: StoreConfig, config: ServerConfig) -> None:
 
     keys = KeyRing(config.keys_file)
     if not len(keys):
-        log.warning("no API keys in %s: every /v1 request will be refused (run `dss keys add TENANT`)",
-                    config.keys_file)
+        log.warning(
+            "no API keys in %s: every /v1 request will be refused (run `dss keys add TENANT`)", config.keys_file
+        )
     store = Store(store_config)
     app = create_app(store, config, keys, close_store=True)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
-        timeout_graceful_shutdown=config.graceful_timeout_s, server_header=False, lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.access_log,
+            timeout_graceful_shutdown=config.graceful_timeout_s,
+            server_header=False,
+            lifespan="on",
+        )
+    )
     log.info("dss %s serving %s on %s", VERSION, store_config.home, config.url)
     server.run()

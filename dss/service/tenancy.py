@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dss.core.validate import check_name
 from dss.service.apikeys import Principal
 from dss.service.problems import Forbidden, PayloadTooLarge
 from dss.store import Store
-from dss.core.validate import check_name
 
 
 class TenantScope:
@@ -51,8 +51,7 @@ class TenantScope:
         """The tenant a write acts in; raises ``Forbidden`` for any tenant but the key's own."""
         if tenant_id is None or tenant_id == self.principal.tenant_id:
             return self.principal.tenant_id
-        raise Forbidden(f"writes go to the API key's own tenant {self.principal.tenant_id!r}, "
-                        f"not {tenant_id!r}")
+        raise Forbidden(f"writes go to the API key's own tenant {self.principal.tenant_id!r}, not {tenant_id!r}")
 
     def require_admin(self, what: str) -> None:
         """Raise ``Forbidden`` unless the key is an admin key."""
@@ -66,8 +65,15 @@ class TenantScope:
             return None
         return self.reading(tenant_id)
 
-    def read_pages(self, store: Store, page_ids: Sequence[bytes], max_bytes: int, *, tenant_id: str | None = None,
-                   load: bool = True) -> list[bytes | None]:
+    def read_pages(
+        self,
+        store: Store,
+        page_ids: Sequence[bytes],
+        max_bytes: int,
+        *,
+        tenant_id: str | None = None,
+        load: bool = True,
+    ) -> list[bytes | None]:
         """``store.read_pages`` restricted to pages this key may read, of ``tenant_id`` if named
         (others are ``None``).
 
@@ -77,7 +83,6 @@ class TenantScope:
         visible = [pid for pid in dict.fromkeys(page_ids) if pid in sizes]
         total = sum(sizes[pid] for pid in visible)
         if total > max_bytes:
-            raise PayloadTooLarge(f"the pages asked for hold {total} bytes; read at most {max_bytes} bytes "
-                                  f"per request")
+            raise PayloadTooLarge(f"the pages asked for hold {total} bytes; read at most {max_bytes} bytes per request")
         payloads = dict(zip(visible, store.read_pages(visible, load=load))) if visible else {}
         return [payloads.get(pid) for pid in page_ids]

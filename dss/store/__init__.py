@@ -25,16 +25,16 @@ Contracts that hold for every method:
 from __future__ import annotations
 
 from dss.store.base import CACHE_PREFIX, policy_settings
-from dss.store.history import History
-from dss.store.operations import Operations
+from dss.store.prefixes import Prefixes
 from dss.store.serving import Serving
 
 
-class Store(History, Serving, Operations):
+class Store(Prefixes, Serving):
     """A dialogue state store opened in this process (see the module docstring): the parts
     (:mod:`dss.store.base`) with the methods of each role — sessions and versions
     (:mod:`dss.store.history`), what engines are served (:mod:`dss.store.serving`), what
-    operators do (:mod:`dss.store.operations`)."""
+    operators do (:mod:`dss.store.operations`), and shared prefixes, which need the first and
+    the last (:mod:`dss.store.prefixes`)."""
 
 
 __all__ = ["CACHE_PREFIX", "Store", "policy_settings"]

@@ -72,16 +72,24 @@ class Base:
             raise NoStore(f"no store at {home}")
         with file_errors("make the store folder", home):
             home.mkdir(parents=True, exist_ok=True)
-        self.remote = None if config.remote_url is None else RemoteTier(  # a bad URL is refused before anything is made
-            config.remote_url.get_secret_value(), prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
-            max_pending_bytes=config.remote_pending_bytes)
+        self.remote = (
+            None
+            if config.remote_url is None
+            else RemoteTier(  # a bad URL is refused before anything is made
+                config.remote_url.get_secret_value(),
+                prefix=config.remote_prefix,
+                timeout_s=config.remote_timeout_s,
+                max_pending_bytes=config.remote_pending_bytes,
+            )
+        )
         with folder_lock(home):
             hex_key = config.master_key.get_secret_value() if config.master_key else None
             master = read_master_key(config.master_key_file, home, hex_key)
             sql_url = config.sql_url.get_secret_value() if config.sql_url else None
             open_catalog_file(config.url)
-            self.catalog = open_catalog(config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s,
-                                        sql_url=sql_url)
+            self.catalog = open_catalog(
+                config.url, fsync=config.fsync, sql_timeout_s=config.sql_timeout_s, sql_url=sql_url
+            )
             self.catalog.ensure_schema()
             self._master = adopt_master_key(self.catalog, master, config.master_key_file)
             self.node = adopt_folder(self.catalog, home, config.node_id)
@@ -100,9 +108,19 @@ class Base:
         self.index = PageIndex(self.host, has_remote=self.remote is not None, resident=self.device.held)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
-        self.pages = PageStore(self.catalog, self.disk, self.host, self.index, self.keys, node_ref=self.node.ref,
-                               disk_bytes=config.disk_bytes, segment_bytes=config.segment_bytes,
-                               placement=self.placement, tenant_of=self.mirror.tenant_of, remote=self.remote)
+        self.pages = PageStore(
+            self.catalog,
+            self.disk,
+            self.host,
+            self.index,
+            self.keys,
+            node_ref=self.node.ref,
+            disk_bytes=config.disk_bytes,
+            segment_bytes=config.segment_bytes,
+            placement=self.placement,
+            tenant_of=self.mirror.tenant_of,
+            remote=self.remote,
+        )
         speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
         if self.remote is not None:
             speeds["remote"] = config.remote_read_gbps * 1e9
@@ -113,14 +131,35 @@ class Base:
             self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
         self.eraser = Eraser(self.catalog, self.mirror, self.pages)
         self.guard = Guard(self.mirror, self.pages)
-        self.writer = Writer(self.catalog, self.mirror, self.pages, self.keys, self.index, self.guard, self._master,
-                             group_commit=config.group_commit)
-        self.mover = Mover(self.guard, self.pages, self.writer, self.catalog, self.placement,
-                           disk_bytes=config.disk_bytes, interval_s=config.mover_interval_s,
-                           batch=config.move_batch_pages)
+        self.writer = Writer(
+            self.catalog,
+            self.mirror,
+            self.pages,
+            self.keys,
+            self.index,
+            self.guard,
+            self._master,
+            group_commit=config.group_commit,
+        )
+        self.mover = Mover(
+            self.guard,
+            self.pages,
+            self.writer,
+            self.catalog,
+            self.placement,
+            disk_bytes=config.disk_bytes,
+            interval_s=config.mover_interval_s,
+            batch=config.move_batch_pages,
+        )
         self.pages.filled = self.mover.wake
-        self.compactor = Compactor(self.catalog, self.disk, self.writer.apply, node_ref=self.node.ref,
-                                   dead_share=config.compact_dead_share, segment_bytes=config.segment_bytes)
+        self.compactor = Compactor(
+            self.catalog,
+            self.disk,
+            self.writer.apply,
+            node_ref=self.node.ref,
+            dead_share=config.compact_dead_share,
+            segment_bytes=config.segment_bytes,
+        )
         self._compacting = threading.Lock()
         if config.compact_auto:
             self.pages.before_full = self._before_full
@@ -164,8 +203,12 @@ class Base:
             if not remote.flush(timeout_s=4 * self.config.remote_timeout_s):
                 log.warning("closing with %d bytes not yet written to the remote tier", remote.pending_bytes)
             remote.close()
-        for part in (getattr(self, "listener", None), getattr(self, "disk", None), getattr(self, "_epoch", None),
-                     getattr(self, "catalog", None)):
+        for part in (
+            getattr(self, "listener", None),
+            getattr(self, "disk", None),
+            getattr(self, "_epoch", None),
+            getattr(self, "catalog", None),
+        ):
             if part is not None:
                 part.close()
 
@@ -220,8 +263,13 @@ class Base:
         """The near-duplicate search, its index made on first use (``ConfigError`` without datasketch)."""
         if self._near is None:
             config = self.config
-            settings = Settings(config.lsh_threshold, config.lsh_permutations, config.lsh_shingle_tokens,
-                                config.lsh_window_tokens, config.lsh_max_entries)
+            settings = Settings(
+                config.lsh_threshold,
+                config.lsh_permutations,
+                config.lsh_shingle_tokens,
+                config.lsh_window_tokens,
+                config.lsh_max_entries,
+            )
             secret = config.lsh_redis_url or getattr(config, "remote_url", None)  # the remote tier's Redis, if any
             url = secret.get_secret_value() if secret is not None else None
             store_tag = hashlib.blake2b(self._master, digest_size=6, person=b"dss-lsh-store").hexdigest()
@@ -230,8 +278,9 @@ class Base:
             self._near = Nearest(self.mirror, self.index, lsh, self.rates, config.lsh_min_share)
         return self._near
 
-    def _scope(self, session_id: str | None, tenant_id: str | None, user_id: str | None,
-               layout: Layout | None) -> tuple[Layout, str, int | None, SessionState | None]:
+    def _scope(
+        self, session_id: str | None, tenant_id: str | None, user_id: str | None, layout: Layout | None
+    ) -> tuple[Layout, str, int | None, SessionState | None]:
         """Layout, tenant, namespace and session a near-duplicate search covers (checked)."""
         if session_id is not None:
             if user_id is not None or layout is not None:
@@ -249,8 +298,10 @@ class Base:
 
     def _version(self, applied: Applied, version_id: int | None = None) -> Version:
         state = self.writer.state_of(applied)
+        version_id = version_id if version_id is not None else applied.version_id
+        assert version_id is not None  # the change made a version
         with self._reading():
-            return state.version(version_id if version_id is not None else applied.version_id)
+            return state.version(version_id)
 
     def _create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> SessionState:
         check_name("user_id", user_id)
@@ -272,15 +323,25 @@ class Base:
 def policy_settings(config: StoreConfig) -> policy.Settings:
     """The placement policy's settings from a store's configuration."""
     return policy.Settings(
-        policy=config.policy, weights=config.policy_weights, frequency_half_life_s=config.frequency_half_life_s,
-        recency_half_life_s=config.recency_half_life_s, promote_after=config.promote_after,
-        promote_interval_s=config.promote_interval_s, cooldown_s=config.cooldown_s,
-        host_high=config.host_high_watermark, host_low=config.host_low_watermark,
-        disk_high=config.disk_high_watermark, disk_low=config.disk_low_watermark,
-        host_user_quota=config.host_user_quota, host_tenant_quota=config.host_tenant_quota,
-        disk_user_quota=config.disk_user_quota, disk_tenant_quota=config.disk_tenant_quota,
-        move_batch_pages=config.move_batch_pages, disk_bytes_per_s=config.disk_read_gbps * 1e9,
-        recompute_tokens_per_s=config.recompute_tokens_per_s)
+        policy=config.policy,
+        weights=config.policy_weights,
+        frequency_half_life_s=config.frequency_half_life_s,
+        recency_half_life_s=config.recency_half_life_s,
+        promote_after=config.promote_after,
+        promote_interval_s=config.promote_interval_s,
+        cooldown_s=config.cooldown_s,
+        host_high=config.host_high_watermark,
+        host_low=config.host_low_watermark,
+        disk_high=config.disk_high_watermark,
+        disk_low=config.disk_low_watermark,
+        host_user_quota=config.host_user_quota,
+        host_tenant_quota=config.host_tenant_quota,
+        disk_user_quota=config.disk_user_quota,
+        disk_tenant_quota=config.disk_tenant_quota,
+        move_batch_pages=config.move_batch_pages,
+        disk_bytes_per_s=config.disk_read_gbps * 1e9,
+        recompute_tokens_per_s=config.recompute_tokens_per_s,
+    )
 
 
 def _catalog_key(config: StoreConfig) -> str:

@@ -20,8 +20,9 @@ class History(Base):
 
     # -- sessions --------------------------------------------------------------------------
 
-    def create_session(self, session_id: str, *, user_id: str = "anonymous", tenant_id: str = "default",
-                       layout: Layout) -> Session:
+    def create_session(
+        self, session_id: str, *, user_id: str = "anonymous", tenant_id: str = "default", layout: Layout
+    ) -> Session:
         """Create a session owned by ``(tenant_id, user_id)`` whose pages have ``layout``.
 
         Idempotent for the same owner and layout (returns the existing session); raises
@@ -68,8 +69,15 @@ class History(Base):
 
     # -- versions --------------------------------------------------------------------------
 
-    def commit(self, session_id: str, tokens: TokenInput, pages: Mapping[int, bytes] | None = None, *,
-               label: str | None = None, tenant_id: str | None = None) -> Version:
+    def commit(
+        self,
+        session_id: str,
+        tokens: TokenInput,
+        pages: Mapping[int, bytes] | None = None,
+        *,
+        label: str | None = None,
+        tenant_id: str | None = None,
+    ) -> Version:
         """Record ``tokens`` as a new version of the session, child of the head, and make it the head.
 
         ``pages[i]`` is the KV of ``tokens[i*page_tokens:(i+1)*page_tokens]``, exactly
@@ -85,8 +93,16 @@ class History(Base):
             self.placement.note_tokens([PageId(r.page_id) for r in applied.stored], state.record.layout.page_tokens)
         return version
 
-    def save_pages(self, session_id: str | None, tokens: TokenInput, pages: Mapping[int, bytes], *,
-                   tenant_id: str | None = None, user_id: str | None = None, layout: Layout | None = None) -> int:
+    def save_pages(
+        self,
+        session_id: str | None,
+        tokens: TokenInput,
+        pages: Mapping[int, bytes],
+        *,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+    ) -> int:
         """Store pages of ``tokens`` ahead of the commit that will contain them.
 
         Engines save KV as they compute it and commit the version when the request ends;
@@ -113,8 +129,15 @@ class History(Base):
         applied = self.writer.write(session_id, tenant_id, versions.rollback, version_id)
         return self._version(applied, version_id)
 
-    def branch(self, session_id: str, version_id: int, new_session_id: str, *, tenant_id: str | None = None,
-               label: str | None = None) -> Session:
+    def branch(
+        self,
+        session_id: str,
+        version_id: int,
+        new_session_id: str,
+        *,
+        tenant_id: str | None = None,
+        label: str | None = None,
+    ) -> Session:
         """Start session ``new_session_id`` at ``version_id`` of this one (same owner and layout).
 
         The new session's first version has that version's tokens and shares its pages;

@@ -4,7 +4,7 @@ tiers, compact, inspect with SQL, check, read the statistics, run the mover."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from dss import integrity, policy
 from dss.catalog import erasures, pages
@@ -22,8 +22,24 @@ class Operations(Base):
 
     # -- erasure ---------------------------------------------------------------------------
 
-    def forget_user(self, user_id: str, *, tenant_id: str, dry_run: bool = False,
-                    progress: Callable[[str], None] | None = None) -> Receipt | Plan:
+    @overload
+    def forget_user(
+        self,
+        user_id: str,
+        *,
+        tenant_id: str,
+        dry_run: Literal[False] = False,
+        progress: Callable[[str], None] | None = None,
+    ) -> Receipt: ...
+
+    @overload
+    def forget_user(
+        self, user_id: str, *, tenant_id: str, dry_run: Literal[True], progress: Callable[[str], None] | None = None
+    ) -> Plan: ...
+
+    def forget_user(
+        self, user_id: str, *, tenant_id: str, dry_run: bool = False, progress: Callable[[str], None] | None = None
+    ) -> Receipt | Plan:
         """Erase everything of one user (GDPR Art. 17) of tenant ``tenant_id`` (always named:
         there is no default tenant for an erasure) and return the receipt.
 
@@ -54,9 +70,17 @@ class Operations(Base):
         check_name("tenant_id", tenant_id, optional=True)
         with self._reading(), self.catalog.read() as conn:
             rows = erasures.audit_rows(conn, tenant_id)
-        return [AuditEntry(audit_id=r.id, kind=r.kind, tenant_id=r.tenant_id, user_id=r.user_id,
-                           created_at=r.created_at.isoformat(), receipt=stored(Receipt, r.receipt))
-                for r in rows]
+        return [
+            AuditEntry(
+                audit_id=r.id,
+                kind=r.kind,
+                tenant_id=r.tenant_id,
+                user_id=r.user_id,
+                created_at=r.created_at.isoformat(),
+                receipt=stored(Receipt, r.receipt),
+            )
+            for r in rows
+        ]
 
     # -- engines: the device tier -----------------------------------------------------------
 
@@ -93,8 +117,9 @@ class Operations(Base):
             if state.head_id is None:
                 return {}
             record = state.record
-            match = self.matcher.match(state.tokens(state.head_id), record.layout, record.tenant_id, record.user_ref,
-                                       state)
+            match = self.matcher.match(
+                state.tokens(state.head_id), record.layout, record.tenant_id, record.user_ref, state
+            )
             return self.device.holders(PageId(p.page_id) for p in match.pages)
 
     # -- compaction ------------------------------------------------------------------------
@@ -115,8 +140,10 @@ class Operations(Base):
             try:
                 return self.compactor.run(dry_run=dry_run)
             except OSError as exc:
-                raise InternalError(f"compaction could not write a page file ({exc.strerror or exc}); the files "
-                                    "compacted before stay compacted, the others as they were") from None
+                raise InternalError(
+                    f"compaction could not write a page file ({exc.strerror or exc}); the files "
+                    "compacted before stay compacted, the others as they were"
+                ) from None
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -148,16 +175,22 @@ class Operations(Base):
             disk_used = pages.tier_bytes(conn, "disk", self.node.ref)
             disk_pages = pages.count_located(conn, "disk", self.node.ref)
             open_jobs = erasures.open_jobs(conn)
-            lsh = self._near.lsh.stats() if self._near is not None else {
-                "indexes": 0, "entries": 0, "capacity": self.config.lsh_max_entries, "storage": "none"}
+            lsh = (
+                self._near.lsh.stats()
+                if self._near is not None
+                else {"indexes": 0, "entries": 0, "capacity": self.config.lsh_max_entries, "storage": "none"}
+            )
         oldest = min((job.started_at for job in open_jobs), default=None)
         settings = self.placement.settings
         out: dict[str, Any] = {
-            "host": {"pages": len(self.host), "bytes": self.host.used_bytes, "capacity": self.host.capacity_bytes,
-                     "inactive_bytes": self.host.inactive_bytes},
+            "host": {
+                "pages": len(self.host),
+                "bytes": self.host.used_bytes,
+                "capacity": self.host.capacity_bytes,
+                "inactive_bytes": self.host.inactive_bytes,
+            },
             "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
-            "erasures": {"open": len(open_jobs),
-                         "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
+            "erasures": {"open": len(open_jobs), "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
             "lsh": lsh,
         }
         for tier in policy.TIERS:
@@ -168,7 +201,6 @@ class Operations(Base):
         out["prefetch"] = {name: int(n) for name, n in self.placement.prefetch.items()}
         out["policy"] = {"name": settings.policy, "mover_passes": self.mover.passes}
         return out
-
 
     def run_mover(self) -> dict[str, int]:
         """Run one pass of the mover now, in this thread: demote host and evict disk down to

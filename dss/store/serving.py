@@ -3,23 +3,20 @@ shared prefixes, page reads and prefetch."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from dss.catalog import pages
 from dss.catalog.change import Change
-from dss.core.errors import InvalidInput, InvalidTokens
-from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, view
-from dss.core.types import Layout, PageRef, Version
+from dss.core.errors import InvalidInput
+from dss.core.tokens import TokenInput, view
+from dss.core.types import Layout, PageRef
 from dss.core.validate import (
     check_callback,
     check_flag,
-    check_label,
     check_layout,
     check_name,
     check_page_ids,
-    check_pages,
 )
-from dss.matcher import SHARED_USER, shared_session_id
 from dss.nearest import Decode, Explanation
 from dss.resume import Candidate, ResumeResult
 from dss.store.base import Base
@@ -30,8 +27,9 @@ class Serving(Base):
 
     # -- resume and pages ------------------------------------------------------------------
 
-    def resume(self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None,
-               approximate: bool | None = None) -> ResumeResult:
+    def resume(
+        self, session_id: str, tokens: TokenInput, *, tenant_id: str | None = None, approximate: bool | None = None
+    ) -> ResumeResult:
         """How many leading tokens of ``tokens`` have stored, readable KV, and where.
 
         Walks the session's trie (every version, not only the head), fills pages it lacks
@@ -52,12 +50,20 @@ class Serving(Base):
             record = state.record
             result = self.matcher.match(buf, record.layout, record.tenant_id, record.user_ref, state)
             if approximate:
-                result = self._nearest_index().improve(result, buf, record.layout, record.user_ref, state,
-                                                       record.tenant_id)
+                result = self._nearest_index().improve(
+                    result, buf, record.layout, record.user_ref, state, record.tenant_id
+                )
             return result
 
-    def lookup(self, tokens: TokenInput, *, layout: Layout, user_id: str = "anonymous",
-               tenant_id: str = "default", approximate: bool | None = None) -> ResumeResult:
+    def lookup(
+        self,
+        tokens: TokenInput,
+        *,
+        layout: Layout,
+        user_id: str = "anonymous",
+        tenant_id: str = "default",
+        approximate: bool | None = None,
+    ) -> ResumeResult:
         """Like :meth:`resume` for a request with no session: the tenant's shared prefixes, then
         an exact chain-hash lookup in the namespace ``(tenant_id, user_id)``, then (``approximate``)
         verified LSH candidates of the namespace. Side-effect free."""
@@ -73,8 +79,16 @@ class Serving(Base):
                 result = self._nearest_index().improve(result, buf, layout, user_ref, None, tenant_id)
             return result
 
-    def nearest(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
-                user_id: str | None = None, layout: Layout | None = None, k: int = 5) -> list[Candidate]:
+    def nearest(
+        self,
+        tokens: TokenInput,
+        *,
+        session_id: str | None = None,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+        k: int = 5,
+    ) -> list[Candidate]:
         """The ``k`` stored versions nearest ``tokens`` (exact Jaccard of token shingles, highest
         first), each verified token by token: estimated and exact Jaccard, exact common prefix,
         first divergence, reusable tokens.
@@ -89,14 +103,22 @@ class Serving(Base):
             raise InvalidInput(f"k must be an int from 1 to 100, got {k!r}")
         with self._reading():
             near = self._nearest_index()
-            layout, tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
+            layout, _tenant, user_ref, state = self._scope(session_id, tenant_id, user_id, layout)
             if user_ref is None:
                 return []
             return near.candidates(buf, layout, user_ref, k=k, extra=state)[0]
 
-    def explain(self, session_id: str | None, tokens: TokenInput, *, tenant_id: str | None = None,
-                user_id: str | None = None, layout: Layout | None = None, decode: Decode | None = None,
-                context: int = 8) -> Explanation:
+    def explain(
+        self,
+        session_id: str | None,
+        tokens: TokenInput,
+        *,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+        decode: Decode | None = None,
+        context: int = 8,
+    ) -> Explanation:
         """Why exact reuse of ``tokens`` stops where it does: what resume reuses now, the nearest
         stored version (the session's own or any of its namespace and layout), the first
         position where the prompt diverges from it, ``context`` tokens on both sides (decoded
@@ -114,8 +136,16 @@ class Serving(Base):
             result = self.matcher.match(buf, layout, tenant, user_ref, state)
             return near.explain(result, buf, layout, user_ref, state, tenant, decode=decode, context=context)
 
-    def prefetch_candidates(self, tokens: TokenInput, *, session_id: str | None = None, tenant_id: str | None = None,
-                            user_id: str | None = None, layout: Layout | None = None, promote: bool = True) -> list[bytes]:
+    def prefetch_candidates(
+        self,
+        tokens: TokenInput,
+        *,
+        session_id: str | None = None,
+        tenant_id: str | None = None,
+        user_id: str | None = None,
+        layout: Layout | None = None,
+        promote: bool = True,
+    ) -> list[bytes]:
         """Ids of the pages the nearest near-duplicates let ``tokens`` reuse (their exact common
         prefix with stored pages), longest first; with ``promote`` they are read now, which
         brings disk pages into the host tier ahead of the request. Scope as :meth:`nearest`."""
@@ -136,35 +166,9 @@ class Serving(Base):
             self.read_pages(ids)
         return ids
 
-    def register_prefix(self, tokens: TokenInput, pages: Mapping[int, bytes], *, layout: Layout,
-                        tenant_id: str = "default", label: str | None = None) -> Version:
-        """Share a prefix (a system prompt, tool definitions) with every user of the tenant.
-
-        Its pages belong to the tenant, not to any user: every session of the tenant with
-        the same layout resumes them, erasing a user leaves them, and they are pinned.
-        """
-        check_layout(layout)
-        check_name("tenant_id", tenant_id)
-        check_label(label)
-        buf = pack(tokens)
-        if not buf:
-            raise InvalidTokens("a shared prefix needs at least one token")
-        check_pages(pages, len(buf) // TOKEN_BYTES, layout)  # all checked before the tenant's shared session is made
-        session_id = shared_session_id(layout)
-        self._create(session_id, SHARED_USER, tenant_id, layout)
-        version = self.commit(session_id, tokens, pages, label=label, tenant_id=tenant_id)
-        return self.pin(session_id, version.version_id, tenant_id=tenant_id)
-
-    def shared_prefixes(self, *, tenant_id: str = "default") -> list[Version]:
-        """The registered shared prefixes of a tenant (every layout), oldest first."""
-        check_name("tenant_id", tenant_id)
-        out: list[Version] = []
-        for info in self.sessions(tenant_id=tenant_id, user_id=SHARED_USER):
-            out.extend(self.versions(info.session_id, tenant_id=tenant_id))
-        return out
-
-    def read_pages(self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None,
-                   load: bool = True) -> list[bytes | None]:
+    def read_pages(
+        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True
+    ) -> list[bytes | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
 
         ``None`` for a page no tier holds any more or whose bytes fail verification (that
@@ -200,7 +204,6 @@ class Serving(Base):
             owners = pages.page_owners(conn, ids)
         return {p: size for p, (tenant, size) in owners.items() if tenant_id is None or tenant == tenant_id}
 
-
     def prefetch(self, session_id: str, *, tenant_id: str | None = None, wait: bool = False) -> int:
         """Move the pages of the session's head that only disk holds up to host, in the
         background (a chat backend calls this when the user starts typing), and return at once
@@ -222,7 +225,7 @@ class Serving(Base):
         def move() -> None:
             for start in range(0, len(ids), batch):
                 with self._reading():
-                    read = self.pages.read(ids[start:start + batch], prefetch=True)
+                    read = self.pages.read(ids[start : start + batch], prefetch=True)
                 if read.bad:
                     self.writer.apply(Change(quarantine=tuple(read.bad)))
 

@@ -13,8 +13,8 @@ in the catalog. Two kinds exist:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from dss.core.types import PageId
@@ -37,6 +37,11 @@ class ReadRequest(NamedTuple):
     page_id: PageId
     checksum: int
 
+    @classmethod
+    def at(cls, where: Located, page_id: PageId, checksum: int) -> ReadRequest:
+        """The request for page ``page_id``, stored ``where``."""
+        return cls(where.segment, where.offset, where.length, page_id, checksum)
+
 
 class StoredPage(NamedTuple):
     """A page read back from a durable tier: its stored payload and its record's flags."""
@@ -48,7 +53,7 @@ class StoredPage(NamedTuple):
 class ReadFailure(NamedTuple):
     """A page a durable tier could not return: its position in the request and why."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index
     reason: str
 
 

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dss.core.hashing import checksum as page_checksum
-from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
 from dss.core.types import PageId
+from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
 
 MAGIC = b"dss-segment v1\n".ljust(32, b"\0")
 RECORD = struct.Struct("<16sIIq")
@@ -105,8 +105,9 @@ class DiskTier(DurableTier):
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write(self, pages: Iterable[tuple[PageId, int, Any, int]], *,
-              publish: bool = True) -> tuple[str, int, list[Located]]:
+    def write(
+        self, pages: Iterable[tuple[PageId, int, Any, int]], *, publish: bool = True
+    ) -> tuple[str, int, list[Located]]:
         """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
 
         The records go out with one ``writev`` per :data:`IO_PAGES` of them (no copy into a
@@ -141,8 +142,8 @@ class DiskTier(DurableTier):
                     pending = self._io().submit(self._write_parts, fd, parts, count, written, offset - written)
                     parts, count, written = [], 0, offset
             if pending is not None:
-                pending, done = None, pending
-                done.result()
+                pending.result()
+                pending = None
             if parts:
                 self._write_parts(fd, parts, count, written, offset - written)
             if self.fsync:
@@ -189,8 +190,9 @@ class DiskTier(DurableTier):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read(self, requests: Sequence[ReadRequest], *,
-             sealed_verified_by_caller: bool = False) -> tuple[list[StoredPage | None], list[ReadFailure]]:
+    def read(
+        self, requests: Sequence[ReadRequest], *, sealed_verified_by_caller: bool = False
+    ) -> tuple[list[StoredPage | None], list[ReadFailure]]:
         """Verified records in request order; see DurableTier. Never raises for bad files."""
         out: list[StoredPage | None] = [None] * len(requests)
         failures: list[ReadFailure] = []
@@ -200,8 +202,9 @@ class DiskTier(DurableTier):
             failures.extend(chunk.failures)
         return out, failures
 
-    def read_chunks(self, requests: Sequence[ReadRequest], *, sealed_verified_by_caller: bool = False,
-                    transient: bool = False) -> Iterator[Chunk]:
+    def read_chunks(
+        self, requests: Sequence[ReadRequest], *, sealed_verified_by_caller: bool = False, transient: bool = False
+    ) -> Iterator[Chunk]:
         """The records of ``requests``, one :class:`Chunk` per ``pread`` (each record in exactly
         one chunk), in file order. While the caller works on a chunk, a helper thread reads
         the next. Records that are missing, torn or corrupt are failures; so are records
@@ -233,6 +236,7 @@ class DiskTier(DurableTier):
 
             pending = submit(0)
             for k, (_, start, _, run) in enumerate(plan):
+                assert pending is not None  # submitted for every k
                 data = pending.result()
                 pending = submit(k + 1) if k + 1 < len(plan) else None
                 self.io.reads += 1
@@ -254,8 +258,9 @@ class DiskTier(DurableTier):
             self._buffers_lock = threading.Lock()
         return self._pool
 
-    def _plan(self, requests: Sequence[ReadRequest]) -> tuple[list[tuple[str, int, int, list[int]]],
-                                                              list[ReadFailure], dict[str, int]]:
+    def _plan(
+        self, requests: Sequence[ReadRequest]
+    ) -> tuple[list[tuple[str, int, int, list[int]]], list[ReadFailure], dict[str, int]]:
         """The preads to make ``(segment, start, end, request indices)``, the requests of
         segments that cannot be opened, and the open segments' file descriptors."""
         plan: list[tuple[str, int, int, list[int]]] = []
@@ -275,8 +280,13 @@ class DiskTier(DurableTier):
         return plan, failures, fds
 
     @staticmethod
-    def _chunk(data: memoryview | OSError, start: int, run: list[int], requests: Sequence[ReadRequest],
-               sealed_verified_by_caller: bool) -> Chunk:
+    def _chunk(
+        data: memoryview | OSError,
+        start: int,
+        run: list[int],
+        requests: Sequence[ReadRequest],
+        sealed_verified_by_caller: bool,
+    ) -> Chunk:
         if isinstance(data, OSError):
             return Chunk([], [ReadFailure(i, f"read failed: {data.strerror}") for i in run])
         view = data
@@ -331,8 +341,9 @@ class DiskTier(DurableTier):
         every segment name the catalog holds for this node. Returns the names deleted."""
         mine = f"{self.writer}-"
         in_flight = set(self._in_flight)
-        gone = [name for name in self.files() if name.startswith(mine) and name not in recorded
-                and name not in in_flight]
+        gone = [
+            name for name in self.files() if name.startswith(mine) and name not in recorded and name not in in_flight
+        ]
         for name in gone:
             (self.segments_dir / name).unlink(missing_ok=True)
         if gone:

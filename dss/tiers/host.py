@@ -38,9 +38,11 @@ class HostTier(CacheTier):
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int,
-                 choose: Callable[[HostTier, PageId, int, Owner | None, bool], list[PageId] | None] | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        choose: Callable[[HostTier, PageId, int, Owner | None, bool], list[PageId] | None] | None = None,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.choose = choose
@@ -105,8 +107,9 @@ class HostTier(CacheTier):
         if size is not None:
             self.inactive_bytes -= size
 
-    def put(self, page_id: PageId, payload: bytes, owner: Owner | None = None, *,
-            compete: bool = False) -> Victims | None:
+    def put(
+        self, page_id: PageId, payload: bytes, owner: Owner | None = None, *, compete: bool = False
+    ) -> Victims | None:
         """Store ``payload``; return the ids evicted for it (in the order they left).
 
         Returns ``None`` and changes nothing when the page is larger than the tier, or the
@@ -196,8 +199,7 @@ class HostTier(CacheTier):
             problems.append(f"host tier counts {self.used_bytes} bytes but holds {actual}")
         if self.used_bytes > self.capacity_bytes:
             problems.append(f"host tier holds {self.used_bytes} bytes, over its capacity {self.capacity_bytes}")
-        if (any(p not in self._pages for p in self._inactive)
-                or sum(self._inactive.values()) != self.inactive_bytes):
+        if any(p not in self._pages for p in self._inactive) or sum(self._inactive.values()) != self.inactive_bytes:
             problems.append("host tier's inactive pages do not add up")
         owned: Counter[Owner] = Counter()
         for page_id, owner in self._owner.items():

@@ -61,8 +61,10 @@ BREAKER_FAILURES = 3
 BREAKER_COOLDOWN_S = 1.0
 FENCE_TTL_S = 7 * 24 * 3600
 """How long a namespace's fence stays (a write queued on a node for longer is let go anyway)."""
-_PUT_UNLESS_FENCED = ("if redis.call('exists', KEYS[1]) == 1 then return 0 end "
-                      "for i = 2, #KEYS do redis.call('set', KEYS[i], ARGV[i - 1]) end return #KEYS - 1")
+_PUT_UNLESS_FENCED = (
+    "if redis.call('exists', KEYS[1]) == 1 then return 0 end "
+    "for i = 2, #KEYS do redis.call('set', KEYS[i], ARGV[i - 1]) end return #KEYS - 1"
+)
 """Set KEYS[2:] to ARGV unless the fence KEYS[1] exists (all keys of one namespace, one slot)."""
 OPS = ("get", "put", "delete", "scan", "verify")
 """The operations ``errors`` counts (``verify``: a value that is not the page's)."""
@@ -79,10 +81,10 @@ def pack_value(checksum: int, flags: int, stored: bytes) -> bytes:
 
 def unpack_value(raw: bytes) -> tuple[int, int, bytes] | None:
     """``(checksum, flags, stored)`` of a value, or ``None`` if it is not one."""
-    if len(raw) < _HEAD.size or raw[:len(TAG)] != TAG:
+    if len(raw) < _HEAD.size or raw[: len(TAG)] != TAG:
         return None
     _, flags, checksum = _HEAD.unpack_from(raw)
-    return checksum, flags, raw[_HEAD.size:]
+    return checksum, flags, raw[_HEAD.size :]
 
 
 def key_of(prefix: str, tag: bytes, page_id: bytes) -> str:
@@ -126,8 +128,11 @@ class RemoteTier:
         self.prefix = prefix
         self.max_pending_bytes = max_pending_bytes
         # one immediate retry: a pooled connection a restarted Redis dropped fails once
-        options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                                   "retry": Retry(NoBackoff(), 1)}
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 1),
+        }
         self.is_cluster = "+cluster://" in url
         self._client: Any = None
         try:
@@ -184,8 +189,11 @@ class RemoteTier:
                 self.pending_bytes -= _size(self._queue.popleft())
                 dropped += 1
             if dropped:
-                log.warning("remote tier: %d queued writes and deletions let go (more than %d bytes waiting)", dropped,
-                            self.max_pending_bytes)
+                log.warning(
+                    "remote tier: %d queued writes and deletions let go (more than %d bytes waiting)",
+                    dropped,
+                    self.max_pending_bytes,
+                )
             self._cond.notify_all()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -294,7 +302,7 @@ class RemoteTier:
         deleted = 0
         try:
             for start in range(0, len(keys), DELETE_BATCH):
-                deleted += int(self.client.delete(*keys[start:start + DELETE_BATCH]))  # a cluster's: by slot
+                deleted += int(self.client.delete(*keys[start : start + DELETE_BATCH]))  # a cluster's: by slot
         except self._error as exc:
             self._failed("delete", exc)
             raise RemoteUnavailable(f"the remote tier cannot be reached: {exc}") from None
@@ -335,8 +343,11 @@ class RemoteTier:
             self._open_until = time.monotonic() + BREAKER_COOLDOWN_S
         if self.is_up:
             self.is_up = False
-            log.warning("remote tier unreachable (%s: %s): resumes use local tiers, writes wait", op,
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning(
+                "remote tier unreachable (%s: %s): resumes use local tiers, writes wait",
+                op,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
 
     def _succeeded(self) -> None:
         self._failures = 0

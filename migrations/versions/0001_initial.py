@@ -143,14 +143,28 @@ def upgrade() -> None:
 def downgrade() -> None:
     for name in ("version_summary", "tier_usage", "user_summary", "session_summary"):
         op.execute(f"DROP VIEW IF EXISTS {name}")
-    for table in ("catalog_seq", "changes", "quarantine", "page_refs", "page_locations", "pages", "segments",
-                  "versions", "sessions", "layouts", "users", "tenants"):
+    for table in (
+        "catalog_seq",
+        "changes",
+        "quarantine",
+        "page_refs",
+        "page_locations",
+        "pages",
+        "segments",
+        "versions",
+        "sessions",
+        "layouts",
+        "users",
+        "tenants",
+    ):
         op.drop_table(table)
 
 
 def _tier_bytes(owner: str, tier: str) -> str:
-    return (f"(SELECT COALESCE(SUM(loc.length), 0) FROM page_refs r JOIN page_locations loc "
-            f"ON loc.page_id = r.page_id AND loc.tier = '{tier}' WHERE r.session_ref = {owner})")
+    return (
+        f"(SELECT COALESCE(SUM(loc.length), 0) FROM page_refs r JOIN page_locations loc "
+        f"ON loc.page_id = r.page_id AND loc.tier = '{tier}' WHERE r.session_ref = {owner})"
+    )
 
 
 VIEWS = [

@@ -52,8 +52,10 @@ def upgrade() -> None:
         sa.Column("num_segments", sa.BigInteger, nullable=False),
     )
     op.bulk_insert(totals, [{"tier": "disk", "bytes": 0, "num_segments": 0}])
-    op.execute("UPDATE tier_totals SET bytes = (SELECT COALESCE(SUM(size), 0) FROM segments WHERE tier = 'disk'), "
-               "num_segments = (SELECT COUNT(*) FROM segments WHERE tier = 'disk') WHERE tier = 'disk'")
+    op.execute(
+        "UPDATE tier_totals SET bytes = (SELECT COALESCE(SUM(size), 0) FROM segments WHERE tier = 'disk'), "
+        "num_segments = (SELECT COUNT(*) FROM segments WHERE tier = 'disk') WHERE tier = 'disk'"
+    )
     op.create_table(
         "audit",
         sa.Column("id", sa.Integer, primary_key=True),

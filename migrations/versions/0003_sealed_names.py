@@ -40,8 +40,18 @@ down_revision = "0002"
 branch_labels = None
 depends_on = None
 
-NEVER_REUSED = ("tenants", "users", "layouts", "sessions", "versions", "segments", "quarantine", "feed",
-                "erasures", "audit")
+NEVER_REUSED = (
+    "tenants",
+    "users",
+    "layouts",
+    "sessions",
+    "versions",
+    "segments",
+    "quarantine",
+    "feed",
+    "erasures",
+    "audit",
+)
 """Tables whose ids must never be handed out twice."""
 
 
@@ -58,14 +68,16 @@ def upgrade() -> None:
         batch.add_column(sa.Column("sealed_label", sa.LargeBinary, nullable=True))
     _seal_existing(conn)
     _scrub_erasure_plans(conn)
-    with op.batch_alter_table("sessions", recreate="always" if sqlite else "auto",
-                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+    with op.batch_alter_table(
+        "sessions", recreate="always" if sqlite else "auto", table_kwargs={"sqlite_autoincrement": True}
+    ) as batch:
         batch.drop_column("session_id")
         batch.alter_column("session_key", nullable=False)
         batch.alter_column("name", nullable=False)
         batch.create_unique_constraint("uq_sessions_tenant_ref_session_key", ["tenant_ref", "session_key"])
-    with op.batch_alter_table("versions", recreate="always" if sqlite else "auto",
-                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+    with op.batch_alter_table(
+        "versions", recreate="always" if sqlite else "auto", table_kwargs={"sqlite_autoincrement": True}
+    ) as batch:
         batch.drop_column("label")
         batch.alter_column("sealed_label", new_column_name="label")
     if sqlite:
@@ -87,8 +99,9 @@ def _rename_tables() -> None:
     op.drop_index("ix_page_refs_page_id", table_name="session_pages")
     op.create_index("ix_session_pages_page_id", "session_pages", ["page_id"])
     op.add_column("session_pages", sa.Column("pinned", sa.Boolean, nullable=False, server_default=sa.false()))
-    op.execute("UPDATE session_pages SET pinned = TRUE WHERE session_ref IN "
-               "(SELECT session_ref FROM versions WHERE pinned)")
+    op.execute(
+        "UPDATE session_pages SET pinned = TRUE WHERE session_ref IN (SELECT session_ref FROM versions WHERE pinned)"
+    )
     op.rename_table("changes", "feed")
     op.drop_index("ix_changes_seq", table_name="feed")
     op.create_index("ix_feed_seq", "feed", ["seq"])
@@ -97,18 +110,27 @@ def _rename_tables() -> None:
 def _seal_existing(conn: sa.Connection) -> None:
     """Give every session its key and sealed name, seal every label, and bind every sealed
     token history to its session's key instead of its row number, under the master key."""
-    rows = conn.execute(sa.text(
-        "SELECT v.id, s.id, v.label, v.suffix, v.sealed FROM versions v JOIN sessions s ON s.id = v.session_ref "
-        "WHERE v.label IS NOT NULL OR v.sealed")).all()
-    sessions = conn.execute(sa.text("SELECT s.id, s.session_id, s.user_ref, k.wrapped FROM sessions s "
-                                    "LEFT JOIN user_keys k ON k.user_ref = s.user_ref")).all()
+    rows = conn.execute(
+        sa.text(
+            "SELECT v.id, s.id, v.label, v.suffix, v.sealed FROM versions v JOIN sessions s ON s.id = v.session_ref "
+            "WHERE v.label IS NOT NULL OR v.sealed"
+        )
+    ).all()
+    sessions = conn.execute(
+        sa.text(
+            "SELECT s.id, s.session_id, s.user_ref, k.wrapped FROM sessions s "
+            "LEFT JOIN user_keys k ON k.user_ref = s.user_ref"
+        )
+    ).all()
     if not sessions:
         return
     master = context.config.attributes.get("master_key")
     check = conn.execute(sa.text("SELECT value FROM store_meta WHERE key = 'master_check'")).scalar()
     if master is None or check is None or bytes(check) != master_check(master):
-        raise ConfigError("upgrading this catalog to revision 0003 seals its session ids and labels and needs the "
-                          "store's master key: run `dss db upgrade` with the store's configuration")
+        raise ConfigError(
+            "upgrading this catalog to revision 0003 seals its session ids and labels and needs the "
+            "store's master key: run `dss db upgrade` with the store's configuration"
+        )
     lookup = session_lookup_key(master)
     keys: dict[int, tuple[bytes, Sealer | None]] = {}
     for ref, session_id, user_ref, wrapped in sessions:
@@ -116,8 +138,10 @@ def _seal_existing(conn: sa.Connection) -> None:
         sealer = keys.setdefault(ref, (key, _sealer(master, user_ref, wrapped)))[1]
         # a user under erasure has no key: the erasure deletes the row, so any unreadable name will do
         name = sealer.seal(session_id.encode(), b"dss-session-id v1\0" + key) if sealer else b""
-        conn.execute(sa.text("UPDATE sessions SET session_key = :key, name = :name WHERE id = :ref"),
-                     {"key": key, "name": name, "ref": ref})
+        conn.execute(
+            sa.text("UPDATE sessions SET session_key = :key, name = :name WHERE id = :ref"),
+            {"key": key, "name": name, "ref": ref},
+        )
     for version_id, ref, label, suffix, sealed in rows:
         key, sealer = keys[ref]
         if sealer is None:
@@ -141,7 +165,9 @@ def _scrub_erasure_plans(conn: sa.Connection) -> None:
         removed["sample"] = [needle(bytes.fromhex(s)) if isinstance(s, str) else s for s in removed.get("sample", [])]
         if state not in ("planned", "key_destroyed", "catalog_purged") and "files" in removed:
             removed["file_digests"] = sorted(hashlib.sha256(name.encode()).hexdigest() for name in removed.pop("files"))
-        conn.execute(sa.text("UPDATE erasures SET plan = :plan WHERE id = :id"), {"plan": json.dumps(plan), "id": job_id})
+        conn.execute(
+            sa.text("UPDATE erasures SET plan = :plan WHERE id = :id"), {"plan": json.dumps(plan), "id": job_id}
+        )
 
 
 def _sealer(master: bytes, user_ref: int, wrapped: bytes | None) -> Sealer | None:
@@ -169,8 +195,10 @@ VIEW_NAMES = ("session_summary", "user_summary", "tier_usage", "version_summary"
 
 
 def _tier_bytes(owner: str, tier: str) -> str:
-    return (f"(SELECT COALESCE(SUM(loc.length), 0) FROM session_pages r JOIN page_locations loc "
-            f"ON loc.page_id = r.page_id AND loc.tier = '{tier}' WHERE r.session_ref = {owner})")
+    return (
+        f"(SELECT COALESCE(SUM(loc.length), 0) FROM session_pages r JOIN page_locations loc "
+        f"ON loc.page_id = r.page_id AND loc.tier = '{tier}' WHERE r.session_ref = {owner})"
+    )
 
 
 def views(sqlite: bool) -> list[str]:

@@ -39,17 +39,28 @@ def upgrade() -> None:
     )
     folder = bind.execute(sa.text("SELECT value FROM store_meta WHERE key = 'store_id'")).scalar()
     if folder is not None:
-        op.bulk_insert(node_table, [{"id": 1, "node_id": bytes(folder).hex()[:16], "folder_id": bytes(folder),
-                                     "created_at": dt.datetime.now(dt.timezone.utc)}])
+        op.bulk_insert(
+            node_table,
+            [
+                {
+                    "id": 1,
+                    "node_id": bytes(folder).hex()[:16],
+                    "folder_id": bytes(folder),
+                    "created_at": dt.datetime.now(dt.UTC),
+                }
+            ],
+        )
         if not sqlite:
             op.execute("SELECT setval(pg_get_serial_sequence('nodes', 'id'), 1)")
     views = _views_aside(bind)
-    with op.batch_alter_table("segments", recreate="always" if sqlite else "auto",
-                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+    with op.batch_alter_table(
+        "segments", recreate="always" if sqlite else "auto", table_kwargs={"sqlite_autoincrement": True}
+    ) as batch:
         batch.add_column(sa.Column("node_ref", sa.Integer, nullable=True))
     op.execute("UPDATE segments SET node_ref = 1")
-    with op.batch_alter_table("segments", recreate="always" if sqlite else "auto",
-                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+    with op.batch_alter_table(
+        "segments", recreate="always" if sqlite else "auto", table_kwargs={"sqlite_autoincrement": True}
+    ) as batch:
         batch.alter_column("node_ref", existing_type=sa.Integer, nullable=False)
         batch.create_foreign_key("fk_segments_node_ref_nodes", "nodes", ["node_ref"], ["id"])
         batch.create_index("ix_segments_node_ref", ["node_ref"])
@@ -63,8 +74,10 @@ def upgrade() -> None:
         sa.Column("bytes", sa.BigInteger, nullable=False),
         sa.Column("num_segments", sa.BigInteger, nullable=False),
     )
-    op.execute("INSERT INTO tier_totals (tier, node_ref, bytes, num_segments) "
-               "SELECT tier, node_ref, SUM(size), COUNT(*) FROM segments GROUP BY tier, node_ref")
+    op.execute(
+        "INSERT INTO tier_totals (tier, node_ref, bytes, num_segments) "
+        "SELECT tier, node_ref, SUM(size), COUNT(*) FROM segments GROUP BY tier, node_ref"
+    )
 
 
 def downgrade() -> None:
@@ -75,12 +88,15 @@ def downgrade() -> None:
         sa.Column("bytes", sa.BigInteger, nullable=False),
         sa.Column("num_segments", sa.BigInteger, nullable=False),
     )
-    op.execute("INSERT INTO tier_totals (tier, bytes, num_segments) "
-               "SELECT tier, SUM(size), COUNT(*) FROM segments GROUP BY tier")
+    op.execute(
+        "INSERT INTO tier_totals (tier, bytes, num_segments) "
+        "SELECT tier, SUM(size), COUNT(*) FROM segments GROUP BY tier"
+    )
     views = _views_aside(op.get_bind())
     sqlite = op.get_bind().dialect.name == "sqlite"
-    with op.batch_alter_table("segments", recreate="always" if sqlite else "auto",
-                              table_kwargs={"sqlite_autoincrement": True}) as batch:
+    with op.batch_alter_table(
+        "segments", recreate="always" if sqlite else "auto", table_kwargs={"sqlite_autoincrement": True}
+    ) as batch:
         batch.drop_index("ix_segments_node_ref")
         if not sqlite:
             batch.drop_constraint("fk_segments_node_ref_nodes", type_="foreignkey")

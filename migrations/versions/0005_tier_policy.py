@@ -15,8 +15,7 @@ down_revision = "0004"
 branch_labels = None
 depends_on = None
 
-COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "prefetch_hits",
-            "prefetch_wasted")
+COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "prefetch_hits", "prefetch_wasted")
 
 QUOTA_VIEW = """
 CREATE VIEW tier_quota_usage AS
