@@ -24,10 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-from sqlalchemy.exc import IntegrityError
-
 from dss.catalog import nodes
-from dss.catalog.database import Catalog
+from dss.catalog.database import Catalog, DuplicateRow
 from dss.core.config import sqlite_file
 from dss.core.errors import ConfigError, StoreFolderError
 
@@ -126,7 +124,7 @@ def adopt_folder(catalog: Catalog, home: Path, node_id: str | None = None) -> No
         with catalog.write() as tx:
             if node_id is not None or not nodes.all_nodes(tx.conn):  # writers are serialised: no race here
                 nodes.insert_node(tx.conn, node_id or mine.hex()[:16], mine)
-    except IntegrityError:
+    except DuplicateRow:
         pass  # another folder took the name meanwhile, or the first node's place: check again
     return adopt_folder(catalog, home, node_id)
 

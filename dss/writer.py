@@ -34,13 +34,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
-
 from dss import versions
 from dss.catalog import change as changes
 from dss.catalog import erasures
 from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
-from dss.catalog.database import Catalog, Tx, catalog_errors
+from dss.catalog.database import Catalog, DuplicateRow, Tx, catalog_errors
 from dss.core.crypto import Sealer
 from dss.core.errors import Conflict, DssError, ErasureInProgress, SessionExists, StoreClosed, UnknownSession
 from dss.core.types import Layout
@@ -273,7 +271,7 @@ class Writer:
             try:
                 room = self.pages.room(tx, member.written, member.change.user_ref)
                 member.applied = changes.apply(tx, member.change, member.written, room, is_checked=True)
-            except (DssError, IntegrityError) as exc:  # part written: roll back, go again without it
+            except (DssError, DuplicateRow) as exc:  # part written: roll back, go again without it
                 member.error = exc
                 raise Restart() from exc
         return True

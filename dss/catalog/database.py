@@ -28,7 +28,14 @@ from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import create_engine, event, inspect, text, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import ArgumentError, DatabaseError, DBAPIError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DatabaseError,
+    DBAPIError,
+    IntegrityError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.sql.expression import Executable
 
 from dss.catalog.readonly import ReadOnlySql
@@ -44,6 +51,10 @@ CHUNK = 500
 """Largest ``IN (...)`` list sent in one statement."""
 
 T = TypeVar("T")
+
+DuplicateRow = IntegrityError
+"""A write broke a unique or foreign-key constraint: another writer got there first (callers
+outside this package catch it by this name, never SQLAlchemy's)."""
 
 
 def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
