@@ -148,8 +148,8 @@ def save_cache(
     """
     pages = cache_pages(cache, layout, num_tokens=len(tokens))
     if session_id is None:
-        return store.save_pages(None, tokens, pages, tenant_id=tenant_id, user_id=user_id, layout=layout)
-    return store.save_pages(session_id, tokens, pages, tenant_id=tenant_id)
+        return store.save_pages(None, tokens, pages, tenant_id=tenant_id, user_id=user_id, layout=layout).num_new
+    return store.save_pages(session_id, tokens, pages, tenant_id=tenant_id).num_new
 
 
 def load_cache(

@@ -114,16 +114,17 @@ class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
         """Save the job's pages; (pages saved, their ids if reported), ``(0, [])`` if refused."""
         pages = {job.first_page + i: job.payload[i].tobytes() for i in range(job.payload.shape[0])}
         scope = job.scope
+        saved = None
         try:
             if scope.session_id is not None and self._session(scope):
                 try:
-                    self.store.save_pages(scope.session_id, job.tokens, pages, tenant_id=scope.tenant_id)
+                    saved = self.store.save_pages(scope.session_id, job.tokens, pages, tenant_id=scope.tenant_id)
                 except UnknownSession:  # deleted since: make it again
                     self._sessions.discard((scope.tenant_id, scope.session_id))
                     if self._session(scope):
-                        self.store.save_pages(scope.session_id, job.tokens, pages, tenant_id=scope.tenant_id)
+                        saved = self.store.save_pages(scope.session_id, job.tokens, pages, tenant_id=scope.tenant_id)
             else:
-                self.store.save_pages(
+                saved = self.store.save_pages(
                     None, job.tokens, pages, tenant_id=scope.tenant_id, user_id=scope.user_id, layout=self.layout
                 )
             self.num_pages_written += len(pages)
@@ -131,21 +132,9 @@ class PageWriter(JobThread[WriteJob, tuple[int, list[bytes]]]):
             self.num_failed_jobs += 1
             log.error("saving %d pages of request %s failed: %s", len(pages), job.req_id, exc)
             return 0, []
-        return len(pages), self._page_ids(job, len(pages)) if self.report_pages else []
-
-    def _page_ids(self, job: WriteJob, count: int) -> list[bytes]:
-        """The ids of the job's pages, as the store now finds them (those it finds)."""
-        scope, end = job.scope, (job.first_page + count) * self.layout.page_tokens
-        tokens = job.tokens[:end]
-        result = None
-        if scope.session_id is not None and (scope.tenant_id, scope.session_id) in self._sessions:
-            try:
-                result = self.store.resume(scope.session_id, tokens, tenant_id=scope.tenant_id)
-            except UnknownSession:
-                return []
-        if result is None:
-            result = self.store.lookup(tokens, layout=self.layout, user_id=scope.user_id, tenant_id=scope.tenant_id)
-        return [bytes(p.page_id) for p in result.pages[job.first_page :]]
+        if not self.report_pages or saved is None:
+            return len(pages), []
+        return len(pages), [bytes(p) for p in saved.page_ids.values()]
 
     def _session(self, scope: Scope) -> bool:
         """Make sure the session exists; ``False`` if its id is taken by another owner or layout."""

@@ -47,7 +47,7 @@ from dss.core.errors import (
     UnknownVersion,
 )
 from dss.core.tokens import TokenInput
-from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
 from dss.core.version import VERSION
 from dss.erasure import AuditEntry, Plan, Receipt
 from dss.nearest import Explanation
@@ -85,6 +85,7 @@ __all__ = [
     "ReadOnlyViolation",
     "Receipt",
     "ResumeResult",
+    "SavedPages",
     "SchemaOutdated",
     "SchemaTooNew",
     "Session",

@@ -285,11 +285,16 @@ def test_resume_stops_at_the_first_page_no_tier_holds(api: Any, tenant: str) -> 
 
 def test_save_pages_before_commit_and_lookup_without_session(api: Any, tenant: str) -> None:
     make(api, tenant)
-    assert api.save_pages("s", T, {0: page(1), 1: page(2)}) == 2
-    assert api.save_pages("s", T, {0: page(1)}) == 0
-    assert api.resume("s", T).matched_tokens == 8
-    assert api.save_pages(None, [9] * 8, {0: page(3), 1: page(4)}, tenant_id=tenant, user_id="w", layout=LAYOUT) == 2
+    saved = api.save_pages("s", T, {0: page(1), 1: page(2)})
+    assert saved.num_new == 2
+    assert api.save_pages("s", T, {0: page(1)}) == dss.SavedPages({0: saved.page_ids[0]}, 0)
+    r = api.resume("s", T)
+    assert r.matched_tokens == 8
+    assert saved.page_ids == {p.index: p.page_id for p in r.pages}
+    alone = api.save_pages(None, [9] * 8, {0: page(3), 1: page(4)}, tenant_id=tenant, user_id="w", layout=LAYOUT)
+    assert alone.num_new == 2
     found = api.lookup([9] * 8 + [1], layout=LAYOUT, user_id="w", tenant_id=tenant)
+    assert alone.page_ids == {p.index: p.page_id for p in found.pages}
     assert (found.session_id, found.version_id, found.matched_tokens, found.tiers) == (None, None, 8, {"host": 8})
     assert api.read_pages(found.pages) == [page(3), page(4)]
     assert api.lookup([9] * 8, layout=LAYOUT, user_id="nobody", tenant_id=tenant).matched_tokens == 0

@@ -705,10 +705,12 @@ def test_explain_and_nearest_over_http(service: Service) -> None:
 
 def test_save_pages_then_lookup_without_a_session(service: Service) -> None:
     body = {"session_id": None, "tokens": T, "pages": {"0": b64(page(3))}, "user_id": "u", "layout": LAYOUT_JSON}
-    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 1}
-    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 0}
+    saved = service.ok("POST", "/v1/pages", json=body)
+    assert saved["num_new_pages"] == 1
+    assert service.ok("POST", "/v1/pages", json=body) == {**saved, "num_new_pages": 0}
     found = service.ok("POST", "/v1/lookup", json={"tokens": T, "layout": LAYOUT_JSON, "user_id": "u"})
     assert (found["session_id"], found["matched_tokens"], found["tiers"]) == (None, 4, {"host": 4})
+    assert saved["page_ids"] == {"0": found["pages"][0]["page_id"]}
     other = service.ok("POST", "/v1/lookup", json={"tokens": T, "layout": LAYOUT_JSON, "user_id": "v"})
     assert other["matched_tokens"] == 0
     expect_problem(
@@ -724,8 +726,11 @@ def test_save_pages_then_lookup_without_a_session(service: Service) -> None:
 def test_save_pages_into_a_session_before_its_commit(service: Service) -> None:
     service.create()
     body = {"session_id": "s", "tokens": T, "pages": {"0": b64(page(1)), "1": b64(page(2))}}
-    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 2}
-    assert service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": T})["matched_tokens"] == 8
+    saved = service.ok("POST", "/v1/pages", json=body)
+    assert saved["num_new_pages"] == 2
+    r = service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": T})
+    assert r["matched_tokens"] == 8
+    assert saved["page_ids"] == {str(p["index"]): p["page_id"] for p in r["pages"]}
     expect_problem(
         service.call("POST", "/v1/pages", json={**body, "pages": {"0": b64(b"x")}}),
         "InvalidPage",
@@ -1040,7 +1045,8 @@ def test_a_page_key_that_is_not_a_canonical_index_is_refused_and_changes_nothing
 def test_canonical_page_keys_are_the_indexes(service: Service) -> None:
     service.create()
     body = {"session_id": "s", "tokens": T + T, "pages": {"0": b64(page(1)), "1": b64(page(2)), "3": b64(page(4))}}
-    assert service.ok("POST", "/v1/pages", json=body) == {"num_new_pages": 3}
+    saved = service.ok("POST", "/v1/pages", json=body)
+    assert (sorted(saved["page_ids"]), saved["num_new_pages"]) == (["0", "1", "3"], 3)
     expect_problem(
         service.call("POST", "/v1/commit", json={**body, "pages": {"10": b64(page(1))}}),
         "InvalidPage",

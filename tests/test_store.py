@@ -176,9 +176,13 @@ def test_new_session_finds_namespace_pages_by_chain_hash(store: dss.Store) -> No
 
 def test_save_pages_before_commit(store: dss.Store) -> None:
     make(store)
-    assert store.save_pages("s", T, {0: page(1)}) == 1
-    assert store.save_pages("s", T, {0: page(1)}) == 0
-    assert store.resume("s", T).matched_tokens == 4
+    first = store.save_pages("s", T, {0: page(1)})
+    assert first.num_new == 1
+    again = store.save_pages("s", T, {0: page(1)})
+    assert again == dss.SavedPages(first.page_ids, 0)
+    r = store.resume("s", T)
+    assert r.matched_tokens == 4
+    assert first.page_ids == {p.index: p.page_id for p in r.pages}
     assert store.check() == []
     v = store.commit("s", T + [1, 2], {1: page(2)})
     assert store.resume("s", T).matched_tokens == 8
@@ -186,8 +190,11 @@ def test_save_pages_before_commit(store: dss.Store) -> None:
 
 
 def test_sessionless_pages_resume_by_lookup_in_their_namespace_only(store: dss.Store) -> None:
-    assert store.save_pages(None, T, pages_for(T), tenant_id="t", user_id="u", layout=LAYOUT) == 2
-    assert store.lookup(T, layout=LAYOUT, user_id="u", tenant_id="t").matched_tokens == 8
+    saved = store.save_pages(None, T, pages_for(T), tenant_id="t", user_id="u", layout=LAYOUT)
+    assert saved.num_new == 2
+    found = store.lookup(T, layout=LAYOUT, user_id="u", tenant_id="t")
+    assert found.matched_tokens == 8
+    assert saved.page_ids == {p.index: p.page_id for p in found.pages}
     assert store.lookup(T, layout=LAYOUT, user_id="other", tenant_id="t").matched_tokens == 0
     assert store.lookup(T, layout=LAYOUT, user_id="u", tenant_id="other").matched_tokens == 0
     other_layout = dss.Layout(name="test", page_tokens=4, page_bytes=16, model="tiny", dtype="int4")

@@ -183,6 +183,8 @@ class Applied(NamedTuple):
     dead_files: tuple[str, ...]
     thinned: tuple[int, ...] = ()
     """Segments that lost pages and keep some: their dead bytes grew (compaction may be due)."""
+    given: tuple[tuple[int, PageId], ...] = ()
+    """The pages the change was given, stored now or before: (index, id) each."""
 
 
 def check(tx: Tx, change: Change) -> None:
@@ -260,6 +262,7 @@ def apply(
         (*dropped, *released),
         tuple(dead),
         tuple(sorted(set(thinned))),
+        tuple((p.index, p.page_id) for p in change.pages),
     )
 
 

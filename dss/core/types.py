@@ -122,6 +122,14 @@ class PageRef(NamedTuple):
     tier: str
 
 
+class SavedPages(NamedTuple):
+    """What a save stored: the id of every page it was given, by the page's index in the
+    tokens, and how many of them the store did not hold before."""
+
+    page_ids: dict[int, PageId]
+    num_new: int
+
+
 class Version(NamedTuple):
     """An immutable snapshot of a session's token history."""
 

@@ -32,7 +32,7 @@ import httpx
 
 from dss.compaction import Compaction
 from dss.core.tokens import TokenInput, pack, unpack
-from dss.core.types import Layout, PageRef, Session, SqlResult, Version
+from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Version
 from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads
 from dss.core.version import VERSION
 from dss.erasure import AuditEntry, Plan, Receipt
@@ -165,8 +165,8 @@ class Client:
         tenant_id: str | None = None,
         user_id: str | None = None,
         layout: Layout | None = None,
-    ) -> int:
-        """:meth:`dss.Store.save_pages`: how many pages were new."""
+    ) -> SavedPages:
+        """:meth:`dss.Store.save_pages`: every given page's id, and how many were new."""
         body = {
             "session_id": session_id,
             "tokens": _token_list(tokens),
@@ -175,7 +175,7 @@ class Client:
             "user_id": user_id,
             "layout": _layout(layout) if layout is not None else None,
         }
-        return int(self._call("POST", "/v1/pages", json=body)["num_new_pages"])
+        return m.saved_from(self._call("POST", "/v1/pages", json=body))
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """:meth:`dss.Store.rollback`: the version that is now the head."""

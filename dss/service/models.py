@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 from dss.compaction import Compaction
 from dss.core.errors import InvalidPage
 from dss.core.tokens import MAX_TOKEN
-from dss.core.types import Layout, PageId, PageRef, Session, SqlResult, Version, VersionId
+from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
 from dss.nearest import Explanation
 from dss.resume import Candidate, Rates, ResumeResult
 
@@ -307,6 +307,7 @@ class TokensOut(_Out):
 
 
 class SavePagesOut(_Out):
+    page_ids: dict[int, PageIdHex] = Field(description="The id of every page given, by its index.")
     num_new_pages: int
 
 
@@ -619,6 +620,14 @@ def compaction_from(d: dict[str, Any]) -> Compaction:
         d["bytes_after"],
         d["quarantined"],
     )
+
+
+def saved_out(s: SavedPages) -> dict[str, Any]:
+    return {"page_ids": {i: p.hex() for i, p in s.page_ids.items()}, "num_new_pages": s.num_new}
+
+
+def saved_from(d: dict[str, Any]) -> SavedPages:
+    return SavedPages({int(i): PageId(bytes.fromhex(p)) for i, p in d["page_ids"].items()}, d["num_new_pages"])
 
 
 def rates_out(rates: Rates) -> dict[str, Any]:

@@ -330,7 +330,7 @@ def _add_routes(app: FastAPI) -> None:
         namespace (user_id, layout))."""
         tenant = call.scope.writing(body.tenant_id)
         layout = m.layout_of(body.layout) if body.layout is not None else None
-        new = call.store.save_pages(
+        saved = call.store.save_pages(
             body.session_id,
             _tokens(call, body.tokens),
             m.decode_pages(body.pages),
@@ -338,7 +338,7 @@ def _add_routes(app: FastAPI) -> None:
             user_id=body.user_id,
             layout=layout,
         )
-        return {"num_new_pages": new}
+        return m.saved_out(saved)
 
     @app.post("/v1/pages/read", response_model=m.ReadPagesOut, tags=["pages"], **v1)
     def read_pages(body: m.ReadPagesIn, call: Call = call_dep) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from dss import versions
 from dss.catalog import sessions
 from dss.core.errors import ErasureInProgress, InvalidInput
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack
-from dss.core.types import Layout, PageId, Session, Version
+from dss.core.types import Layout, PageId, SavedPages, Session, Version
 from dss.core.validate import check_flag, check_label, check_name, check_pages
 from dss.state import session_of
 from dss.store.base import Base, sessionless
@@ -102,24 +102,25 @@ class History(Base):
         tenant_id: str | None = None,
         user_id: str | None = None,
         layout: Layout | None = None,
-    ) -> int:
+    ) -> SavedPages:
         """Store pages of ``tokens`` ahead of the commit that will contain them.
 
         Engines save KV as they compute it and commit the version when the request ends;
         the session holds the saved pages from now on (they resume at once, and are
         released with the session). With ``session_id=None`` the pages are held for the
         namespace ``(tenant_id, user_id)`` and ``layout``, for requests that carry no
-        session (they resume through :meth:`lookup`). Returns how many pages were new.
+        session (they resume through :meth:`lookup`). Returns the id of every page given, by
+        index (what :meth:`resume` will report for them), and how many were new to the store.
         """
         buf = pack(tokens)
         if session_id is None:
             tenant_id, user_id, layout = sessionless(tenant_id, user_id, layout)
             if not check_pages(pages, len(buf) // TOKEN_BYTES, layout):  # before the page-cache session is made
-                return 0
+                return SavedPages({}, 0)
             state = self._cache_session(tenant_id, user_id, layout)
             session_id, tenant_id = state.session_id, state.record.tenant_id
         applied = self.writer.write(session_id, tenant_id, versions.save, buf, pages)
-        return len(applied.stored)
+        return SavedPages(dict(applied.given), len(applied.stored))
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """Move the session's head to ``version_id``; the next commit's parent is that version.
