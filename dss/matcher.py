@@ -14,9 +14,9 @@ from dss.core.tokens import TOKEN_BYTES
 from dss.core.types import Layout, PageId, VersionId
 from dss.mirror import Mirror
 from dss.pageindex import PageIndex
-from dss.residency import Residency
 from dss.resume import Rates, ResumeResult
 from dss.state import SessionState
+from dss.tiers.device import Residency
 from dss.trie import Match, Span
 
 SHARED_PREFIX = "~shared-"

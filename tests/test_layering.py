@@ -17,7 +17,7 @@ FLOORS = [
     {"core"},
     {"routing"},
     {"catalog", "tiers", "trie", "pagestats"},
-    {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "residency", "records"},
+    {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "records"},
     {"state", "copies"},
     {"mirror", "pages", "resume"},
     {"versions", "matcher"},

@@ -1,6 +1,6 @@
 """The device tier: which pages engine instances hold in their own memory, per process.
 
-Unit tests of :class:`dss.residency.Residency` on a hand-driven clock, then the store's API:
+Unit tests of :class:`dss.tiers.device.Residency` on a hand-driven clock, then the store's API:
 ``resume`` reports pages an engine holds as ``device`` (only those host or disk holds too),
 every store of the process on the same catalog sees the same engines, ``residency`` counts a
 session's head pages per engine, and an engine that goes away (or stops reporting) no longer
@@ -16,7 +16,7 @@ import pytest
 
 import dss
 from dss.core.types import PageId
-from dss.residency import Residency
+from dss.tiers.device import Residency
 
 LAYOUT = dss.Layout(name="device", page_tokens=4, page_bytes=64, model="tiny", dtype="int8")
 T = list(range(300, 320))  # 5 pages

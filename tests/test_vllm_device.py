@@ -4,7 +4,7 @@ next turn is served from vLLM's own cache (dss loads nothing), outputs stay exac
 and once vLLM lets the blocks go (or the engine shuts down) they are no longer on device.
 
 The engine runs single-process, so its connector's store and this test's store share the
-process's residency (:mod:`dss.residency`). Conversation as in ``test_vllm_connector.py``
+process's residency (:mod:`dss.tiers.device`). Conversation as in ``test_vllm_connector.py``
 (block = page = 32 tokens): turn 1 (``p1``, 100 tokens, 40 generated) leaves KV of 139 tokens,
 pages 0-3; turn 2 (``p2``, 170 tokens, 8 generated) leaves KV of 177 tokens, pages 0-4.
 """

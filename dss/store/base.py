@@ -34,9 +34,9 @@ from dss.nearest import Nearest
 from dss.pageindex import PageIndex
 from dss.pages import PageStore
 from dss.policy import Placement
-from dss.residency import for_catalog as device_tier
 from dss.resume import Rates
 from dss.state import SessionState
+from dss.tiers.device import for_catalog as device_tier
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.remote import RemoteTier
