@@ -156,7 +156,9 @@ def test_ranks_load_their_ram_synchronously_and_hold_that_steps_saves_until_ever
     them synchronously. Page 4 is computed in the step with that load: the ranks hold its
     copies until the scheduler has seen the step's outcome on both, then write them."""
     store_path = tmp_path / "store"
-    with engine(model, store=store_path, log_stats=True, **TP2) as llm:
+    # a generous session_wait_s: on two cores each rank's writer thread shares its core with the
+    # rank's busy loop (turn 1's last save once took longer than the default 5 s to report)
+    with engine(model, store=store_path, log_stats=True, session_wait_s=60, **TP2) as llm:
         first = run(llm, ref["p1"], SESSION, max_tokens=40)
         assert llm.reset_prefix_cache()
         out = run(llm, ref["p2"], SESSION)  # waits for turn 1's pages to be written on both ranks
