@@ -36,7 +36,8 @@ def payloads(n: int) -> dict[int, bytes]:
 
 
 def save(store: dss.Store, n: int, user_id: str = "u") -> int:
-    return store.save_pages(None, prompt(n), payloads(n), tenant_id="t", user_id=user_id, layout=LAYOUT)
+    """Save ``n`` pages without a session; how many were new."""
+    return store.save_pages(None, prompt(n), payloads(n), tenant_id="t", user_id=user_id, layout=LAYOUT).num_new
 
 
 def sound(*stores: dss.Store) -> None:
