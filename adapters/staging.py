@@ -20,10 +20,10 @@ Buffers are reused (allocating pinned memory is slow: it maps and locks every pa
 grow to the largest batch seen; the pool holds at most ``max_buffers`` of them, and a
 :meth:`StagingPool.stage` that finds them all in flight waits for the oldest.
 
-This module is shared by the vLLM connector (:mod:`dss_adapters.vllm_copy`, whose
+This module is shared by the vLLM connector (:mod:`dss_adapters.vllm.copy`, whose
 asynchronous loads count as finished when their transfer is done) and the transformers
-adapter (:mod:`dss_adapters.transformers_cache`). The CUDA branch has not run on a GPU in
-this repository's CI (it has none); ``tests/test_staging.py`` runs it when CUDA is present.
+adapter (:mod:`dss_adapters.transformers.cache`). The CUDA branch has not run on a GPU in
+this repository's CI (it has none); ``tests/adapters/test_staging.py`` runs it when CUDA is present.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Each node has three local tiers of pages, each an LRU of a fixed number of pages
 chain of tokens up to the page's end), so identical prefixes of one user share pages and
 nothing is shared across users. Per request, in arrival order:
 
-1. the router picks a node with :func:`dss.routing.route` — the same function ``dss route``
+1. the router picks a node with :func:`dss.service.routing.route` — the same function ``dss route``
    calls — given each node's holdings of the request's leading pages per tier (what the
    catalog and the engines' registries tell the router), the nodes' loads (requests in
    flight: a request occupies its node from its arrival for ``--service-s`` seconds plus 10 ms
@@ -46,7 +46,7 @@ from progress import track
 from workload import Request, WorkloadSpec, generate, prompt_tokens, reply_tokens, working_set_tokens
 
 from dss.core.tokens import pack
-from dss.routing import LOAD_FACTOR, LOCAL_TIERS, Backend, route
+from dss.service.routing import LOAD_FACTOR, LOCAL_TIERS, Backend, route
 
 PAGE_TOKENS = 32
 NODES = ("node-0", "node-1", "node-2", "node-3")

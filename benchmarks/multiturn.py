@@ -62,7 +62,7 @@ import chats
 import numpy as np
 from progress import track
 
-from dss import nearest
+from dss.approx import nearest
 
 BLOCK = 32
 SMALL_KV_BYTES = 32 << 20
@@ -102,7 +102,7 @@ def engine(model_dir: Path, *, kv_bytes: int, max_len: int, store: Path | None =
         options = {"master_key_file": str(store.parent / "master.key")}
         transfer = {
             "kv_connector": "DssConnector",
-            "kv_connector_module_path": "dss_adapters.vllm_connector",
+            "kv_connector_module_path": "dss_adapters.vllm.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": str(store), "store_options": options},

@@ -142,7 +142,7 @@ def engine(
         options = {} if host_bytes is None else {"host_bytes": host_bytes}
         transfer = {
             "kv_connector": "DssConnector",
-            "kv_connector_module_path": "dss_adapters.vllm_connector",
+            "kv_connector_module_path": "dss_adapters.vllm.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": str(store), "store_options": options, "load_mode": load_mode},

@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from dss.compaction import Compaction
+from dss.approx.nearest import Explanation
 from dss.core.config import StoreConfig, load_config
 from dss.core.errors import (
     AmbiguousSession,
@@ -49,10 +49,10 @@ from dss.core.errors import (
 from dss.core.tokens import TokenInput
 from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
 from dss.core.version import VERSION
-from dss.erasure import AuditEntry, Plan, Receipt
-from dss.nearest import Explanation
-from dss.resume import Candidate, ResumeResult
+from dss.erasure.documents import AuditEntry, Plan, Receipt
+from dss.sessions.resume import Candidate, ResumeResult
 from dss.store import Store
+from dss.writes.compaction import Compaction
 
 __version__ = VERSION
 

@@ -27,7 +27,7 @@ def outcome(case: ET.Element) -> str:
 
 
 def test_file(case: ET.Element) -> str:
-    """The test file of a ``testcase`` (``tests.test_x`` -> ``tests/test_x.py``)."""
+    """The test file of a ``testcase`` (``tests.tiers.test_x`` -> ``tests/tiers/test_x.py``)."""
     return case.get("file") or case.get("classname", "?").replace(".", "/") + ".py"
 
 

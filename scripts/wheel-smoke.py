@@ -34,15 +34,15 @@ NEEDS_EXTRA: dict[str, tuple[str, set[str]]] = {
     "dss.service.server": ("server", SERVER),
     # the engine adapters: loaded by vLLM or transformers, which bring torch
     "dss_adapters.staging": ("transformers or vllm", ENGINE),
-    "dss_adapters.transformers_cache": ("transformers", ENGINE),
-    "dss_adapters.vllm_connector": ("vllm", ENGINE),
-    "dss_adapters.vllm_copy": ("vllm", ENGINE),
-    "dss_adapters.vllm_cuda": ("vllm", ENGINE),
-    "dss_adapters.vllm_loader": ("vllm", ENGINE),
-    "dss_adapters.vllm_meta": ("vllm", ENGINE),
-    "dss_adapters.vllm_metrics": ("vllm", ENGINE),
-    "dss_adapters.vllm_scheduler": ("vllm", ENGINE),
-    "dss_adapters.vllm_worker": ("vllm", ENGINE),
+    "dss_adapters.transformers.cache": ("transformers", ENGINE),
+    "dss_adapters.vllm.connector": ("vllm", ENGINE),
+    "dss_adapters.vllm.copy": ("vllm", ENGINE),
+    "dss_adapters.vllm.cuda": ("vllm", ENGINE),
+    "dss_adapters.vllm.loader": ("vllm", ENGINE),
+    "dss_adapters.vllm.meta": ("vllm", ENGINE),
+    "dss_adapters.vllm.metrics": ("vllm", ENGINE),
+    "dss_adapters.vllm.scheduler": ("vllm", ENGINE),
+    "dss_adapters.vllm.worker": ("vllm", ENGINE),
 }
 """Modules that need an optional extra, with the extra and the packages it may be missing."""
 NOT_IMPORTED = {

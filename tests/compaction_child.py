@@ -1,7 +1,7 @@
 """The victim of the compaction crash tests: builds sparse segments, then dies at one step.
 
 ``python -m tests.compaction_child FOLDER CATALOG_URL|- STEP``. The child commits the scenario of
-``tests/test_compaction.py`` (printing ``ack`` after each acknowledged write), then:
+``tests/writes/test_compaction.py`` (printing ``ack`` after each acknowledged write), then:
 
 * ``before-copy``, ``after-copy``, ``after-commit``: compacts, and SIGKILLs itself when
   compaction is about to read the live records, right after it wrote their copy (before the
@@ -21,7 +21,7 @@ import sys
 import dss
 from dss.tiers import disk as disk_module
 from dss.tiers.disk import DiskTier
-from tests.test_compaction import build
+from tests.writes.test_compaction import build
 
 
 def die() -> None:

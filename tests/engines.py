@@ -33,7 +33,7 @@ VOCAB = 512
 BLOCK = 32
 """vLLM block size = dss page size in these tests (CPU attention needs a multiple of 32)."""
 CONNECTOR = "DssConnector"
-CONNECTOR_MODULE = "dss_adapters.vllm_connector"
+CONNECTOR_MODULE = "dss_adapters.vllm.connector"
 
 
 def make_tiny_llama(path: Path, *, seed: int = 0, sliding_window: int | None = None) -> Path:

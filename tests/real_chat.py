@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from dss_adapters.staging import StagingPool
-from dss_adapters.transformers_cache import layout_for, load_cache, save_cache
+from dss_adapters.transformers.cache import layout_for, load_cache, save_cache
 
 import dss
 

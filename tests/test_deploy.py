@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_server import Service
+from tests.service.test_server import Service
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dss.json"
@@ -172,10 +172,10 @@ def test_the_dashboard_is_well_formed() -> None:
 
 
 def test_the_dashboard_shows_every_connector_metric_and_no_other() -> None:
-    """Every family :class:`dss_adapters.vllm_metrics.DssPromMetrics` exports has a panel (the
-    list is checked against the families it registers in tests/test_vllm_metrics.py), each read
+    """Every family :class:`dss_adapters.vllm.metrics.DssPromMetrics` exports has a panel (the
+    list is checked against the families it registers in tests/adapters/vllm/test_vllm_metrics.py), each read
     from the vLLM job (``$engine_job``), with its labels."""
-    from dss_adapters.vllm_metrics import METRICS
+    from dss_adapters.vllm.metrics import METRICS
 
     exprs = [e for e in dashboard_exprs() if "vllm:dss_" in e]
     shown = set().union(*(connector_metric_names(e) for e in exprs))

@@ -107,7 +107,7 @@ def test_every_cli_command_has_help_and_is_in_the_reference() -> None:
 
 
 def test_the_configuration_reference_has_every_setting_and_variable() -> None:
-    from dss_adapters.vllm_settings import Settings
+    from dss_adapters.vllm.settings import Settings
 
     from dss.core import config
     from dss.service import config as server_config
@@ -143,7 +143,7 @@ def test_every_block_has_a_known_language() -> None:
 
 def test_every_run_by_marker_names_a_test_that_runs_its_blocks() -> None:
     """A ``run-by`` marker names a test function of ``tests/`` whose body reads its blocks."""
-    sources = {path: path.read_text() for path in (ROOT / "tests").glob("test_*.py")}
+    sources = {path: path.read_text() for path in (ROOT / "tests").rglob("test_*.py")}
     wrong = []
     for name in sorted({b.marked("run-by") for b in all_blocks()} - {None}):
         readers = [
@@ -160,7 +160,7 @@ def test_every_run_by_marker_names_a_test_that_runs_its_blocks() -> None:
 def test_every_test_the_documentation_names_exists() -> None:
     text = hand_written_text()
     wrong = []
-    for path, name in set(re.findall(r"tests/(test_\w+\.py)(?:::(\w+))?", text)):
+    for path, name in set(re.findall(r"tests/((?:\w+/)*test_\w+\.py)(?:::(\w+))?", text)):
         source = ROOT / "tests" / path
         if not source.is_file() or (name and f"def {name}(" not in source.read_text()):
             wrong.append(f"{path}::{name}" if name else path)

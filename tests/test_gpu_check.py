@@ -18,14 +18,14 @@ SUMMARY = ROOT / "scripts" / "gpu-summary.py"
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="1" skipped="2" tests="5">
-<testcase classname="tests.test_staging" name="test_a[cuda]" file="tests/test_staging.py" time="0.1"/>
-<testcase classname="tests.test_staging" name="test_b[cuda]" file="tests/test_staging.py" time="0.1">
+<testcase classname="tests.adapters.test_staging" name="test_a[cuda]" file="tests/adapters/test_staging.py" time="0.1"/>
+<testcase classname="tests.adapters.test_staging" name="test_b[cuda]" file="tests/adapters/test_staging.py" time="0.1">
   <skipped type="pytest.skip" message="needs a CUDA device">reason</skipped></testcase>
-<testcase classname="tests.test_gpu_transformers" name="test_ttft" file="tests/test_gpu_transformers.py" time="2">
+<testcase classname="tests.adapters.transformers.test_gpu_transformers" name="test_ttft" file="tests/adapters/transformers/test_gpu_transformers.py" time="2">
   <properties><property name="ttft_ms[recompute]" value="12.5"/></properties></testcase>
-<testcase classname="tests.test_gpu_transformers" name="test_chat" file="tests/test_gpu_transformers.py" time="1">
+<testcase classname="tests.adapters.transformers.test_gpu_transformers" name="test_chat" file="tests/adapters/transformers/test_gpu_transformers.py" time="1">
   <failure message="assert 1 == 2">trace</failure></testcase>
-<testcase classname="tests.test_vllm_gpu" name="test_v" file="tests/test_vllm_gpu.py" time="0">
+<testcase classname="tests.adapters.vllm.test_vllm_gpu" name="test_v" file="tests/adapters/vllm/test_vllm_gpu.py" time="0">
   <skipped type="pytest.skip" message="Skipped: needs vLLM">reason</skipped></testcase>
 </testsuite></testsuites>
 """
@@ -59,7 +59,7 @@ def test_a_python_without_torch_and_transformers_is_refused_first(tmp_path: Path
 
 def test_the_summary_counts_each_file_and_says_why_tests_were_skipped(tmp_path: Path) -> None:
     (tmp_path / "gpu.xml").write_text(REPORT)
-    (tmp_path / "unrunnable").write_text("tests/test_vllm_worker.py\tvllm\n")
+    (tmp_path / "unrunnable").write_text("tests/adapters/vllm/test_vllm_worker.py\tvllm\n")
     done = subprocess.run(
         [sys.executable, str(SUMMARY), str(tmp_path / "gpu.xml"), str(tmp_path / "unrunnable")],
         capture_output=True,
@@ -69,12 +69,12 @@ def test_the_summary_counts_each_file_and_says_why_tests_were_skipped(tmp_path: 
     assert done.returncode == 1  # a test failed
     assert done.stdout.splitlines() == [
         "summary of the gpu tests:",
-        "  tests/test_gpu_transformers.py: 1 passed, 1 failed",
-        "  tests/test_staging.py: 1 passed, 1 skipped",
+        "  tests/adapters/test_staging.py: 1 passed, 1 skipped",
         "      skipped 1: needs a CUDA device",
-        "  tests/test_vllm_gpu.py: 1 skipped",
+        "  tests/adapters/transformers/test_gpu_transformers.py: 1 passed, 1 failed",
+        "  tests/adapters/vllm/test_vllm_gpu.py: 1 skipped",
         "      skipped 1: needs vLLM",
-        "  tests/test_vllm_worker.py: not run (its imports need vllm, which is not installed)",
+        "  tests/adapters/vllm/test_vllm_worker.py: not run (its imports need vllm, which is not installed)",
         "measured:",
         "  test_ttft: ttft_ms[recompute] = 12.5",
         "gpu-check: 2 passed, 1 failed, 2 skipped",

@@ -1,8 +1,8 @@
 """Layering: the floors of dss/ you can see in its folder names, each importing only from floors
 below it (``TYPE_CHECKING`` imports included); no engine is ever imported by dss/.
 
-Floors, lowest first (DESIGN §7). A unit is a package (``core``, ``catalog``, ``tiers``,
-``service``, ``cli``) or a module; modules of one package may import each other. Adapters use
+Floors, lowest first (DESIGN §7). A unit is a package (a folder) or one of
+the two modules directly in ``dss/``; modules of one package may import each other. Adapters use
 only the public ``dss`` API.
 """
 
@@ -15,14 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = [
     {"core"},
-    {"routing"},
-    {"catalog", "tiers", "trie", "pagestats"},
-    {"keys", "folder", "pageindex", "policy", "erasure", "lsh", "records"},
-    {"state", "copies"},
-    {"mirror", "pages", "resume"},
-    {"versions", "matcher"},
-    {"erase", "integrity", "writer", "nearest"},
-    {"mover", "compaction"},
+    {"catalog", "tiers"},
+    {"placement"},
+    {"pages"},
+    {"sessions"},
+    {"approx"},
+    {"erasure", "writes"},
     {"store"},
     {"service"},
     {"cli"},
@@ -120,3 +118,8 @@ def test_adapters_use_only_the_public_api() -> None:
                 if name.split(".")[1] not in dss.__all__:
                     problems.append(f"adapters/{path.relative_to(ROOT / 'adapters')} imports {name}")
     assert problems == []
+
+
+def test_only_the_entry_points_lie_directly_in_dss() -> None:
+    """Everything but the package's entry points is in a folder named by its role."""
+    assert sorted(path.name for path in (ROOT / "dss").glob("*.py")) == ["__init__.py", "__main__.py"]

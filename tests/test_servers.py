@@ -60,7 +60,7 @@ def test_a_run_with_nothing_at_the_test_url_starts_a_throwaway_postgresql_and_sa
             "-q",
             "-p",
             "no:cacheprovider",
-            "tests/test_catalog.py::test_fresh_catalog_is_at_the_current_revision[postgresql]",
+            "tests/catalog/test_catalog.py::test_fresh_catalog_is_at_the_current_revision[postgresql]",
         ],
         cwd=ROOT,
         env=env,

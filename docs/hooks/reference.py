@@ -9,7 +9,7 @@ A page asks for a generated section with a marker line of its own, ``<!-- genera
 ``store-settings``, ``server-settings``, ``connector-settings``
     Every setting of the store (``dss.core.config.StoreConfig``), of ``dss serve``
     (``dss.service.config.ServerConfig``) and of the vLLM connector's
-    ``kv_connector_extra_config`` (``dss_adapters.vllm_settings.Settings``): its name, its
+    ``kv_connector_extra_config`` (``dss_adapters.vllm.settings.Settings``): its name, its
     ``DSS_*`` variable, its default and its description, read from the models' fields.
 ``http``
     The HTTP API, from the service app's OpenAPI document (:mod:`httpapi`).
@@ -169,7 +169,7 @@ def _bounds(field: Any) -> str:
 
 def connector_settings() -> str:
     """Every key of the vLLM connector's ``kv_connector_extra_config``: default, meaning."""
-    from dss_adapters.vllm_settings import Settings
+    from dss_adapters.vllm.settings import Settings
 
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for field in dataclasses.fields(Settings):

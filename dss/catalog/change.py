@@ -2,9 +2,9 @@
 
 Every write of the store (create, commit, save pages, rollback, branch, pin, delete,
 quarantine, compaction) is a :class:`Change`: the catalog rows it adds or removes, the pages it places,
-and — once applied — the feed events it emits. :mod:`dss.versions` builds changes from a
+and — once applied — the feed events it emits. :mod:`dss.sessions.versions` builds changes from a
 session's state; :func:`apply` writes one in the caller's transaction, and returns the events
-with what this process needs to update its own caches in place (:meth:`dss.mirror.Mirror.apply`
+with what this process needs to update its own caches in place (:meth:`dss.sessions.mirror.Mirror.apply`
 applies them, as it applies the events of other processes read back from the feed).
 
 A change that writes an existing session names the sequence number of the session it was
@@ -26,7 +26,7 @@ from dss.catalog.feed import Event, PagesDropped, PagesEvicted, PagesStored, Ses
 from dss.catalog.pages import PageRecord
 from dss.core.errors import UnknownSession
 from dss.core.tokens import TOKEN_BYTES
-from dss.core.types import Layout, PageId
+from dss.core.types import Layout, PageId, Version
 
 
 class Stale(Exception):
@@ -66,7 +66,7 @@ class NewPage(NamedTuple):
     """A page to store: its id and index in its prompt, its payload, and the bytes that go
     to disk (``stored``; ``None`` when a durable tier holds it already) with their checksum
     and record flags. A page flagged sealed (``flags`` bit 0) is sealed as it is written
-    (:meth:`dss.pages.PageStore.write`, overlapping the sealing with the disk): until then
+    (:meth:`dss.pages.store.PageStore.write`, overlapping the sealing with the disk): until then
     ``stored`` is its payload and ``checksum`` 0; the written segment's pages carry the
     sealed bytes and their checksum."""
 
@@ -185,6 +185,10 @@ class Applied(NamedTuple):
     """Segments that lost pages and keep some: their dead bytes grew (compaction may be due)."""
     given: tuple[tuple[int, PageId], ...] = ()
     """The pages the change was given, stored now or before: (index, id) each."""
+    version: Version | None = None
+    """The version the change made, moved the head to or pinned, as this process holds it
+    right after the commit (set by the writer, under the lock that applied the change;
+    ``None`` from :func:`apply`, for changes about no version, or when the session is gone)."""
 
 
 def check(tx: Tx, change: Change) -> None:

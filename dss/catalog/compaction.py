@@ -1,4 +1,4 @@
-"""Catalog rows compaction reads and rewrites (:mod:`dss.compaction`): each segment's live
+"""Catalog rows compaction reads and rewrites (:mod:`dss.writes.compaction`): each segment's live
 bytes, the live records to copy, and the move of pages to their copies in one transaction.
 
 Functions here run on an open connection and neither begin nor commit.

@@ -4,7 +4,7 @@ A write (:func:`dss.catalog.change.apply`) returns its events and records them i
 ``feed`` table under its transaction's sequence number. The process that wrote applies the
 events it got back, which carry what it wrote in detail (``own``); every other process reads
 them back from the feed, without the detail, and applies them with the same function
-(:meth:`dss.mirror.Mirror.apply`). Rows older than the newest :data:`KEPT` are pruned; a
+(:meth:`dss.sessions.mirror.Mirror.apply`). Rows older than the newest :data:`KEPT` are pruned; a
 process that falls further behind reloads everything.
 """
 

@@ -6,7 +6,7 @@ write transaction also sends ``NOTIFY`` on the catalog's channel with its sequen
 (:meth:`dss.catalog.database.Catalog.write`; PostgreSQL delivers it when the transaction
 commits, never before). A :class:`FeedListener` thread per process listens on that channel
 and raises the folder's epoch to each number it hears, so the next call of the store
-catches up from the feed (:meth:`dss.mirror.Mirror.sync`). When no notification comes for
+catches up from the feed (:meth:`dss.sessions.mirror.Mirror.sync`). When no notification comes for
 ``poll_s`` seconds, or the listening connection is lost (a restarted or killed backend), it
 reads the catalog's latest sequence number itself: a node is at most about ``poll_s`` behind
 even if notifications are lost. The catalog stays the source of truth; a node that is behind

@@ -2,7 +2,7 @@
 
 A session row holds its id only sealed (``name``) and is found by a keyed hash of the id
 (``session_key``); a version row holds only the tokens it adds to a base version, sealed.
-Records come back as they are stored: :class:`dss.mirror.Mirror` opens what is sealed.
+Records come back as they are stored: :class:`dss.sessions.mirror.Mirror` opens what is sealed.
 Functions here run on an open connection and neither begin nor commit.
 """
 
@@ -33,7 +33,7 @@ _STAMP_HEAD = _STAMP.values(head_id=bindparam("head"))
 
 class SessionRecord(NamedTuple):
     """A session row. ``session_id`` is ``""`` as read: the id is stored only sealed
-    (``sealed_name``), and :meth:`dss.mirror.Mirror.opened` fills it in."""
+    (``sealed_name``), and :meth:`dss.sessions.mirror.Mirror.opened` fills it in."""
 
     ref: int
     session_id: str
@@ -53,7 +53,7 @@ class SessionRecord(NamedTuple):
 
 class VersionRecord(NamedTuple):
     """A version row. As read, ``suffix`` is sealed when ``sealed``, ``label`` is ``None`` and
-    ``sealed_label`` holds the stored label; :meth:`dss.mirror.Mirror.unsealed` opens both."""
+    ``sealed_label`` holds the stored label; :meth:`dss.sessions.mirror.Mirror.unsealed` opens both."""
 
     version_id: int
     session_ref: int

@@ -1,4 +1,4 @@
-"""``dss explain``: reading the prompt (ids or text) and printing an :class:`dss.nearest.Explanation`."""
+"""``dss explain``: reading the prompt (ids or text) and printing an :class:`dss.approx.nearest.Explanation`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+from dss.approx.nearest import Explanation
 from dss.core.errors import ConfigError, InvalidInput
-from dss.nearest import Explanation
 
 
 def load_tokenizer(path: str) -> Any:

@@ -19,14 +19,14 @@ import click
 from dss.catalog.database import catalog_errors, open_catalog
 from dss.cli.progress import bar
 from dss.cli.tables import emit as _emit
-from dss.compaction import Compaction
 from dss.core.config import StoreConfig, load_config
 from dss.core.crypto import read_master_key
 from dss.core.errors import DssError, NoStore
 from dss.core.version import VERSION
-from dss.erasure import STEPS, Plan
-from dss.folder import has_store
+from dss.erasure.documents import STEPS, Plan
 from dss.store import Store
+from dss.store.folder import has_store
+from dss.writes.compaction import Compaction
 
 
 class DssCommandError(click.ClickException):
@@ -133,7 +133,7 @@ def demo(ctx: Context, engine: str, as_json: bool) -> None:
 
 def _vllm_demo(ctx: Context, as_json: bool, say: Callable[[str], None]) -> None:
     """``dss demo --engine vllm``: vLLM is imported here only, by the adapter, when it runs."""
-    from dss_adapters import vllm_demo
+    from dss_adapters.vllm import demo as vllm_demo
 
     home = ctx.config().home
     try:

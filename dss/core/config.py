@@ -189,7 +189,7 @@ class StoreConfig(BaseModel):
         description="Prefix of the LSH index's Redis keys.",
     )
 
-    # -- placement policy (dss.policy) --
+    # -- placement policy (dss.placement.policy) --
     policy: Literal["dss", "lru"] = Field(
         "dss",
         description="Placement policy: 'dss' (score of frequency, "

@@ -30,17 +30,18 @@ from typing import Any, Self
 
 import httpx
 
-from dss.compaction import Compaction
+from dss.approx.nearest import Decode, Explanation
 from dss.core.tokens import TokenInput, pack, unpack
 from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Version
 from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads
 from dss.core.version import VERSION
-from dss.erasure import AuditEntry, Plan, Receipt
-from dss.nearest import Decode, Explanation
-from dss.resume import Candidate, Rates, ResumeResult
+from dss.erasure.documents import AuditEntry, Plan, Receipt
 from dss.service import models as m
+from dss.service.codec import load
 from dss.service.config import default_api_key
 from dss.service.problems import Unavailable, error_from_problem
+from dss.sessions.resume import Candidate, Rates, ResumeResult
+from dss.writes.compaction import Compaction
 
 
 class Client:
@@ -111,12 +112,12 @@ class Client:
     ) -> Session:
         """:meth:`dss.Store.create_session` in the key's tenant (idempotent for the same owner and layout)."""
         body = {"session_id": session_id, "user_id": user_id, "layout": _layout(layout), "tenant_id": tenant_id}
-        return m.session_from(self._call("POST", "/v1/sessions", json=body))
+        return load(Session, self._call("POST", "/v1/sessions", json=body))
 
     def session(self, session_id: str, *, tenant_id: str | None = None) -> Session:
         """:meth:`dss.Store.session`; raises ``UnknownSession``."""
-        return m.session_from(
-            self._call("GET", "/v1/session", params=_params(session_id=session_id, tenant_id=tenant_id))
+        return load(
+            Session, self._call("GET", "/v1/session", params=_params(session_id=session_id, tenant_id=tenant_id))
         )
 
     def sessions(
@@ -124,7 +125,7 @@ class Client:
     ) -> list[Session]:
         """The key's tenant's sessions (``all_tenants``: every tenant's, admin key), oldest first."""
         params = _params(tenant_id=tenant_id, user_id=user_id, all_tenants="true" if all_tenants else None)
-        return [m.session_from(s) for s in self._call("GET", "/v1/sessions", params=params)]
+        return [load(Session, s) for s in self._call("GET", "/v1/sessions", params=params)]
 
     def count_sessions(self) -> int:
         """:meth:`dss.Store.count_sessions`: every tenant's sessions (admin key)."""
@@ -154,7 +155,7 @@ class Client:
             "label": label,
             "tenant_id": tenant_id,
         }
-        return m.version_from(self._call("POST", "/v1/commit", json=body))
+        return load(Version, self._call("POST", "/v1/commit", json=body))
 
     def save_pages(
         self,
@@ -180,7 +181,7 @@ class Client:
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """:meth:`dss.Store.rollback`: the version that is now the head."""
         body = {"session_id": session_id, "version_id": check_version_id(version_id), "tenant_id": tenant_id}
-        return m.version_from(self._call("POST", "/v1/rollback", json=body))
+        return load(Version, self._call("POST", "/v1/rollback", json=body))
 
     def branch(
         self,
@@ -199,12 +200,12 @@ class Client:
             "label": label,
             "tenant_id": tenant_id,
         }
-        return m.session_from(self._call("POST", "/v1/branch", json=body))
+        return load(Session, self._call("POST", "/v1/branch", json=body))
 
     def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
         """:meth:`dss.Store.versions`, oldest first."""
         rows = self._call("GET", "/v1/versions", params=_params(session_id=session_id, tenant_id=tenant_id))
-        return [m.version_from(v) for v in rows]
+        return [load(Version, v) for v in rows]
 
     def tokens(self, session_id: str, version_id: int | None = None, *, tenant_id: str | None = None) -> list[int]:
         """:meth:`dss.Store.tokens` (default the head)."""
@@ -222,7 +223,7 @@ class Client:
             "pinned": pinned,
             "tenant_id": tenant_id,
         }
-        return m.version_from(self._call("POST", "/v1/pin", json=body))
+        return load(Version, self._call("POST", "/v1/pin", json=body))
 
     # -- resume and pages ------------------------------------------------------------------
 
@@ -276,7 +277,7 @@ class Client:
             "layout": _layout(layout) if layout is not None else None,
             "k": k,
         }
-        return [m.candidate_from(c) for c in self._call("POST", "/v1/nearest", json=body)["candidates"]]
+        return [load(Candidate, c) for c in self._call("POST", "/v1/nearest", json=body)["candidates"]]
 
     def explain(
         self,
@@ -299,7 +300,7 @@ class Client:
             "layout": _layout(layout) if layout is not None else None,
             "context": context,
         }
-        why = m.explain_from(self._call("POST", "/v1/explain", json=body))
+        why = load(Explanation, self._call("POST", "/v1/explain", json=body))
         if decode is not None and why.divergence is not None:
             why = replace(why, prompt_text=decode(why.prompt_window), stored_text=decode(why.stored_window))
         return why
@@ -358,11 +359,11 @@ class Client:
             "label": label,
             "tenant_id": tenant_id,
         }
-        return m.version_from(self._call("POST", "/v1/prefixes", json=body))
+        return load(Version, self._call("POST", "/v1/prefixes", json=body))
 
     def shared_prefixes(self, *, tenant_id: str | None = None) -> list[Version]:
         """:meth:`dss.Store.shared_prefixes` of the key's tenant, oldest first."""
-        return [m.version_from(v) for v in self._call("GET", "/v1/prefixes", params=_params(tenant_id=tenant_id))]
+        return [load(Version, v) for v in self._call("GET", "/v1/prefixes", params=_params(tenant_id=tenant_id))]
 
     # -- engines: the device tier (admin key, but residency) ----------------------------------
 
@@ -428,7 +429,7 @@ class Client:
     def compact(self, *, dry_run: bool = False) -> Compaction:
         """:meth:`dss.Store.compact` of the service's disk tier (admin key)."""
         check_flag("dry_run", dry_run)
-        return m.compaction_from(self._call("POST", "/v1/compact", json={"dry_run": dry_run}))
+        return load(Compaction, self._call("POST", "/v1/compact", json={"dry_run": dry_run}))
 
     def run_mover(self) -> dict[str, int]:
         """:meth:`dss.Store.run_mover` in the service (admin key): pages moved per tier."""

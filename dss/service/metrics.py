@@ -48,7 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dss.core.errors import DssError
-from dss.resume import ResumeResult
+from dss.sessions.resume import ResumeResult
 from dss.store import Store
 
 log = logging.getLogger("dss.service.server")

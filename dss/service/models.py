@@ -24,15 +24,26 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    create_model,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from dss.compaction import Compaction
+from dss.approx.nearest import Explanation
 from dss.core.errors import InvalidPage
 from dss.core.tokens import MAX_TOKEN
 from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
-from dss.nearest import Explanation
-from dss.resume import Candidate, Rates, ResumeResult
+from dss.service.codec import LayoutModel, PageIdHex, check_unicode, dump, list_of, load, model_of
+from dss.sessions.resume import Candidate, Rates, ResumeResult
+from dss.writes.compaction import Compaction
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN)]
 Tokens = Annotated[
@@ -57,7 +68,6 @@ def _page_index(key: Any) -> int:
 
 PageIndex = Annotated[int, BeforeValidator(_page_index)]
 Pages = dict[PageIndex, PageData]
-PageIdHex = Annotated[str, Field(pattern=r"^([0-9a-fA-F]{2}){0,64}$", description="A page id, hex.")]
 Int64 = Annotated[int, Field(strict=True, ge=-(1 << 63), le=(1 << 63) - 1)]
 SqlParam = None | StrictBool | Int64 | float | StrictStr
 TenantField = Annotated[
@@ -77,28 +87,12 @@ class _Model(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        _check_unicode(data)
+        check_unicode(data)
         return data
 
 
 class _Out(BaseModel):
     """A response body."""
-
-
-class LayoutModel(BaseModel):
-    """A page layout: ``name``, ``page_tokens``, ``page_bytes`` and free-form scalar fields."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        _check_unicode(data)
-        return data
-
-    name: str
-    page_tokens: StrictInt
-    page_bytes: StrictInt
 
 
 class TaggedValue(_Out):
@@ -273,26 +267,17 @@ class SqlIn(_Model):
 # -- responses ---------------------------------------------------------------------------------
 
 
-class SessionOut(_Out):
-    session_id: str
-    tenant_id: str
-    user_id: str
-    layout: LayoutModel
-    head_id: int | None
-    num_versions: int
-    created_at: dt.datetime
-    last_access: dt.datetime
+SessionOut = model_of(Session)
+VersionOut = model_of(Version)
+CandidateOut = model_of(Candidate)
+ExplainOut = model_of(Explanation, "ExplainOut")
+NearestOut = create_model("NearestOut", candidates=(list_of(CandidateOut), ...))
 
 
-class VersionOut(_Out):
-    version_id: int
-    session_id: str
-    parent_id: int | None
-    num_tokens: int
-    created_at: dt.datetime
-    label: str | None
-    is_head: bool
-    is_pinned: bool
+class CompactionOut(model_of(Compaction, "CompactionFields")):  # type: ignore[misc]
+    """What a compaction did (or, with ``dry_run``, would do), and the bytes it freed."""
+
+    freed_bytes: int
 
 
 class DeleteOut(_Out):
@@ -317,40 +302,6 @@ class PageRefOut(_Out):
     tier: str
 
 
-class CandidateOut(_Out):
-    session_id: str
-    version_id: int
-    num_tokens: int
-    estimated_jaccard: float
-    jaccard: float
-    common_prefix: int
-    divergence: int | None
-    matched_tokens: int
-
-
-class NearestOut(_Out):
-    candidates: list[CandidateOut]
-
-
-class ExplainOut(_Out):
-    num_prompt_tokens: int
-    matched_tokens: int
-    source: str | None
-    nearest: CandidateOut | None
-    divergence: int | None
-    prompt_window: list[int]
-    stored_window: list[int]
-    window_start: int
-    prompt_text: str | None
-    stored_text: str | None
-    resync_prompt: int | None
-    resync_stored: int | None
-    num_shared_after: int
-    would_reuse_tokens: int
-    lost_tokens: int
-    recurring: list[tuple[int, int]]
-
-
 class ResumeOut(_Out):
     session_id: str | None
     version_id: int | None
@@ -367,7 +318,7 @@ class ResumeOut(_Out):
     pages: list[PageRefOut]
     source: str | None = None
     num_candidates: int = 0
-    near: CandidateOut | None = None
+    near: CandidateOut | None = None  # type: ignore[valid-type]
 
 
 class ReadPagesOut(_Out):
@@ -408,17 +359,6 @@ class CountOut(_Out):
     num_sessions: int
 
 
-class CompactionOut(_Out):
-    dry_run: bool
-    segments: int
-    new_segments: int
-    pages: int
-    bytes_before: int
-    bytes_after: int
-    quarantined: int
-    freed_bytes: int
-
-
 class RatesOut(_Out):
     tier_bytes_per_s: dict[str, float]
     recompute_tokens_per_s: float
@@ -456,83 +396,9 @@ class ProblemOut(BaseModel):
 # -- conversions -------------------------------------------------------------------------------
 
 
-_SKIPPED = frozenset({"tokens", "pages", "page_ids"})
-"""Request fields that hold no free text (validated by type, pattern or base64 instead)."""
-
-
-def _check_unicode(data: Any) -> None:
-    """Raise ``ValueError`` for a string (key or value) that UTF-8 cannot encode (a lone surrogate,
-    which JSON's ``\\ud800`` escapes can carry): no catalog could store it, no response could carry it."""
-    if isinstance(data, str):
-        try:
-            data.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("text must be valid Unicode (no lone surrogates)") from None
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            _check_unicode(key)
-            if key not in _SKIPPED:
-                _check_unicode(value)
-    elif isinstance(data, list):
-        for value in data:
-            _check_unicode(value)
-
-
 def layout_of(model: LayoutModel) -> Layout:
     """The :class:`Layout` a request names; raises ``InvalidLayout``."""
     return Layout.from_dict(model.model_dump())
-
-
-def session_out(s: Session) -> dict[str, Any]:
-    return {
-        "session_id": s.session_id,
-        "tenant_id": s.tenant_id,
-        "user_id": s.user_id,
-        "layout": s.layout.to_dict(),
-        "head_id": s.head_id,
-        "num_versions": s.num_versions,
-        "created_at": s.created_at,
-        "last_access": s.last_access,
-    }
-
-
-def session_from(d: dict[str, Any]) -> Session:
-    return Session(
-        d["session_id"],
-        d["tenant_id"],
-        d["user_id"],
-        Layout.from_dict(d["layout"]),
-        _vid(d["head_id"]),
-        d["num_versions"],
-        _time(d["created_at"]),
-        _time(d["last_access"]),
-    )
-
-
-def version_out(v: Version) -> dict[str, Any]:
-    return {
-        "version_id": v.version_id,
-        "session_id": v.session_id,
-        "parent_id": v.parent_id,
-        "num_tokens": v.num_tokens,
-        "created_at": v.created_at,
-        "label": v.label,
-        "is_head": v.is_head,
-        "is_pinned": v.is_pinned,
-    }
-
-
-def version_from(d: dict[str, Any]) -> Version:
-    return Version(
-        VersionId(d["version_id"]),
-        d["session_id"],
-        _vid(d["parent_id"]),
-        d["num_tokens"],
-        _time(d["created_at"]),
-        d["label"],
-        d["is_head"],
-        d["is_pinned"],
-    )
 
 
 def resume_out(r: ResumeResult) -> dict[str, Any]:
@@ -552,7 +418,7 @@ def resume_out(r: ResumeResult) -> dict[str, Any]:
         "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages],
         "source": r.source,
         "num_candidates": r.num_candidates,
-        "near": r.near._asdict() if r.near is not None else None,
+        "near": dump(r.near),
     }
 
 
@@ -560,7 +426,7 @@ def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
     pages = [PageRef(p["index"], PageId(bytes.fromhex(p["page_id"])), p["tier"]) for p in d["pages"]]
     return ResumeResult(
         d["session_id"],
-        _vid(d["version_id"]),
+        load(VersionId | None, d["version_id"]),
         d["matched_tokens"],
         d["num_prompt_tokens"],
         d["num_history_tokens"],
@@ -570,56 +436,12 @@ def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
         rates=rates,
         source=d.get("source"),
         num_candidates=d.get("num_candidates", 0),
-        near=candidate_from(d["near"]) if d.get("near") is not None else None,
-    )
-
-
-def candidate_from(d: dict[str, Any]) -> Candidate:
-    return Candidate(
-        d["session_id"],
-        VersionId(d["version_id"]),
-        d["num_tokens"],
-        d["estimated_jaccard"],
-        d["jaccard"],
-        d["common_prefix"],
-        d["divergence"],
-        d["matched_tokens"],
-    )
-
-
-def explain_out(e: Explanation) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    out = asdict(e)
-    out["nearest"] = e.nearest._asdict() if e.nearest is not None else None
-    out["recurring"] = [list(pair) for pair in e.recurring]
-    return out
-
-
-def explain_from(d: dict[str, Any]) -> Explanation:
-    return Explanation(
-        **{
-            **d,
-            "nearest": candidate_from(d["nearest"]) if d["nearest"] is not None else None,
-            "recurring": [(int(p), int(n)) for p, n in d["recurring"]],
-        }
+        near=load(Candidate, d.get("near")),
     )
 
 
 def compaction_out(c: Compaction) -> dict[str, Any]:
-    return {**c._asdict(), "freed_bytes": c.freed_bytes}
-
-
-def compaction_from(d: dict[str, Any]) -> Compaction:
-    return Compaction(
-        d["dry_run"],
-        d["segments"],
-        d["new_segments"],
-        d["pages"],
-        d["bytes_before"],
-        d["bytes_after"],
-        d["quarantined"],
-    )
+    return {**dump(c), "freed_bytes": c.freed_bytes}
 
 
 def saved_out(s: SavedPages) -> dict[str, Any]:
@@ -697,11 +519,3 @@ def _cell_from(value: Any) -> Any:
     if isinstance(value, dict):
         return _CELL_DECODERS[value["type"]](value["value"])
     return value
-
-
-def _vid(value: int | None) -> VersionId | None:
-    return VersionId(value) if value is not None else None
-
-
-def _time(value: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(value)

@@ -9,7 +9,7 @@ For every ``POST /v1/completions`` and ``POST /v1/chat/completions`` the proxy
    written into the body's ``kv_transfer_params.dss`` when the body has none, so the engine's
    dss connector sees it;
 2. asks :class:`HoldingsSource` how many of the session's head pages each node holds, per tier;
-3. picks a backend with :func:`dss.routing.route` (policy ``kv``, ``hash`` or
+3. picks a backend with :func:`dss.service.routing.route` (policy ``kv``, ``hash`` or
    ``round_robin``; requests without a session are keyed by their prompt's first characters, so
    a shared system prompt stays on one node);
 4. forwards the request unchanged and streams the response back as it comes (server-sent
@@ -67,8 +67,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dss.core.config import parse_size
 from dss.core.errors import ConfigError, DssError, InvalidInput, NoBackend, Unavailable
-from dss.routing import LOAD_FACTOR, POLICIES, Backend, Decision, Holdings, route
 from dss.service.middleware import BodyLimitMiddleware, problem_response
+from dss.service.routing import LOAD_FACTOR, POLICIES, Backend, Decision, Holdings, route
 
 log = logging.getLogger("dss.service.router")
 

@@ -1,9 +1,9 @@
 """The embedded store: sessions, versions, resume, pages across host and disk.
 
 :class:`Store` is the public API, a thin facade: it validates arguments, asks
-:mod:`dss.versions` for the :class:`~dss.catalog.change.Change` a write makes, applies it
-(:meth:`dss.writer.Writer.apply`: segment files, one catalog transaction, this process's
-caches), and answers reads from the mirror (:mod:`dss.mirror`) and the matcher (:mod:`dss.matcher`).
+:mod:`dss.sessions.versions` for the :class:`~dss.catalog.change.Change` a write makes, applies it
+(:meth:`dss.writes.writer.Writer.apply`: segment files, one catalog transaction, this process's
+caches), and answers reads from the mirror (:mod:`dss.sessions.mirror`) and the matcher (:mod:`dss.sessions.matcher`).
 Every method is thread-safe (one lock per store) and several processes may open the same
 store folder: each catches up with the others' writes before it answers.
 

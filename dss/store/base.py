@@ -7,40 +7,42 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import threading
 import time
-from collections.abc import Sequence
 from typing import Any, Self
 
-from dss import policy
+from dss.approx.lsh import LshIndex, Settings
+from dss.approx.nearest import Nearest
+from dss.approx.upkeep import Upkeep
 from dss.catalog import pages
 from dss.catalog.change import Applied
 from dss.catalog.database import catalog_errors, open_catalog
-from dss.compaction import Compactor
 from dss.core.config import StoreConfig, sqlite_url
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
-from dss.core.errors import DssError, ErasureIncomplete, InvalidInput, NoStore
+from dss.core.errors import ErasureIncomplete, InvalidInput, NoStore
 from dss.core.types import Layout, Version
 from dss.core.validate import check_flag, check_layout, check_name
-from dss.erase import Eraser
-from dss.folder import adopt_folder, file_errors, folder_lock, has_store, open_catalog_file
-from dss.keys import DataKeys, adopt_master_key
-from dss.lsh import LshIndex, Settings
-from dss.matcher import Matcher
-from dss.mirror import Mirror
-from dss.mover import Mover
-from dss.nearest import Nearest
-from dss.pageindex import PageIndex
-from dss.pages import PageStore
-from dss.policy import Placement
-from dss.resume import Rates
-from dss.state import SessionState
+from dss.erasure.job import Eraser
+from dss.pages.copies import RemoteCopies
+from dss.pages.host import HostPages
+from dss.pages.index import PageIndex
+from dss.pages.keys import DataKeys, adopt_master_key
+from dss.pages.reader import PageReader
+from dss.pages.store import PageStore
+from dss.placement import policy
+from dss.placement.policy import Placement
+from dss.sessions.matcher import Matcher
+from dss.sessions.mirror import Mirror
+from dss.sessions.resume import Rates
+from dss.sessions.state import SessionState
+from dss.store.folder import adopt_folder, file_errors, folder_lock, has_store, open_catalog_file
 from dss.tiers.device import for_catalog as device_tier
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.remote import RemoteTier
-from dss.writer import Guard, Writer
+from dss.writes.compaction import Compactor
+from dss.writes.mover import Mover
+from dss.writes.writer import Guard, Writer
 
 log = logging.getLogger("dss.store")
 
@@ -103,24 +105,24 @@ class Base:
         with file_errors("set up the page files at", home):
             self.disk = DiskTier(home, fsync=config.fsync)
         self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
-        self.host = HostTier(config.host_bytes, choose=self.placement.host_room)
+        self.host = HostTier(config.host_bytes)
         self.device = device_tier(_catalog_key(config), config.residency_ttl_s)
         self.index = PageIndex(self.host, has_remote=self.remote is not None, resident=self.device.held)
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
+        self.upkeep = Upkeep(self.mirror)
+        self.hosted = HostPages(self.host, self.placement, self.index, self.catalog)
+        copies = RemoteCopies(self.remote, self.keys, self.index) if self.remote is not None else None
         self.pages = PageStore(
             self.catalog,
             self.disk,
-            self.host,
-            self.index,
-            self.keys,
+            self.hosted,
             node_ref=self.node.ref,
             disk_bytes=config.disk_bytes,
             segment_bytes=config.segment_bytes,
-            placement=self.placement,
-            tenant_of=self.mirror.tenant_of,
-            remote=self.remote,
+            copies=copies,
         )
+        self.reader = PageReader(self.catalog, self.disk, self.hosted, self.keys, node_ref=self.node.ref, copies=copies)
         speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
         if self.remote is not None:
             speeds["remote"] = config.remote_read_gbps * 1e9
@@ -129,17 +131,26 @@ class Base:
         self._near: Nearest | None = None
         if config.approximate or config.lsh_redis_url is not None:
             self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
-        self.eraser = Eraser(self.catalog, self.mirror, self.pages)
-        self.guard = Guard(self.mirror, self.pages)
+        self.eraser = Eraser(self.catalog, self.mirror, self.upkeep, self.pages)
+        self.guard = Guard(self.mirror, self.upkeep, self.pages)
         self.writer = Writer(
             self.catalog,
             self.mirror,
+            self.upkeep,
             self.pages,
             self.keys,
             self.index,
             self.guard,
             self._master,
+            Compactor(
+                self.catalog,
+                self.disk,
+                node_ref=self.node.ref,
+                dead_share=config.compact_dead_share,
+                segment_bytes=config.segment_bytes,
+            ),
             group_commit=config.group_commit,
+            compact_auto=config.compact_auto,
         )
         self.mover = Mover(
             self.guard,
@@ -151,18 +162,6 @@ class Base:
             interval_s=config.mover_interval_s,
             batch=config.move_batch_pages,
         )
-        self.pages.filled = self.mover.wake
-        self.compactor = Compactor(
-            self.catalog,
-            self.disk,
-            self.writer.apply,
-            node_ref=self.node.ref,
-            dead_share=config.compact_dead_share,
-            segment_bytes=config.segment_bytes,
-        )
-        self._compacting = threading.Lock()
-        if config.compact_auto:
-            self.pages.before_full = self._before_full
         with self.catalog.read() as conn, file_errors("clean up the page file", home):
             removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
         if removed:
@@ -225,27 +224,11 @@ class Base:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _auto_compact(self, thinned: Sequence[int] | None = None) -> None:
-        """Compact if some segment (of ``thinned``: those a write just thinned out) is sparse;
-        never fails the write that asked (``compact_auto``)."""
-        if not self.config.compact_auto or not self._compacting.acquire(blocking=False):
-            return
-        try:
-            with catalog_errors():
-                if self.compactor.has_sparse(thinned):
-                    self.compactor.run()
-        except (DssError, OSError) as exc:
-            log.warning("compaction failed (the store is unchanged by it): %s", exc)
-        finally:
-            self._compacting.release()
-
-    def _before_full(self, need: int) -> None:
-        """Before ``need`` bytes of page files are written: if they would not fit the disk tier,
-        compact first, so dead bytes go before live pages are evicted."""
-        with self.catalog.read() as conn:
-            used = pages.tier_bytes(conn, "disk", self.node.ref)
-        if used + need > self.config.disk_bytes:
-            self._auto_compact()
+    def _wake_mover(self) -> None:
+        """Wake the mover when the host tier is past its high watermark (a write's pages or a
+        read's promotions can leave it so)."""
+        if self.hosted.above_high_mark:
+            self.mover.wake()
 
     def _check_open(self) -> None:
         self.guard.check_open()
@@ -274,8 +257,8 @@ class Base:
             url = secret.get_secret_value() if secret is not None else None
             store_tag = hashlib.blake2b(self._master, digest_size=6, person=b"dss-lsh-store").hexdigest()
             lsh = LshIndex(settings, redis_url=url, redis_prefix=f"{config.lsh_redis_prefix}:{store_tag}")
-            self.mirror.lsh = lsh
-            self._near = Nearest(self.mirror, self.index, lsh, self.rates, config.lsh_min_share)
+            self.upkeep.lsh = lsh
+            self._near = Nearest(self.mirror, self.index, self.upkeep, self.rates, config.lsh_min_share)
         return self._near
 
     def _scope(
@@ -297,6 +280,10 @@ class Base:
         return layout, tenant, self.mirror.user_ref(tenant, user), None
 
     def _version(self, applied: Applied, version_id: int | None = None) -> Version:
+        """The version a write made or changed: as the writer read it when it applied the
+        change, else (another process moved the session on at once) loaded again."""
+        if applied.version is not None:
+            return applied.version
         state = self.writer.state_of(applied)
         version_id = version_id if version_id is not None else applied.version_id
         assert version_id is not None  # the change made a version

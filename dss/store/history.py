@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dss import versions
 from dss.catalog import sessions
 from dss.core.errors import ErasureInProgress, InvalidInput
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack, unpack
-from dss.core.types import Layout, PageId, SavedPages, Session, Version
+from dss.core.types import Layout, SavedPages, Session, Version
 from dss.core.validate import check_flag, check_label, check_name, check_pages
-from dss.state import session_of
+from dss.sessions import versions
+from dss.sessions.state import session_of
 from dss.store.base import Base, sessionless
 
 
@@ -64,7 +64,7 @@ class History(Base):
         """
         applied = self.writer.write(session_id, tenant_id, versions.delete)
         if applied.thinned:
-            self._auto_compact(applied.thinned)
+            self.writer.compact_sparse(applied.thinned)
         return len(applied.dropped)
 
     # -- versions --------------------------------------------------------------------------
@@ -87,11 +87,8 @@ class History(Base):
         buf = pack(tokens)
         check_label(label)
         applied = self.writer.write(session_id, tenant_id, versions.commit, buf, pages, label)
-        version = self._version(applied)
-        if applied.stored:
-            state = self.writer.state_of(applied)
-            self.placement.note_tokens([PageId(r.page_id) for r in applied.stored], state.record.layout.page_tokens)
-        return version
+        self._wake_mover()
+        return self._version(applied)
 
     def save_pages(
         self,
@@ -120,6 +117,7 @@ class History(Base):
             state = self._cache_session(tenant_id, user_id, layout)
             session_id, tenant_id = state.session_id, state.record.tenant_id
         applied = self.writer.write(session_id, tenant_id, versions.save, buf, pages)
+        self._wake_mover()
         return SavedPages(dict(applied.given), len(applied.stored))
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:

@@ -6,15 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
-from dss import integrity, policy
 from dss.catalog import erasures, pages
-from dss.catalog.database import catalog_errors, now
-from dss.compaction import Compaction
+from dss.catalog.database import now
 from dss.core.errors import InternalError
 from dss.core.types import PageId, PageRef, SqlResult
 from dss.core.validate import check_callback, check_flag, check_name, check_page_ids
-from dss.erasure import AuditEntry, Plan, Receipt, stored
+from dss.erasure.documents import AuditEntry, Plan, Receipt, stored
+from dss.placement import policy
+from dss.store import integrity
 from dss.store.base import Base
+from dss.writes.compaction import Compaction
 
 
 class Operations(Base):
@@ -136,14 +137,13 @@ class Operations(Base):
         check_flag("dry_run", dry_run)
         with self._reading():
             pass
-        with self._compacting, catalog_errors():
-            try:
-                return self.compactor.run(dry_run=dry_run)
-            except OSError as exc:
-                raise InternalError(
-                    f"compaction could not write a page file ({exc.strerror or exc}); the files "
-                    "compacted before stay compacted, the others as they were"
-                ) from None
+        try:
+            return self.writer.compact(dry_run=dry_run)
+        except OSError as exc:
+            raise InternalError(
+                f"compaction could not write a page file ({exc.strerror or exc}); the files "
+                "compacted before stay compacted, the others as they were"
+            ) from None
 
     # -- inspection ------------------------------------------------------------------------
 

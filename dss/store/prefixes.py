@@ -9,7 +9,7 @@ from dss.core.errors import InvalidTokens
 from dss.core.tokens import TOKEN_BYTES, TokenInput, pack
 from dss.core.types import Layout, Version
 from dss.core.validate import check_label, check_layout, check_name, check_pages
-from dss.matcher import SHARED_USER, shared_session_id
+from dss.sessions.matcher import SHARED_USER, shared_session_id
 from dss.store.history import History
 from dss.store.operations import Operations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dss.approx.nearest import Decode, Explanation
 from dss.catalog import pages
 from dss.catalog.change import Change
 from dss.core.errors import InvalidInput
@@ -17,8 +18,7 @@ from dss.core.validate import (
     check_name,
     check_page_ids,
 )
-from dss.nearest import Decode, Explanation
-from dss.resume import Candidate, ResumeResult
+from dss.sessions.resume import Candidate, ResumeResult
 from dss.store.base import Base
 
 
@@ -183,14 +183,15 @@ class Serving(Base):
         check_flag("load", load)
         with self._reading():
             if tenant_id is not None:
-                owners = self.pages.owners(ids)
+                owners = self.reader.owners(ids)
                 allowed = [o is not None and self.mirror.tenant_of(o) == tenant_id for o in owners]
                 ids = [i for i, ok in zip(ids, allowed) if ok]
-            read = self.pages.read(ids, load=load)
+            read = self.reader.read(ids, load=load)
+        self._wake_mover()
         if read.bad:
             applied = self.writer.apply(Change(quarantine=tuple(read.bad)))
             if applied.thinned:
-                self._auto_compact(applied.thinned)
+                self.writer.compact_sparse(applied.thinned)
         if tenant_id is None:
             return read.payloads
         found = iter(read.payloads)
@@ -225,7 +226,8 @@ class Serving(Base):
         def move() -> None:
             for start in range(0, len(ids), batch):
                 with self._reading():
-                    read = self.pages.read(ids[start : start + batch], prefetch=True)
+                    read = self.reader.read(ids[start : start + batch], prefetch=True)
+                self._wake_mover()
                 if read.bad:
                     self.writer.apply(Change(quarantine=tuple(read.bad)))
 

@@ -1,15 +1,16 @@
 """The host tier: page payloads in this process's RAM, bounded in bytes.
 
 Payloads are immutable ``bytes``, so a reader keeps what it got even when the page is
-evicted right after. Which pages leave when a put needs room is the placement policy's choice
-(``choose``, see :mod:`dss.policy`); without one the least recently used leave first. Every
+evicted right after. Which pages leave when a put needs room is the placement policy's
+decision (:meth:`dss.placement.policy.Placement.host_room`), made by the caller and given
+to :meth:`HostTier.put` as ``drop``; without one the least recently used leave first. Every
 page may carry an owner ``(tenant_id, user_ref)``; the tier counts bytes per owner and per
 tenant for the policy's quotas. Thread safety is the caller's (the store serialises access).
 
 A page the mover demotes (:meth:`HostTier.demote`; disk holds a copy) becomes *inactive*: it
 stays readable, and a read makes it active again, but it leaves before any active page when a
-put needs room, in the order demoted, with no ranking to do (``choose`` takes the inactive
-pages before it ranks the rest; without ``choose`` the tier does the same). So the room the
+put needs room, in the order demoted, with no ranking to do (the policy takes the inactive
+pages before it ranks the rest; without a decision the tier does the same). So the room the
 mover makes below the low watermark is not left empty, and a foreground put still finds its
 room ready. :attr:`active_bytes` is what the watermarks measure.
 """
@@ -17,7 +18,7 @@ room ready. :attr:`active_bytes` is what the watermarks measure.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 
 from dss.core.types import PageId
@@ -38,17 +39,9 @@ class HostTier(CacheTier):
 
     name = "host"
 
-    def __init__(
-        self,
-        capacity_bytes: int,
-        choose: Callable[[HostTier, PageId, int, Owner | None, bool], list[PageId] | None] | None = None,
-    ) -> None:
+    def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self.choose = choose
-        """``choose(tier, page_id, size, owner, compete)``: the pages to drop so page ``page_id``
-        of ``size`` bytes of ``owner`` fits (``None``: it may not go in; with ``compete``, not
-        when it is worth less than what it would displace)."""
         self._pages: OrderedDict[PageId, bytes] = OrderedDict()
         self._owner: dict[PageId, Owner] = {}
         self._inactive: OrderedDict[PageId, int] = OrderedDict()
@@ -108,15 +101,14 @@ class HostTier(CacheTier):
             self.inactive_bytes -= size
 
     def put(
-        self, page_id: PageId, payload: bytes, owner: Owner | None = None, *, compete: bool = False
+        self, page_id: PageId, payload: bytes, owner: Owner | None = None, *, drop: Sequence[PageId] | None = None
     ) -> Victims | None:
         """Store ``payload``; return the ids evicted for it (in the order they left).
 
-        Returns ``None`` and changes nothing when the page is larger than the tier, or the
-        policy keeps it out (with ``compete``, also when it is worth less than the pages it
-        would displace). Putting a page already present only refreshes its recency (and makes
-        it active again). Without a policy, inactive pages leave first, then the least
-        recently used.
+        ``drop``: the pages to evict for it, as the policy decided (they must make the room);
+        without it, inactive pages leave first, then the least recently used. Returns
+        ``None`` and changes nothing when the page is larger than the tier. Putting a page
+        already present only refreshes its recency (and makes it active again).
         """
         if page_id in self._pages:
             self._pages.move_to_end(page_id)
@@ -125,11 +117,9 @@ class HostTier(CacheTier):
         size = len(payload)
         if size > self.capacity_bytes:
             return None
-        chosen: list[PageId] | None
-        if self.choose is not None:
-            chosen = self.choose(self, page_id, size, owner, compete)
-            if chosen is None:
-                return None
+        chosen: list[PageId]
+        if drop is not None:
+            chosen = list(drop)
         else:
             need = self.used_bytes + size - self.capacity_bytes
             chosen = []

@@ -1,0 +1,115 @@
+"""Copies between a worker's KV cache and page bytes, whole pages at a time.
+
+A page is the concatenation of one block per layer, in page-layer order; layer ``i`` uses
+the block table of its KV cache group, so a copy takes block ids per group
+(``block_ids[group][k]`` for the page's ``k``-th row). ``NO_BLOCK`` leaves that layer's
+part of the page alone (a sliding-window block outside the window, or a state-space
+layer's block at a page boundary the request does not go on from: not loaded). Layers
+may differ in bytes per block: a state-space layer's part is its state, without the
+padding vLLM adds to make its blocks as large as an attention layer's.
+
+On the CPU every copy is one memcpy per page and layer through numpy views of the cache
+(measured 6x faster for 255 pages of 256 KiB than torch ``index_copy_`` through a staging
+tensor); on other devices torch ops do it. Pages on their way in pass through a
+:class:`~dss_adapters.staging.StagingPool`: on CUDA pinned host buffers, reused, copied with
+``non_blocking=True`` on the pool's stream (so a copy in a background thread never waits
+for, or holds up, the forward pass) and tracked by a CUDA event — :meth:`BlockCopier.start_scatter`
+returns that :class:`~dss_adapters.staging.Transfer` at once, and the asynchronous loader
+reports a load finished when it is done; on a CPU cache the numpy views (or, for a cache
+they cannot take, the same staged path with plain memory) copy at once and the transfer is
+done when it returns. The layer-by-layer CUDA path of synchronous loads and saves is
+:mod:`dss_adapters.vllm.cuda`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from dss_adapters.staging import DONE, Staged, StagingPool, Transfer
+from dss_adapters.vllm.meta import NO_BLOCK
+
+from dss import ConfigError
+
+
+class BlockCopier:
+    """Whole-page copies for one worker's layers (see the module docstring)."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], groups: Sequence[int], num_blocks: int, page_bytes: int) -> None:
+        """``layers[i]``: layer ``i``'s KV cache with the block dimension first (blocks may lie
+        further apart than their bytes, as vLLM pads a state-space layer's);
+        ``groups[i]``: its KV cache group. ``ConfigError`` unless the layers' blocks add up
+        to ``page_bytes``."""
+        sizes = [t[0].numel() * t.element_size() for t in layers]
+        if sum(sizes) != page_bytes:
+            raise ConfigError(
+                f"a KV block of all {len(layers)} layers has {sum(sizes)} bytes; the layout says {page_bytes}"
+            )
+        self.layers = list(layers)
+        self.groups = list(groups)
+        self.layer_sizes = sizes
+        """Bytes of one block of each layer (a state-space layer's state, without vLLM's padding)."""
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.uniform = len(set(sizes)) == 1
+        self.layer_bytes = sizes[0]
+        """Bytes of one block of a layer, when :attr:`uniform` (the layer-by-layer CUDA path needs that)."""
+        self.page_bytes = page_bytes
+        self.device = layers[0].device
+        self.host_views: list[np.ndarray] | None = None
+        """Per layer, ``[num_blocks, layer_sizes[i]]`` uint8 numpy views of the KV cache (CPU only)."""
+        if all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers):
+            self.host_views = [t.flatten(1).view(torch.uint8).numpy() for t in layers]
+        self.staging = StagingPool(self.device) if self.host_views is None else None
+        """Host buffers of pages on their way in (pinned on CUDA); ``None`` with numpy views."""
+
+    def gather(self, block_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
+        count = len(block_ids[0])
+        out = np.empty((count, self.page_bytes), dtype=np.uint8)
+        for i, layer in enumerate(self.layers):
+            start, end = self.offsets[i], self.offsets[i] + self.layer_sizes[i]
+            blocks = block_ids[self.groups[i]]
+            if self.host_views is not None:
+                view = self.host_views[i]
+                for k, block in enumerate(blocks):
+                    out[k, start:end] = view[block]
+                continue
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            out[:, start:end] = layer.index_select(0, index).reshape(count, -1).view(torch.uint8).cpu().numpy()
+        return out
+
+    def scatter(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> None:
+        """Write ``payloads[k]`` (every layer's bytes, in page-layer order) into the blocks
+        ``block_ids[group][k]``; a layer whose block is ``NO_BLOCK`` is skipped. The copies are
+        complete when it returns (:meth:`start_scatter`, then wait)."""
+        self.start_scatter(payloads, block_ids).wait()
+
+    def start_scatter(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> Transfer:
+        """:meth:`scatter`, returning once the copies are queued: on CUDA they run on the
+        staging pool's stream and are complete when the returned transfer is done; elsewhere
+        they are complete already (the transfer is done)."""
+        if self.host_views is not None:
+            for k, payload in enumerate(payloads):
+                source = np.frombuffer(payload, dtype=np.uint8)
+                for i, view in enumerate(self.host_views):
+                    block = block_ids[self.groups[i]][k]
+                    if block != NO_BLOCK:
+                        view[block] = source[self.offsets[i] : self.offsets[i] + self.layer_sizes[i]]
+            return DONE
+        assert self.staging is not None
+        staged = self.staging.stage(payloads, list(zip(self.offsets, self.layer_sizes)))
+        return self.staging.copy(staged, lambda staged: self._copy_in(staged, block_ids))
+
+    def _copy_in(self, staged: Staged, block_ids: Sequence[Sequence[int]]) -> None:
+        """Each layer's part of the staged pages to the device in one copy, then into its blocks."""
+        for i, layer in enumerate(self.layers):
+            blocks = block_ids[self.groups[i]]
+            rows = [k for k, block in enumerate(blocks) if block != NO_BLOCK]
+            if not rows:
+                continue
+            part = staged.parts[i].to(self.device, non_blocking=True)
+            if len(rows) < staged.num_pages:
+                part = part[torch.tensor(rows).to(self.device, non_blocking=True)]
+            index = torch.tensor([blocks[k] for k in rows], dtype=torch.long).to(self.device, non_blocking=True)
+            layer.index_copy_(0, index, part.view(layer.dtype).reshape(len(rows), *layer.shape[1:]))

@@ -1,0 +1,174 @@
+"""Loading pages into KV blocks: one load job's work, and the thread that does asynchronous ones.
+
+:func:`load_pages` reads one shard's pages of a job from the store and copies those it got
+into their blocks; a page the store cannot return (gone, or corrupt and quarantined) is
+reported, never copied. Pages no KV cache group needs (outside every sliding window) are
+not read.
+
+:class:`PageLoader` runs asynchronous jobs in a background thread, one at a time in the
+order they came; it reads the pages through a :class:`PageReader` child process, so that the
+checksum and decryption work never competes for the GIL with the forward pass. The blocks it writes belong to requests vLLM keeps waiting
+(``WAITING_FOR_REMOTE_KVS``) until the job is reported done, so the running batch never
+reads them; vLLM also keeps the blocks of a request aborted meanwhile until then. A job is
+done when its copies are: on CUDA they run asynchronously from pinned staging buffers
+(:meth:`BlockCopier.start_scatter`), so the thread reads the next job's pages while they
+move, and the job is reported once their CUDA event completed; elsewhere at once. A
+failure that is not a ``DssError`` is a bug: it stops the thread and is raised again in the
+engine's thread by the next :meth:`PageLoader.put` or :meth:`PageLoader.take_done`
+(:mod:`dss_adapters.vllm.jobs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dss_adapters.staging import DONE, Transfer
+from dss_adapters.vllm.copy import BlockCopier
+from dss_adapters.vllm.jobs import JobThread
+from dss_adapters.vllm.meta import NO_BLOCK, LoadJob
+from dss_adapters.vllm.reader import PageReader
+
+from dss import DssError
+
+log = logging.getLogger("vllm.dss.loader")
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """What one load job did on this worker."""
+
+    req_id: str
+    failed_pages: list[int] = field(default_factory=list)
+    """Indexes (in the job) of pages that could not be loaded."""
+    loaded_page_ids: list[bytes] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class PageSource(Protocol):
+    """Where payloads come from: a ``dss.Store`` or a :class:`PageReader` process."""
+
+    def read_pages(self, pages: Sequence[bytes]) -> Sequence[bytes | memoryview | None]: ...
+
+
+def read_pages(
+    store: PageSource, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> tuple[list[int], list[bytes | memoryview], LoadOutcome]:
+    """Read the pages some KV cache group needs: (their indexes, their payloads, the outcome so
+    far: failed pages and loaded ids). A ``DssError`` from the store fails every page (logged)."""
+    start = time.perf_counter()
+    needed = [k for k in range(len(page_ids)) if any(group[k] != NO_BLOCK for group in block_ids)]
+    outcome = LoadOutcome(req_id)
+    try:
+        payloads = store.read_pages([page_ids[k] for k in needed])
+    except DssError as exc:
+        log.error("reading %d dss pages of request %s failed: %s", len(needed), req_id, exc)
+        payloads = [None] * len(needed)
+    outcome.failed_pages = [needed[i] for i, payload in enumerate(payloads) if payload is None]
+    if outcome.failed_pages:
+        log.warning(
+            "%d of %d dss pages of request %s could not be read; vLLM recomputes them",
+            len(outcome.failed_pages),
+            len(needed),
+            req_id,
+        )
+    rows = [needed[i] for i, payload in enumerate(payloads) if payload is not None]
+    outcome.loaded_page_ids = [page_ids[k] for k in rows]
+    outcome.seconds = time.perf_counter() - start
+    return rows, [payload for payload in payloads if payload is not None], outcome
+
+
+def load_pages(
+    store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> LoadOutcome:
+    """Copy the pages ``page_ids[k]`` into the blocks ``block_ids[group][k]`` (see the module
+    docstring); the copies are complete when it returns."""
+    outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id)
+    transfer.wait()
+    return outcome
+
+
+def start_load_pages(
+    store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> tuple[LoadOutcome, Transfer]:
+    """:func:`load_pages`, returning once the copies are queued, with their transfer."""
+    start = time.perf_counter()
+    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
+    transfer = DONE
+    if rows:
+        transfer = copier.start_scatter(payloads, [[group[k] for k in rows] for group in block_ids])
+    outcome.seconds = time.perf_counter() - start
+    return outcome, transfer
+
+
+class PageLoader(JobThread[LoadJob, tuple[LoadOutcome, Transfer]]):
+    """One thread doing asynchronous load jobs for one worker, reading through a
+    :class:`PageReader` process (see the module docstring), at a lower CPU priority."""
+
+    background = True
+
+    def __init__(self, reader: PageReader, copier: BlockCopier, shard: int) -> None:
+        self.reader = reader
+        self.copier = copier
+        self.shard = shard
+        self._done: list[tuple[LoadJob, LoadOutcome]] = []
+        self._copying: list[tuple[LoadJob, LoadOutcome, Transfer]] = []
+        """Jobs whose pages were read and whose copies are queued, oldest first."""
+        reader.start()
+        super().__init__("dss-page-loader")
+
+    def close(self) -> None:
+        """Finish the queued jobs and their copies, then stop the thread and the reader."""
+        super().close()
+        for _, _, transfer in self._copying:
+            transfer.wait()
+        self.reader.close()
+
+    def wait_idle(self) -> None:
+        """Wait until every job put so far has finished, its copies included."""
+        super().wait_idle()
+        with self._cond:
+            copying = list(self._copying)
+        for _, _, transfer in copying:
+            transfer.wait()
+
+    def take_done(self) -> list[tuple[LoadJob, LoadOutcome]]:
+        """Jobs finished (copies complete) since the last call, in the order they finished."""
+        with self._cond:
+            self._check()
+            self._reap()
+            done, self._done = self._done, []
+            return done
+
+    def wait_done(self, timeout: float) -> None:
+        """Wait until a job has finished since the last :meth:`take_done`, no job is queued or
+        copying, or ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._done or self._copying or not self._jobs or self._error is not None, timeout
+            )
+            self._reap()
+            oldest = self._copying[0][2] if self._copying and not self._done else None
+        if oldest is not None:
+            oldest.wait(max(0.0, deadline - time.monotonic()))
+
+    def _reap(self) -> None:
+        """Move the jobs whose copies are complete to the done list (under the lock). The copies
+        run on one stream, so they complete in the order they were queued."""
+        while self._copying and self._copying[0][2].is_done():
+            job, outcome, _ = self._copying.pop(0)
+            self._done.append((job, outcome))
+
+    def _do(self, job: LoadJob) -> tuple[LoadOutcome, Transfer]:
+        if job.fail:
+            return LoadOutcome(job.req_id, failed_pages=list(range(len(job.page_ids[self.shard])))), DONE
+        return start_load_pages(self.reader, self.copier, job.page_ids[self.shard], job.block_ids, job.req_id)
+
+    def _finish(self, job: LoadJob, result: tuple[LoadOutcome, Transfer]) -> None:
+        outcome, transfer = result
+        self._copying.append((job, outcome, transfer))
+        self._reap()

@@ -1,0 +1,170 @@
+"""Matching a prompt: what ``resume`` and ``lookup`` answer.
+
+In order: the session's own trie (every version), then — for the pages the trie lacks —
+the tenant's registered shared prefixes, then, past the trie's match, an exact chain-hash
+lookup of further pages in the namespace. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dss.core.hashing import chain_ids, chain_root
+from dss.core.tokens import TOKEN_BYTES
+from dss.core.types import Layout, PageId, VersionId
+from dss.pages.index import PageIndex
+from dss.sessions.mirror import Mirror
+from dss.sessions.resume import Rates, ResumeResult
+from dss.sessions.state import SessionState
+from dss.sessions.trie import Match, Span
+from dss.tiers.device import Residency
+
+SHARED_PREFIX = "~shared-"
+"""Session ids of a tenant's registered shared prefixes (one session per layout)."""
+SHARED_USER = "~shared"
+"""The owner of a tenant's shared prefixes: the tenant, not any user."""
+
+
+def shared_session_id(layout: Layout) -> str:
+    """The id of the session holding a tenant's shared prefixes of one layout."""
+    return f"{SHARED_PREFIX}{layout.digest.hex()[:16]}"
+
+
+class Matcher:
+    """Answers ``resume`` and ``lookup`` from this process's mirror and page index."""
+
+    def __init__(self, mirror: Mirror, index: PageIndex, rates: Rates, residency: Residency | None = None) -> None:
+        self.mirror = mirror
+        self.index = index
+        self.rates = rates
+        self.residency = residency
+        self._residency_seen = -1
+
+    def match(
+        self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None, state: SessionState | None
+    ) -> ResumeResult:
+        """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
+        if self.residency is not None:
+            self.residency.expire(at_most_every_s=1.0)
+        if self.residency is not None and self.residency.version != self._residency_seen:
+            self._residency_seen = self.residency.version
+            self.index.bump_all()  # tier codes cached per namespace generation now name other tiers
+        page_tokens = layout.page_tokens
+        total = len(buf) // TOKEN_BYTES // page_tokens
+        code_of = self.index.code_of
+        spans: list[Span] = []
+        source = "session"
+        history = 0
+        own_ids: Sequence[PageId] | None = None
+        match = None
+        if state is not None:
+            match = state.trie.walk(buf)
+            history = match.num_tokens
+            spans = state.trie.available(match, state.namespace.gen, code_of)
+        num_pages = sum(span.count for span in spans)
+        shared = self.mirror.shared(tenant_id, layout, shared_session_id(layout))
+        if shared is not None:
+            extra, own_ids = self._fill_from_shared(buf, state, match, shared, num_pages)
+            if extra is not None:
+                spans = [*spans, extra]
+                num_pages += extra.count
+                source = "shared"
+        version_id = None
+        depth = min(num_pages * page_tokens, history)
+        if state is not None and match is not None and depth:
+            node = next(n for n in match.path if n.start < depth <= n.depth)
+            version_id = state.trie.version_along(node, depth, state.head)
+        if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
+            key = self.mirror.keys.of(user_ref).hash_key
+            prev = self._user_page_id(buf, key, layout, own_ids, spans, num_pages)
+
+            def chain(prev_id: PageId, k: int) -> PageId:
+                return chain_ids(key, prev_id, buf, k, 1, page_tokens)[0]
+
+            if state is None:
+                self.mirror.namespace(user_ref)
+            extra = _chain_span(chain, prev, num_pages, total, code_of)
+            if extra is not None:
+                spans = [*spans, extra]
+                num_pages += extra.count
+                source = "namespace"
+        return ResumeResult(
+            state.session_id if state is not None else None,
+            VersionId(version_id) if version_id is not None else None,
+            num_pages * page_tokens,
+            len(buf) // TOKEN_BYTES,
+            history,
+            page_tokens,
+            layout.page_bytes,
+            spans=spans,
+            rates=self.rates,
+            source=source,
+        )
+
+    def _fill_from_shared(
+        self, buf: bytes | memoryview, state: SessionState | None, match: Match | None, shared: SessionState, first: int
+    ) -> tuple[Span | None, Sequence[PageId]]:
+        """Pages ``first, first+1, ...`` from the session's own trie or, where it lacks them,
+        from the shared prefixes; also the session trie's page ids of the prompt."""
+        code_of = self.index.code_of
+        own_ids: Sequence[PageId] = ()
+        own_codes = bytearray()
+        if state is not None:
+            assert match is not None
+            own_ids, own_codes = state.trie.page_table(match, state.namespace.gen, code_of)
+        shared_ids, shared_codes = shared.trie.page_table(shared.trie.walk(buf), shared.namespace.gen, code_of)
+        ids: list[PageId] = []
+        codes = bytearray()
+        k = first
+        while k < max(len(own_ids), len(shared_ids)):
+            if k < len(own_ids) and own_codes[k]:
+                ids.append(own_ids[k])
+                codes.append(own_codes[k])
+            elif k < len(shared_ids) and shared_codes[k]:
+                ids.append(shared_ids[k])
+                codes.append(shared_codes[k])
+            else:
+                break
+            k += 1
+        return (Span(first, tuple(ids), codes, len(ids)) if ids else None), own_ids
+
+    def _user_page_id(
+        self,
+        buf: bytes | memoryview,
+        key: bytes,
+        layout: Layout,
+        own_ids: Sequence[PageId] | None,
+        spans: list[Span],
+        num_pages: int,
+    ) -> PageId:
+        """The namespace's chain id of page ``num_pages - 1`` of the prompt (the root if none).
+
+        ``own_ids`` is ``None`` when no shared prefix was consulted: every span then holds
+        the namespace's own ids.
+        """
+        if num_pages == 0:
+            return chain_root(key, layout.digest)
+        if own_ids is None:
+            return spans[-1].page_ids[spans[-1].count - 1]
+        known = min(len(own_ids), num_pages)
+        prev = own_ids[known - 1] if known else chain_root(key, layout.digest)
+        if known < num_pages:
+            prev = chain_ids(key, prev, buf, known, num_pages - known, layout.page_tokens)[-1]
+        return prev
+
+
+def _chain_span(
+    chain: Callable[[PageId, int], PageId], prev: PageId, first: int, end: int, code_of: Callable[[PageId], int]
+) -> Span | None:
+    """Pages ``first, first+1, ... < end`` whose chain-hash ids some tier holds, as one span."""
+    ids: list[PageId] = []
+    codes = bytearray()
+    for k in range(first, end):
+        page_id = chain(prev, k)
+        code = code_of(page_id)
+        if not code:
+            break
+        ids.append(page_id)
+        codes.append(code)
+        prev = page_id
+    return Span(first, tuple(ids), codes, len(ids)) if ids else None
