@@ -36,7 +36,7 @@ from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Vers
 from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads
 from dss.core.version import VERSION
 from dss.erasure.documents import AuditEntry, Plan, Receipt
-from dss.service import models as m
+from dss.service import codec
 from dss.service.codec import load
 from dss.service.config import default_api_key
 from dss.service.problems import Unavailable, error_from_problem
@@ -176,7 +176,7 @@ class Client:
             "user_id": user_id,
             "layout": _layout(layout) if layout is not None else None,
         }
-        return m.saved_from(self._call("POST", "/v1/pages", json=body))
+        return codec.saved_from(self._call("POST", "/v1/pages", json=body))
 
     def rollback(self, session_id: str, version_id: int, *, tenant_id: str | None = None) -> Version:
         """:meth:`dss.Store.rollback`: the version that is now the head."""
@@ -237,7 +237,7 @@ class Client:
             "tenant_id": tenant_id,
             "approximate": approximate,
         }
-        return m.resume_from(self._call("POST", "/v1/resume", json=body), self._resume_rates())
+        return codec.resume_from(self._call("POST", "/v1/resume", json=body), self._resume_rates())
 
     def lookup(
         self,
@@ -256,7 +256,7 @@ class Client:
             "tenant_id": tenant_id,
             "approximate": approximate,
         }
-        return m.resume_from(self._call("POST", "/v1/lookup", json=body), self._resume_rates())
+        return codec.resume_from(self._call("POST", "/v1/lookup", json=body), self._resume_rates())
 
     def nearest(
         self,
@@ -312,7 +312,7 @@ class Client:
         ids = [page_id.hex() for page_id in check_page_ids(pages)]
         check_flag("load", load)
         out = self._call("POST", "/v1/pages/read", json={"page_ids": ids, "tenant_id": tenant_id, "load": load})
-        return [m.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
+        return [codec.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
 
     def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:
         """:meth:`dss.Store.page_sizes` of the pages the key may read (a non-admin key: its tenant's)."""
@@ -413,7 +413,9 @@ class Client:
 
     def sql(self, query: str, params: dict[str, Any] | None = None, *, max_rows: int = 10_000) -> SqlResult:
         """:meth:`dss.Store.sql` (admin key)."""
-        return m.sql_from(self._call("POST", "/v1/sql", json={"query": query, "params": params, "max_rows": max_rows}))
+        return codec.sql_from(
+            self._call("POST", "/v1/sql", json={"query": query, "params": params, "max_rows": max_rows})
+        )
 
     def check(self) -> list[str]:
         """:meth:`dss.Store.check` (admin key)."""
@@ -443,7 +445,7 @@ class Client:
 
     def _resume_rates(self) -> Rates:
         if self._rates is None:
-            rates = m.rates_from(self.info()["rates"])
+            rates = codec.rates_from(self.info()["rates"])
             with self._lock:
                 self._rates = rates
         return self._rates
@@ -485,4 +487,4 @@ def _encode_pages(pages: Mapping[int, Any] | None) -> dict[str, str] | None:
     """Page payloads as base64 keyed by index; ``InvalidPage`` for what cannot be sent."""
     if pages is None:
         return None
-    return {str(index): m.encode_page(view.tobytes()) or "" for index, view in page_payloads(pages).items()}
+    return {str(index): codec.encode_page(view.tobytes()) or "" for index, view in page_payloads(pages).items()}

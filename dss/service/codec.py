@@ -11,16 +11,28 @@ from it, on the client's side: ``load(T, dump(value)) == value``.
 
 On the wire a :class:`~dss.core.types.Layout` is an object (:class:`LayoutModel`), a page id
 lowercase hex, a time ISO 8601 text, a tuple a list, and a nested result an object of its own
-model.
+model. The results with a wire format of their own (a resume's answer, saved pages, rates, SQL
+rows) have ``*_out`` and ``*_from`` functions, inverse to each other.
+
+Binary data travels as standard base64 (page payloads) or lowercase hex (page ids). SQL
+result cells that JSON cannot carry exactly are tagged: ``{"type": "bytes", "value":
+<base64>}``, ``{"type": "float", "value": "nan" | "inf" | "-inf"}``, ``{"type": "datetime" |
+"date" | "time" | "decimal", "value": <ISO text>}``, ``{"type": "json", "value": <JSON text>}``
+(PostgreSQL json and arrays), and ``{"type": "text", ...}`` for anything else.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
+import binascii
 import dataclasses
 import datetime as dt
+import decimal
 import functools
 import inspect
+import json
+import math
 import textwrap
 import types
 import typing
@@ -28,7 +40,10 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, model_validator
 
-from dss.core.types import Layout, PageId
+from dss.core.errors import InvalidPage
+from dss.core.types import Layout, PageId, PageRef, SavedPages, SqlResult, VersionId
+from dss.sessions.resume import Candidate, Rates, ResumeResult
+from dss.writes.compaction import Compaction
 
 PageIdHex = Annotated[str, Field(pattern=r"^([0-9a-fA-F]{2}){0,64}$", description="A page id, hex.")]
 
@@ -173,3 +188,131 @@ def load(hint: Any, data: Any) -> Any:
     if origin is dict:
         return {load(args[0], key): load(args[1], item) for key, item in data.items()}
     return data
+
+
+# -- the results with a wire format of their own --------------------------------------------
+
+
+def layout_of(model: LayoutModel) -> Layout:
+    """The :class:`Layout` a request names; raises ``InvalidLayout``."""
+    return Layout.from_dict(model.model_dump())
+
+
+def resume_out(r: ResumeResult) -> dict[str, Any]:
+    return {
+        "session_id": r.session_id,
+        "version_id": r.version_id,
+        "matched_tokens": r.matched_tokens,
+        "num_prompt_tokens": r.num_prompt_tokens,
+        "num_history_tokens": r.num_history_tokens,
+        "num_new_tokens": r.num_new_tokens,
+        "page_tokens": r.page_tokens,
+        "page_bytes": r.page_bytes,
+        "tiers": r.tiers,
+        "load_seconds": r.load_seconds,
+        "recompute_seconds": r.recompute_seconds,
+        "should_load": r.should_load,
+        "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages],
+        "source": r.source,
+        "num_candidates": r.num_candidates,
+        "near": dump(r.near),
+    }
+
+
+def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
+    pages = [PageRef(p["index"], PageId(bytes.fromhex(p["page_id"])), p["tier"]) for p in d["pages"]]
+    return ResumeResult(
+        d["session_id"],
+        load(VersionId | None, d["version_id"]),
+        d["matched_tokens"],
+        d["num_prompt_tokens"],
+        d["num_history_tokens"],
+        d["page_tokens"],
+        d["page_bytes"],
+        pages=pages,
+        rates=rates,
+        source=d.get("source"),
+        num_candidates=d.get("num_candidates", 0),
+        near=load(Candidate, d.get("near")),
+    )
+
+
+def compaction_out(c: Compaction) -> dict[str, Any]:
+    return {**dump(c), "freed_bytes": c.freed_bytes}
+
+
+def saved_out(s: SavedPages) -> dict[str, Any]:
+    return {"page_ids": {i: p.hex() for i, p in s.page_ids.items()}, "num_new_pages": s.num_new}
+
+
+def saved_from(d: dict[str, Any]) -> SavedPages:
+    return SavedPages({int(i): PageId(bytes.fromhex(p)) for i, p in d["page_ids"].items()}, d["num_new_pages"])
+
+
+def rates_out(rates: Rates) -> dict[str, Any]:
+    return {"tier_bytes_per_s": dict(rates.tier_bytes_per_s), "recompute_tokens_per_s": rates.recompute_tokens_per_s}
+
+
+def rates_from(d: dict[str, Any]) -> Rates:
+    return Rates(dict(d["tier_bytes_per_s"]), d["recompute_tokens_per_s"])
+
+
+def encode_page(payload: bytes | None) -> str | None:
+    return None if payload is None else base64.b64encode(payload).decode("ascii")
+
+
+def decode_pages(pages: dict[int, str]) -> dict[int, bytes]:
+    """Page payloads from base64; raises ``InvalidPage`` naming the first that is not base64."""
+    out: dict[int, bytes] = {}
+    for index, text in pages.items():
+        try:
+            out[index] = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidPage(f"page {index} is not valid base64") from None
+    return out
+
+
+def sql_out(result: SqlResult) -> dict[str, Any]:
+    return {"columns": list(result.columns), "rows": [[_cell_out(v) for v in row] for row in result.rows]}
+
+
+def sql_from(d: dict[str, Any]) -> SqlResult:
+    return SqlResult(list(d["columns"]), [tuple(_cell_from(v) for v in row) for row in d["rows"]])
+
+
+def _cell_out(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"type": "float", "value": str(value)}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"type": "bytes", "value": base64.b64encode(bytes(value)).decode("ascii")}
+    for kind, cls in (("datetime", dt.datetime), ("date", dt.date), ("time", dt.time)):
+        if isinstance(value, cls):
+            return {"type": kind, "value": value.isoformat()}
+    if isinstance(value, decimal.Decimal):
+        return {"type": "decimal", "value": str(value)}
+    if isinstance(value, (dict, list)):  # PostgreSQL json, jsonb and arrays
+        try:
+            return {"type": "json", "value": json.dumps(value, allow_nan=False)}
+        except (TypeError, ValueError):
+            pass  # it holds what JSON cannot carry (dates, NaN): as text, below
+    return {"type": "text", "value": str(value)}
+
+
+_CELL_DECODERS: dict[str, Any] = {
+    "bytes": base64.b64decode,
+    "float": float,
+    "datetime": dt.datetime.fromisoformat,
+    "date": dt.date.fromisoformat,
+    "time": dt.time.fromisoformat,
+    "decimal": decimal.Decimal,
+    "text": str,
+    "json": json.loads,
+}
+
+
+def _cell_from(value: Any) -> Any:
+    if isinstance(value, dict):
+        return _CELL_DECODERS[value["type"]](value["value"])
+    return value

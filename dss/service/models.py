@@ -1,26 +1,14 @@
-"""The HTTP API's wire format: pydantic request and response models, and conversions.
+"""The HTTP API's wire format: pydantic request and response models.
 
 Requests are validated here (types, token ids in ``[0, 2**32)``); everything about meaning
 (names, layouts, page sizes, versions) is left to the store, so the service raises exactly
-the errors the embedded store raises. Responses are built from dss's value types by the
-``*_out`` functions and turned back into them by the client with the ``*_from`` functions;
-the two are inverse (``session_from(session_out(s)) == s``).
-
-Binary data travels as standard base64 (page payloads) or lowercase hex (page ids). SQL
-result cells that JSON cannot carry exactly are tagged: ``{"type": "bytes", "value":
-<base64>}``, ``{"type": "float", "value": "nan" | "inf" | "-inf"}``, ``{"type": "datetime" |
-"date" | "time" | "decimal", "value": <ISO text>}``, ``{"type": "json", "value": <JSON text>}``
-(PostgreSQL json and arrays), and ``{"type": "text", ...}`` for anything else.
+the errors the embedded store raises. Responses are built from dss's value types, and turned
+back into them by the client, by :mod:`dss.service.codec`; the response models of the core
+results are derived from those types there.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import datetime as dt
-import decimal
-import json
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -38,11 +26,10 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from dss.approx.nearest import Explanation
-from dss.core.errors import InvalidPage
 from dss.core.tokens import MAX_TOKEN
-from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
-from dss.service.codec import LayoutModel, PageIdHex, check_unicode, dump, list_of, load, model_of
-from dss.sessions.resume import Candidate, Rates, ResumeResult
+from dss.core.types import Session, Version
+from dss.service.codec import LayoutModel, PageIdHex, check_unicode, list_of, model_of
+from dss.sessions.resume import Candidate
 from dss.writes.compaction import Compaction
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN)]
@@ -391,131 +378,3 @@ class ProblemOut(BaseModel):
     status: int
     detail: str
     kind: str
-
-
-# -- conversions -------------------------------------------------------------------------------
-
-
-def layout_of(model: LayoutModel) -> Layout:
-    """The :class:`Layout` a request names; raises ``InvalidLayout``."""
-    return Layout.from_dict(model.model_dump())
-
-
-def resume_out(r: ResumeResult) -> dict[str, Any]:
-    return {
-        "session_id": r.session_id,
-        "version_id": r.version_id,
-        "matched_tokens": r.matched_tokens,
-        "num_prompt_tokens": r.num_prompt_tokens,
-        "num_history_tokens": r.num_history_tokens,
-        "num_new_tokens": r.num_new_tokens,
-        "page_tokens": r.page_tokens,
-        "page_bytes": r.page_bytes,
-        "tiers": r.tiers,
-        "load_seconds": r.load_seconds,
-        "recompute_seconds": r.recompute_seconds,
-        "should_load": r.should_load,
-        "pages": [{"index": p.index, "page_id": p.page_id.hex(), "tier": p.tier} for p in r.pages],
-        "source": r.source,
-        "num_candidates": r.num_candidates,
-        "near": dump(r.near),
-    }
-
-
-def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
-    pages = [PageRef(p["index"], PageId(bytes.fromhex(p["page_id"])), p["tier"]) for p in d["pages"]]
-    return ResumeResult(
-        d["session_id"],
-        load(VersionId | None, d["version_id"]),
-        d["matched_tokens"],
-        d["num_prompt_tokens"],
-        d["num_history_tokens"],
-        d["page_tokens"],
-        d["page_bytes"],
-        pages=pages,
-        rates=rates,
-        source=d.get("source"),
-        num_candidates=d.get("num_candidates", 0),
-        near=load(Candidate, d.get("near")),
-    )
-
-
-def compaction_out(c: Compaction) -> dict[str, Any]:
-    return {**dump(c), "freed_bytes": c.freed_bytes}
-
-
-def saved_out(s: SavedPages) -> dict[str, Any]:
-    return {"page_ids": {i: p.hex() for i, p in s.page_ids.items()}, "num_new_pages": s.num_new}
-
-
-def saved_from(d: dict[str, Any]) -> SavedPages:
-    return SavedPages({int(i): PageId(bytes.fromhex(p)) for i, p in d["page_ids"].items()}, d["num_new_pages"])
-
-
-def rates_out(rates: Rates) -> dict[str, Any]:
-    return {"tier_bytes_per_s": dict(rates.tier_bytes_per_s), "recompute_tokens_per_s": rates.recompute_tokens_per_s}
-
-
-def rates_from(d: dict[str, Any]) -> Rates:
-    return Rates(dict(d["tier_bytes_per_s"]), d["recompute_tokens_per_s"])
-
-
-def encode_page(payload: bytes | None) -> str | None:
-    return None if payload is None else base64.b64encode(payload).decode("ascii")
-
-
-def decode_pages(pages: dict[int, str]) -> dict[int, bytes]:
-    """Page payloads from base64; raises ``InvalidPage`` naming the first that is not base64."""
-    out: dict[int, bytes] = {}
-    for index, text in pages.items():
-        try:
-            out[index] = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidPage(f"page {index} is not valid base64") from None
-    return out
-
-
-def sql_out(result: SqlResult) -> dict[str, Any]:
-    return {"columns": list(result.columns), "rows": [[_cell_out(v) for v in row] for row in result.rows]}
-
-
-def sql_from(d: dict[str, Any]) -> SqlResult:
-    return SqlResult(list(d["columns"]), [tuple(_cell_from(v) for v in row) for row in d["rows"]])
-
-
-def _cell_out(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"type": "float", "value": str(value)}
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"type": "bytes", "value": base64.b64encode(bytes(value)).decode("ascii")}
-    for kind, cls in (("datetime", dt.datetime), ("date", dt.date), ("time", dt.time)):
-        if isinstance(value, cls):
-            return {"type": kind, "value": value.isoformat()}
-    if isinstance(value, decimal.Decimal):
-        return {"type": "decimal", "value": str(value)}
-    if isinstance(value, (dict, list)):  # PostgreSQL json, jsonb and arrays
-        try:
-            return {"type": "json", "value": json.dumps(value, allow_nan=False)}
-        except (TypeError, ValueError):
-            pass  # it holds what JSON cannot carry (dates, NaN): as text, below
-    return {"type": "text", "value": str(value)}
-
-
-_CELL_DECODERS: dict[str, Any] = {
-    "bytes": base64.b64decode,
-    "float": float,
-    "datetime": dt.datetime.fromisoformat,
-    "date": dt.date.fromisoformat,
-    "time": dt.time.fromisoformat,
-    "decimal": decimal.Decimal,
-    "text": str,
-    "json": json.loads,
-}
-
-
-def _cell_from(value: Any) -> Any:
-    if isinstance(value, dict):
-        return _CELL_DECODERS[value["type"]](value["value"])
-    return value

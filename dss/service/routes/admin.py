@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from dss.service import codec
 from dss.service import models as m
 from dss.service.calls import CALL, V1, Call, admin, admin_first
 
@@ -14,7 +15,7 @@ router = APIRouter()
 
 def sql(body: m.SqlIn, call: Call = CALL) -> dict[str, Any]:
     """Run one read-only SQL statement on the catalog (admin key)."""
-    return m.sql_out(call.store.sql(body.query, body.params, max_rows=body.max_rows))
+    return codec.sql_out(call.store.sql(body.query, body.params, max_rows=body.max_rows))
 
 
 router.add_api_route(
@@ -56,7 +57,7 @@ def count_sessions(call: Call = CALL) -> dict[str, Any]:
 def compact(body: m.CompactIn, call: Call = CALL) -> dict[str, Any]:
     """Rewrite the disk tier's sparse page files so their dead bytes are freed; ``dry_run`` says what it
     would do and changes nothing (admin key)."""
-    return m.compaction_out(call.store.compact(dry_run=body.dry_run))
+    return codec.compaction_out(call.store.compact(dry_run=body.dry_run))
 
 
 @router.post(

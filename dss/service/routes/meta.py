@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dss.core.errors import StoreClosed
 from dss.core.version import VERSION
+from dss.service import codec
 from dss.service import models as m
 from dss.service.calls import CALL, ERRORS, V1, Call
 from dss.service.docs import BEARER
@@ -55,5 +56,5 @@ def info(call: Call = CALL) -> dict[str, Any]:
         "tenant_id": p.tenant_id,
         "is_admin": p.is_admin,
         "limits": {"max_body_bytes": call.config.max_body_bytes, "max_tokens": call.config.max_tokens},
-        "rates": m.rates_out(call.store.rates),
+        "rates": codec.rates_out(call.store.rates),
     }

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from dss.service import codec
 from dss.service import models as m
 from dss.service.calls import CALL, V1, Call, checked_tokens
 from dss.service.codec import dump, list_of
@@ -18,16 +19,16 @@ def save_pages(body: m.SavePagesIn, call: Call = CALL) -> dict[str, Any]:
     """Store pages of tokens ahead of the commit that will contain them (or, with no session, for the
     namespace (user_id, layout))."""
     tenant = call.scope.writing(body.tenant_id)
-    layout = m.layout_of(body.layout) if body.layout is not None else None
+    layout = codec.layout_of(body.layout) if body.layout is not None else None
     saved = call.store.save_pages(
         body.session_id,
         checked_tokens(call, body.tokens),
-        m.decode_pages(body.pages),
+        codec.decode_pages(body.pages),
         tenant_id=tenant,
         user_id=body.user_id,
         layout=layout,
     )
-    return m.saved_out(saved)
+    return codec.saved_out(saved)
 
 
 @router.post("/v1/pages/read", response_model=m.ReadPagesOut, tags=["pages"], **V1)
@@ -38,7 +39,7 @@ def read_pages(body: m.ReadPagesIn, call: Call = CALL) -> dict[str, Any]:
     payloads = call.scope.read_pages(
         call.store, ids, call.config.max_body_bytes, tenant_id=body.tenant_id, load=body.load
     )
-    return {"pages": [m.encode_page(p) for p in payloads]}
+    return {"pages": [codec.encode_page(p) for p in payloads]}
 
 
 @router.post("/v1/pages/sizes", response_model=m.PageSizesOut, tags=["pages"], **V1)
@@ -57,8 +58,8 @@ def register_prefix(body: m.RegisterPrefixIn, call: Call = CALL) -> dict[str, An
     return dump(
         call.store.register_prefix(
             checked_tokens(call, body.tokens),
-            m.decode_pages(body.pages),
-            layout=m.layout_of(body.layout),
+            codec.decode_pages(body.pages),
+            layout=codec.layout_of(body.layout),
             tenant_id=tenant,
             label=body.label,
         )
@@ -90,7 +91,7 @@ def prefetch_candidates(body: m.PrefetchCandidatesIn, call: Call = CALL) -> dict
         session_id=body.session_id,
         tenant_id=tenant,
         user_id=body.user_id,
-        layout=m.layout_of(body.layout) if body.layout is not None else None,
+        layout=codec.layout_of(body.layout) if body.layout is not None else None,
         promote=body.promote,
     )
     return {"page_ids": [page_id.hex() for page_id in ids]}

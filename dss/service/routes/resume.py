@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from dss.service import codec
 from dss.service import models as m
 from dss.service.calls import CALL, V1, Call, checked_tokens
 from dss.service.codec import dump
@@ -22,7 +23,7 @@ def resume(body: m.ResumeIn, call: Call = CALL) -> dict[str, Any]:
     start = time.perf_counter()
     result = call.store.resume(body.session_id, prompt, tenant_id=tenant, approximate=body.approximate)
     call.metrics.observe_resume(result, time.perf_counter() - start)
-    return m.resume_out(result)
+    return codec.resume_out(result)
 
 
 @router.post("/v1/lookup", response_model=m.ResumeOut, tags=["resume"], **V1)
@@ -33,13 +34,13 @@ def lookup(body: m.LookupIn, call: Call = CALL) -> dict[str, Any]:
     start = time.perf_counter()
     result = call.store.lookup(
         prompt,
-        layout=m.layout_of(body.layout),
+        layout=codec.layout_of(body.layout),
         user_id=body.user_id,
         tenant_id=tenant,
         approximate=body.approximate,
     )
     call.metrics.observe_resume(result, time.perf_counter() - start)
-    return m.resume_out(result)
+    return codec.resume_out(result)
 
 
 @router.post("/v1/nearest", response_model=m.NearestOut, tags=["resume"], **V1)
@@ -52,7 +53,7 @@ def nearest(body: m.NearestIn, call: Call = CALL) -> dict[str, Any]:
         session_id=body.session_id,
         tenant_id=tenant,
         user_id=body.user_id,
-        layout=m.layout_of(body.layout) if body.layout is not None else None,
+        layout=codec.layout_of(body.layout) if body.layout is not None else None,
         k=body.k,
     )
     return {"candidates": dump(found)}
@@ -68,7 +69,7 @@ def explain(body: m.ExplainIn, call: Call = CALL) -> dict[str, Any]:
         checked_tokens(call, body.tokens),
         tenant_id=tenant,
         user_id=body.user_id,
-        layout=m.layout_of(body.layout) if body.layout is not None else None,
+        layout=codec.layout_of(body.layout) if body.layout is not None else None,
         context=body.context,
     )
     return dump(why)

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from dss.service import codec
 from dss.service import models as m
 from dss.service.calls import CALL, V1, Call
 from dss.service.codec import dump, list_of
@@ -19,7 +20,7 @@ def create_session(body: m.CreateSessionIn, call: Call = CALL) -> dict[str, Any]
     tenant = call.scope.writing(body.tenant_id)
     return dump(
         call.store.create_session(
-            body.session_id, user_id=body.user_id, tenant_id=tenant, layout=m.layout_of(body.layout)
+            body.session_id, user_id=body.user_id, tenant_id=tenant, layout=codec.layout_of(body.layout)
         )
     )
 

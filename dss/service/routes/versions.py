@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
+from dss.service import codec
 from dss.service import models as m
 from dss.service.calls import CALL, V1, Call, checked_tokens
 from dss.service.codec import dump, list_of
@@ -36,7 +37,7 @@ def commit(body: m.CommitIn, call: Call = CALL) -> dict[str, Any]:
     """Record tokens (and optionally their full pages) as a new version, child of the head; it becomes
     the head. Answered only once durable."""
     tenant = call.scope.writing(body.tenant_id)
-    pages = m.decode_pages(body.pages) if body.pages is not None else None
+    pages = codec.decode_pages(body.pages) if body.pages is not None else None
     version = call.store.commit(
         body.session_id, checked_tokens(call, body.tokens), pages, label=body.label, tenant_id=tenant
     )

@@ -1,0 +1,52 @@
+"""The service's wire format of the core results: each response model has exactly its type's
+fields, a value's JSON validates against it, and the client's side makes the same value again."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from pydantic import BaseModel
+
+import dss
+from dss.approx.nearest import Explanation
+from dss.core.types import Layout, Session, Version, VersionId
+from dss.service import models as m
+from dss.service.codec import dump, fields_of, load
+from dss.sessions.resume import Candidate
+from dss.writes.compaction import Compaction
+
+WHEN = dt.datetime(2026, 12, 4, 18, 0, 0, 123456, tzinfo=dt.UTC)
+CANDIDATE = Candidate("s", VersionId(3), 40, 0.75, 0.8125, 17, 17, 16)
+VALUES = [
+    (Session, m.SessionOut, Session("s", "t", "u", Layout("l", 16, 1024, dtype="bf16"), None, 0, WHEN, WHEN)),
+    (Version, m.VersionOut, Version(VersionId(7), "s", VersionId(6), 48, WHEN, "label ✓", True, False)),
+    (Version, m.VersionOut, Version(VersionId(1), "s", None, 0, WHEN, None, False, True)),
+    (Candidate, m.CandidateOut, CANDIDATE),
+    (Compaction, m.CompactionOut, Compaction(False, 3, 1, 20, 4096, 1024, 2)),
+    (
+        Explanation,
+        m.ExplainOut,
+        Explanation(
+            40, 16, "session", CANDIDATE, 17, [1, 2], [1, 3], 15, None, None, 19, 21, 4, 32, 16, [(17, 3), (5, 1)]
+        ),
+    ),
+    (Explanation, m.ExplainOut, Explanation(5, 0, None, None, None)),
+]
+
+
+@pytest.mark.parametrize(("tp", "model", "value"), VALUES)
+def test_a_result_goes_over_the_wire_and_comes_back_the_same(tp: type, model: type[BaseModel], value: object) -> None:
+    assert set(model.model_fields) - {"freed_bytes"} == set(fields_of(tp))
+    data = dump(value)
+    if tp is Compaction:
+        data["freed_bytes"] = value.freed_bytes  # type: ignore[attr-defined]
+    wire = json.loads(model.model_validate(data).model_dump_json())  # what a client receives
+    assert load(tp, wire) == value
+
+
+def test_the_models_document_the_fields_their_types_document() -> None:
+    schema = m.ExplainOut.model_json_schema()
+    assert schema["properties"]["matched_tokens"]["description"] == "What resume reuses now (exact paths)."
+    assert m.SessionOut.model_json_schema()["description"] == dss.Session.__doc__
