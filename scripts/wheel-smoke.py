@@ -27,15 +27,22 @@ NEEDS_EXTRA: dict[str, tuple[str, set[str]]] = {
     # the PostgreSQL change feed (LISTEN/NOTIFY); imported only for a postgresql:// catalog
     "dss.catalog.listen": ("postgres", {"psycopg"}),
     # the HTTP service and its parts; `dss serve` imports them only when it runs
+    "dss.service.calls": ("server", SERVER),
     "dss.service.docs": ("server", SERVER),
     "dss.service.metrics": ("server", SERVER),
     "dss.service.middleware": ("server", SERVER),
     "dss.service.router": ("server", SERVER),
     "dss.service.server": ("server", SERVER),
+    **{
+        f"dss.service.routes.{tag}": ("server", SERVER)
+        for tag in ("admin", "engines", "erasure", "meta", "pages", "resume", "sessions", "versions")
+    },
     # the engine adapters: loaded by vLLM or transformers, which bring torch
     "dss_adapters.staging": ("transformers or vllm", ENGINE),
     "dss_adapters.transformers.cache": ("transformers", ENGINE),
+    "dss_adapters.transformers_cache": ("transformers", ENGINE),
     "dss_adapters.vllm.connector": ("vllm", ENGINE),
+    "dss_adapters.vllm_connector": ("vllm", ENGINE),
     "dss_adapters.vllm.copy": ("vllm", ENGINE),
     "dss_adapters.vllm.cuda": ("vllm", ENGINE),
     "dss_adapters.vllm.loader": ("vllm", ENGINE),
