@@ -27,6 +27,7 @@ NEEDS_EXTRA: dict[str, tuple[str, set[str]]] = {
     # the PostgreSQL change feed (LISTEN/NOTIFY); imported only for a postgresql:// catalog
     "dss.catalog.listen": ("postgres", {"psycopg"}),
     # the HTTP service and its parts; `dss serve` imports them only when it runs
+    "dss.service.backends": ("server", SERVER),
     "dss.service.calls": ("server", SERVER),
     "dss.service.docs": ("server", SERVER),
     "dss.service.metrics": ("server", SERVER),

@@ -255,7 +255,8 @@ def route(
     from pydantic import ValidationError
 
     try:
-        from dss.service.router import RouterConfig, StoreHoldings, parse_backends, serve_router
+        from dss.service.backends import RouterConfig, StoreHoldings, parse_backends
+        from dss.service.router import serve_router
     except ModuleNotFoundError as exc:
         _fail(f"dss route needs the server extra ({exc.name} is missing): pip install 'dss-store[server]'")
         return

@@ -29,7 +29,8 @@ import httpx
 import pytest
 
 import dss
-from dss.service.router import head_holdings, parse_backends, request_key, with_session
+from dss.service.backends import head_holdings, parse_backends
+from dss.service.proxying import request_key, with_session
 from dss.service.routing import ring_order
 from tests.conftest import LAYOUT
 from tests.servers import free_port
