@@ -183,3 +183,20 @@ def stored(model: type[M], text: str) -> M:
         raise CatalogCorrupt(
             f"a catalog row does not decode ({exc.errors()[0]['msg']}): the catalog is damaged"
         ) from None
+
+
+def with_remote(tiers: dict[str, TierCount], job: Job) -> dict[str, TierCount]:
+    """The receipt's tiers, with the keys deleted from the remote tier if there is one."""
+    if job.remote_removed is None:
+        return tiers
+    return {**tiers, "remote": TierCount(pages=job.remote_removed)}
+
+
+def failure_of(receipt: Receipt) -> str:
+    """What ``ErasureIncomplete`` says of a job that ended ``failed``."""
+    assert receipt.verification is not None
+    failed = "; ".join(f"{c.name}: {c.detail}" for c in receipt.verification.checks if not c.ok)
+    return (
+        f"erasure {receipt.erasure_id} failed verification twice (its receipt, status 'failed', is in the "
+        f"audit table): {failed}"
+    )

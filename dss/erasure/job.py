@@ -43,30 +43,29 @@ files of it then (:meth:`dss.pages.store.PageStore.sweep`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
-from typing import TypedDict
 
 from dss.approx.upkeep import Upkeep
 from dss.catalog import erasures, feed, namespaces, pages
 from dss.catalog.database import Catalog, Tx, now
 from dss.catalog.feed import NamespaceForgotten
-from dss.core import rawscan
 from dss.core.errors import ErasureIncomplete, ErasureInProgress
 from dss.erasure.documents import (
     Check,
     Job,
     JobState,
-    Needle,
     Plan,
     Receipt,
     Removed,
     RemovedCounts,
     TierCount,
     Verification,
+    failure_of,
     stored,
+    with_remote,
 )
+from dss.erasure.verify import Verifier, file_digest, removed_of
 from dss.pages.keys import remote_tag
 from dss.pages.store import PageStore
 from dss.sessions.mirror import Mirror
@@ -74,17 +73,7 @@ from dss.tiers.remote import RemoteUnavailable, key_of, page_id_of
 
 log = logging.getLogger("dss.erasure.job")
 
-SAMPLE_IDS = 64
-"""How many of the user's page ids verification looks for (kept as needles, never as ids)."""
-
 Progress = Callable[[str], None]
-
-
-class Finding(TypedDict):
-    """What one look found: the fields of a :class:`Check` but its name."""
-
-    ok: bool
-    detail: str
 
 
 class Eraser:
@@ -98,6 +87,7 @@ class Eraser:
         self.disk = pages.disk
         self.host = pages.host
         self.remote = pages.remote
+        self.verifier = Verifier(catalog, self.disk, self.host, self.remote, upkeep, node_ref=pages.node_ref)
         self._host_dropped: dict[int, TierCount] = {}
         self._steps = {
             JobState.PLANNED: self._destroy_key,
@@ -187,7 +177,7 @@ class Eraser:
             if state.is_final:
                 assert job.receipt is not None
                 if state is JobState.FAILED:
-                    raise ErasureIncomplete(_failure(job.receipt))
+                    raise ErasureIncomplete(failure_of(job.receipt))
                 return job.receipt
             if progress is not None:
                 progress(f"{state} -> {state.next}")
@@ -227,7 +217,7 @@ class Eraser:
             job = job.model_copy(update={"remote_removed": self._delete_remote(user_ref, job.remote_tag)})
         host = self._host_dropped.pop(row.id, TierCount())
         with self.catalog.write() as tx:
-            removed = _removed(erasures.purge(tx.conn, user_ref) if user_ref is not None else None, host)
+            removed = removed_of(erasures.purge(tx.conn, user_ref) if user_ref is not None else None, host)
             events = [NamespaceForgotten(user_ref)] if user_ref is not None else []
             feed.record(tx.conn, tx.seq, events)
             self._advance(row, job, tx, removed=removed)
@@ -272,7 +262,7 @@ class Eraser:
         assert job.removed is not None
         files = job.removed.files or []
         self.disk.remove(files)
-        digests = sorted(_digest(name) for name in files)
+        digests = sorted(file_digest(name) for name in files)
         with self.catalog.write() as tx:
             self._advance(row, job, tx, removed=job.removed.model_copy(update={"files": None, "file_digests": digests}))
         self.mirror.wrote(tx.seq)
@@ -308,7 +298,7 @@ class Eraser:
                 sessions=removed.sessions,
                 versions=removed.versions,
                 pages=removed.pages,
-                tiers=_with_remote(removed.tiers, job),
+                tiers=with_remote(removed.tiers, job),
             ),
             page_ids_sha256=removed.page_ids_sha256,
             verification=Verification(ok=is_ok, checks=checks),
@@ -347,7 +337,7 @@ class Eraser:
         self.disk.remove(
             [
                 *(purged.files if purged is not None else []),
-                *(name for name in self.disk.files() if _digest(name) in digests),
+                *(name for name in self.disk.files() if file_digest(name) in digests),
             ]
         )
         problem = self.catalog.compact(erasures.VACUUMED)
@@ -360,97 +350,9 @@ class Eraser:
         self.mirror.apply(events)
         self.upkeep.apply(events)
 
-    # -- verification ----------------------------------------------------------------------
-
     def verify(self, user_ref: int | None, removed: Removed, tag: str | None = None) -> list[Check]:
-        """Look for anything of the user in every place dss keeps data; one check each."""
-        checks = [Check(name="catalog rows", **self._catalog_rows(user_ref))]
-        on_disk = {_digest(name) for name in self.disk.files()}
-        present = [digest for digest in removed.file_digests if digest in on_disk]
-        checks.append(
-            Check(
-                name="page files", ok=not present, detail=f"{len(present)} of {len(removed.file_digests)} files remain"
-            )
-        )
-        with self.catalog.read() as conn:
-            self.disk.recover(set(pages.all_segments(conn, "disk", self.pages.node_ref)))
-        sampled = {n.sha256 for n in removed.sample}
-        cached = sum(hashlib.sha256(page_id).hexdigest() in sampled for page_id in self.host.ids())
-        checks.append(
-            Check(name="host tier", ok=not cached, detail=f"{cached} sampled pages in this process's host tier")
-        )
-        checks.append(Check(name="catalog files", **self._raw_scan(removed.sample)))
-        checks.append(Check(name="lsh index", **self._lsh_index(user_ref)))
-        if self.remote is not None:
-            checks.append(Check(name="remote tier", **self._remote_scan(removed.sample, tag)))
-        return checks
-
-    def _lsh_index(self, user_ref: int | None) -> Finding:
-        """Look in the MinHash-LSH index itself (this process's memory, and Redis when shared)."""
-        lsh = self.upkeep.lsh
-        if lsh is None:
-            return {"ok": True, "detail": "no LSH index in this process"}
-        if user_ref is None:
-            return {"ok": True, "detail": "the user had no entries"}
-        local, remote = lsh.count(user_ref)
-        where = "in memory and in Redis" if lsh.is_shared else "in memory"
-        return {
-            "ok": not local and not remote,
-            "detail": f"{local} entries in memory, {remote} keys in Redis"
-            if local or remote
-            else f"no entry of the user {where}",
-        }
-
-    def _remote_scan(self, sample: list[Needle], tag: str | None) -> Finding:
-        """Scan the remote tier's keys for the sampled page ids and the namespace's tag."""
-        assert self.remote is not None
-        sampled = {n.sha256 for n in sample}
-        found = tagged = 0
-        try:
-            for key in self.remote.scan(f"{self.remote.prefix}*"):
-                page_id = page_id_of(key)
-                found += page_id is not None and hashlib.sha256(page_id).hexdigest() in sampled
-                tagged += page_id is not None and tag is not None and f"{{{tag}}}" in key.decode()
-        except RemoteUnavailable as exc:
-            return {"ok": False, "detail": str(exc)}
-        return {
-            "ok": not found and not tagged,
-            "detail": f"{found} of {len(sample)} sampled page ids and {tagged} keys of the user's namespace in "
-            "Redis; copies in Redis replicas and in AOF/RDB files hold only pages sealed under the "
-            "destroyed key (crypto-shredding): they are unreadable",
-        }
-
-    def _catalog_rows(self, user_ref: int | None) -> Finding:
-        if user_ref is None:
-            return {"ok": True, "detail": "the user had no rows"}
-        with self.catalog.read() as conn:
-            left = {name: n for name, n in erasures.rows_left(conn, user_ref).items() if n}
-        return {"ok": not left, "detail": ", ".join(f"{n} in {name}" for name, n in left.items()) or "none left"}
-
-    def _raw_scan(self, sample: list[Needle]) -> Finding:
-        """Scan the SQLite catalog's files (database, WAL) byte by byte for sampled page ids,
-        binary or hex, in a child process (this one must never open them: see :mod:`dss.core.rawscan`)."""
-        if not self.catalog.is_sqlite:
-            return {
-                "ok": True,
-                "detail": "PostgreSQL: rows checked by SQL; dead row versions left in its files hold "
-                "only data sealed or page ids keyed under the destroyed key, session keys "
-                "(keyed hashes of session ids), and the tenant and user ids this receipt "
-                "names",
-            }
-        path = str(self.catalog.engine.url.database)
-        try:
-            found = {
-                file: n
-                for file, n in rawscan.scan([path, f"{path}-wal"], [n.model_dump() for n in sample]).items()
-                if n
-            }
-        except rawscan.ScanFailed as exc:
-            return {"ok": False, "detail": str(exc)}
-        return {
-            "ok": not found,
-            "detail": f"sampled page ids found in {sorted(found)}" if found else "no sampled page id found",
-        }
+        """Look for anything of the user in every place dss keeps data (:mod:`dss.erasure.verify`)."""
+        return self.verifier.checks(user_ref, removed, tag)
 
     def _host_usage(self, user_ref: int | None) -> TierCount:
         """Pages and bytes of a namespace in this process's host tier."""
@@ -476,46 +378,3 @@ def _plan(conn: object, tenant_id: str, user_id: str, user_ref: int | None) -> P
         pages=counts.pages,
         tiers={"disk": TierCount(pages=counts.pages, bytes=counts.disk_bytes, files=counts.disk_files)},
     )
-
-
-def _removed(purged: erasures.Purged | None, host: TierCount) -> Removed:
-    if purged is None:
-        return Removed(
-            sessions=0,
-            versions=0,
-            pages=0,
-            page_ids_sha256=erasures.digest_of([]),
-            sample=[],
-            tiers={"disk": TierCount(files=0), "host": host},
-        )
-    counts = purged.counts
-    return Removed(
-        sessions=counts.sessions,
-        versions=counts.versions,
-        pages=len(purged.page_ids),
-        tiers={"disk": TierCount(pages=counts.pages, bytes=counts.disk_bytes, files=counts.disk_files), "host": host},
-        page_ids_sha256=erasures.digest_of(purged.page_ids),
-        files=purged.files,
-        sample=[Needle(**rawscan.needle(p)) for p in purged.page_ids[:SAMPLE_IDS]],
-    )
-
-
-def _with_remote(tiers: dict[str, TierCount], job: Job) -> dict[str, TierCount]:
-    """The receipt's tiers, with the keys deleted from the remote tier if there is one."""
-    if job.remote_removed is None:
-        return tiers
-    return {**tiers, "remote": TierCount(pages=job.remote_removed)}
-
-
-def _failure(receipt: Receipt) -> str:
-    """What ``ErasureIncomplete`` says of a job that ended ``failed``."""
-    assert receipt.verification is not None
-    failed = "; ".join(f"{c.name}: {c.detail}" for c in receipt.verification.checks if not c.ok)
-    return (
-        f"erasure {receipt.erasure_id} failed verification twice (its receipt, status 'failed', is in the "
-        f"audit table): {failed}"
-    )
-
-
-def _digest(name: str) -> str:
-    return hashlib.sha256(name.encode()).hexdigest()
