@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from dss.catalog import compaction, feed, namespaces, pages, sessions
+from dss.catalog import compaction, feed, holds, namespaces, pages, segments, sessions
 from dss.catalog.database import Tx, now
 from dss.catalog.feed import Event, PagesDropped, PagesEvicted, PagesStored, SessionChanged
 from dss.catalog.pages import PageRecord
@@ -241,7 +241,7 @@ def apply(
     _move(conn, seq, change.move, events, dead)
     released: list[PageId] = []
     if ref is not None and change.delete:
-        released = pages.release(conn, ref)
+        released = holds.release(conn, ref)
         sessions.delete_session_rows(conn, ref)
         holders, emptied = pages.drop_pages(conn, released, seq, thinned)
         dead += emptied
@@ -284,7 +284,7 @@ def _evict(conn: Any, seq: int, victims: Sequence[int], events: list[Event], dea
     """Drop the victim segments and their pages (a full disk making room)."""
     if not victims:
         return []
-    owned = pages.segment_pages(conn, victims)
+    owned = segments.segment_pages(conn, victims)
     ids = [page_id for page_id, _ in owned]
     holders, emptied = pages.drop_pages(conn, ids, seq)
     dead += emptied
@@ -375,16 +375,16 @@ def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) 
     tag = version_id or 0
     existing = pages.existing_pages(conn, change.hold) if change.hold else set()
     held = [p for p in change.hold if p in existing]
-    pages.hold(conn, ref, held, tag, change.hold_pinned)
+    holds.hold(conn, ref, held, tag, change.hold_pinned)
     if version_id is not None:
         for old in change.retag:
-            pages.retag(conn, ref, old, version_id)
-        pages.touch(conn, ref, change.touch, version_id)
+            holds.retag(conn, ref, old, version_id)
+        holds.touch(conn, ref, change.touch, version_id)
     if change.pin is not None:
         sessions.set_pinned(conn, *change.pin)
         pin_on, pin_off = change.pin_pages
-        pages.set_pinned_pages(conn, ref, pin_on, True)
-        pages.set_pinned_pages(conn, ref, pin_off, False)
+        holds.set_pinned_pages(conn, ref, pin_on, True)
+        holds.set_pinned_pages(conn, ref, pin_off, False)
     sessions.stamp_session(conn, ref, seq, stamp, head_id=head)
     return version_id, held
 

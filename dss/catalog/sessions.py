@@ -213,7 +213,7 @@ def stamp_session(conn: Connection, session_ref: int, seq: int, stamp: dt.dateti
 
 def delete_session_rows(conn: Connection, session_ref: int) -> None:
     """Delete a session's row and its versions (its ``session_pages`` go first, see
-    :func:`dss.catalog.pages.release`)."""
+    :func:`dss.catalog.holds.release`)."""
     conn.execute(delete(versions).where(versions.c.session_ref == session_ref))
     conn.execute(delete(sessions).where(sessions.c.id == session_ref))
 

@@ -47,7 +47,7 @@ import logging
 from collections.abc import Callable
 
 from dss.approx.upkeep import Upkeep
-from dss.catalog import erasures, feed, namespaces, pages
+from dss.catalog import erasures, feed, namespaces, segments
 from dss.catalog.database import Catalog, Tx, now
 from dss.catalog.feed import NamespaceForgotten
 from dss.core.errors import ErasureIncomplete, ErasureInProgress
@@ -234,7 +234,7 @@ class Eraser:
         """
         assert self.remote is not None
         with self.catalog.read() as conn:
-            page_ids = pages.user_page_ids(conn, user_ref)
+            page_ids = segments.user_page_ids(conn, user_ref)
         try:
             if tag is not None:
                 tag_bytes = bytes.fromhex(tag)

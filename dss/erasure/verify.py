@@ -12,7 +12,7 @@ import hashlib
 from typing import TypedDict
 
 from dss.approx.upkeep import Upkeep
-from dss.catalog import erasures, pages
+from dss.catalog import erasures, segments
 from dss.catalog.database import Catalog
 from dss.core import rawscan
 from dss.erasure.documents import Check, Needle, Removed, TierCount
@@ -62,7 +62,7 @@ class Verifier:
             )
         )
         with self.catalog.read() as conn:
-            self.disk.recover(set(pages.all_segments(conn, "disk", self.node_ref)))
+            self.disk.recover(set(segments.all_segments(conn, "disk", self.node_ref)))
         sampled = {n.sha256 for n in removed.sample}
         cached = sum(hashlib.sha256(page_id).hexdigest() in sampled for page_id in self.host.ids())
         checks.append(

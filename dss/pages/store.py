@@ -26,7 +26,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dss.catalog import pages
+from dss.catalog import segments
 from dss.catalog.change import Applied, NewPage, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
 from dss.core.crypto import Sealer
@@ -156,7 +156,7 @@ class PageStore:
             return Room()
         s = self.placement.settings
         conn = tx.conn
-        used = pages.tier_bytes(conn, "disk", self.node_ref)
+        used = segments.tier_bytes(conn, "disk", self.node_ref)
         quotas = user_ref is not None and (s.disk_user_quota or s.disk_tenant_quota)
         to_free = policy.room_needed(used, need, self.disk_bytes)
         if to_free <= 0 and not quotas:
@@ -166,8 +166,8 @@ class PageStore:
         freed = 0
         if quotas:
             assert user_ref is not None
-            owners = pages.segment_owners(conn, "disk")
-            mine, tenant_used, tenant_ref = pages.owner_bytes(conn, "disk", user_ref)
+            owners = segments.segment_owners(conn, "disk")
+            mine, tenant_used, tenant_ref = segments.owner_bytes(conn, "disk", user_ref)
             for quota, held, same in ((s.disk_user_quota, mine, 0), (s.disk_tenant_quota, tenant_used, 1)):
                 if not quota:
                     continue
@@ -208,16 +208,16 @@ class PageStore:
             )
         return Room(tuple(chosen), fits)
 
-    def segment_order(self, conn: Any) -> tuple[list[pages.SegmentRow], dict[int, list[bytes]]]:
+    def segment_order(self, conn: Any) -> tuple[list[segments.SegmentRow], dict[int, list[bytes]]]:
         """The disk's unpinned segments that hold no held page, in the order they leave, and
         the pages of every segment."""
-        segments = pages.tier_segments(conn, "disk", self.node_ref)
+        rows = segments.tier_segments(conn, "disk", self.node_ref)
         placement = self.placement
-        page_ids = pages.segment_page_ids(conn, "disk")
+        page_ids = segments.segment_page_ids(conn, "disk")
         held = placement.held
         if held:
-            segments = [seg for seg in segments if not any(PageId(p) in held for p in page_ids.get(seg.ref, ()))]
-        return placement.segment_order(segments, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
+            rows = [seg for seg in rows if not any(PageId(p) in held for p in page_ids.get(seg.ref, ()))]
+        return placement.segment_order(rows, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
 
     def settle(
         self,
@@ -276,13 +276,13 @@ class PageStore:
         if not size or size > self.disk_bytes:
             return 0
         with self.catalog.read() as conn:
-            used = pages.tier_bytes(conn, "disk", self.node_ref)
+            used = segments.tier_bytes(conn, "disk", self.node_ref)
         return max(0, used + size - self.disk_bytes)
 
     def sweep(self) -> list[str]:
         """Delete this node's page files the catalog no longer records (see :meth:`DiskTier.sweep`)."""
         with self.catalog.read() as conn:
-            recorded = set(pages.all_segments(conn, "disk", self.node_ref))
+            recorded = set(segments.all_segments(conn, "disk", self.node_ref))
         removed = self.disk.sweep(recorded)
         if removed:
             log.info("deleted %d page files the catalog no longer records", len(removed))

@@ -88,7 +88,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
-from dss.catalog.pages import SegmentRow
+from dss.catalog.segments import SegmentRow
 from dss.core.types import PageId
 from dss.placement.stats import PageStats, Scale, Settings, Statistics, decayed
 from dss.tiers.host import HostTier

@@ -97,7 +97,7 @@ class StoreHoldings:
     def of(
         self, session_id: str, tenant_id: str | None, served_by: str | None, node_ids: Sequence[str]
     ) -> dict[str, dict[str, int]]:
-        from dss.catalog import pages
+        from dss.catalog import segments
         from dss.catalog.database import catalog_errors
         from dss.core.errors import NotFound
 
@@ -108,7 +108,7 @@ class StoreHoldings:
         except NotFound:
             return {}
         with catalog_errors(), self.store.catalog.read() as conn:
-            where = pages.disk_nodes(conn, ids)
+            where = segments.disk_nodes(conn, ids)
         return head_holdings([where.get(page_id) for page_id in ids], served_by, node_ids)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from dss.catalog import feed, namespaces, pages, sessions
+from dss.catalog import feed, holds, namespaces, pages, sessions
 from dss.catalog.change import SessionWrite
 from dss.catalog.database import Catalog
 from dss.catalog.feed import Event, NamespaceForgotten, PagesDropped, PagesEvicted, PagesStored, SessionChanged
@@ -248,7 +248,7 @@ class Mirror:
             return None
         record = self.opened(record, conn)
         versions = self.unsealed(record, sessions.session_versions(conn, ref), conn)
-        return self.build(record, versions, pages.held_pages(conn, ref), conn)
+        return self.build(record, versions, holds.held_pages(conn, ref), conn)
 
     def build(
         self, record: SessionRecord, versions: list[VersionRecord], held: dict[bytes, int], conn: Any = None

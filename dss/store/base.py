@@ -13,7 +13,7 @@ from typing import Any, Self
 from dss.approx.lsh import LshIndex, Settings
 from dss.approx.nearest import Nearest
 from dss.approx.upkeep import Upkeep
-from dss.catalog import pages
+from dss.catalog import segments
 from dss.catalog.change import Applied
 from dss.catalog.database import catalog_errors, open_catalog
 from dss.core.config import StoreConfig, sqlite_url
@@ -163,7 +163,7 @@ class Base:
             batch=config.move_batch_pages,
         )
         with self.catalog.read() as conn, file_errors("clean up the page file", home):
-            removed = self.disk.recover(set(pages.all_segments(conn, "disk", self.node.ref)))
+            removed = self.disk.recover(set(segments.all_segments(conn, "disk", self.node.ref)))
         if removed:
             log.info("removed %d page files left behind by dead writers", len(removed))
         try:

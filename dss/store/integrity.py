@@ -8,7 +8,7 @@ Read-only; the store passes in the parts it checks.
 
 from __future__ import annotations
 
-from dss.catalog import erasures, namespaces, pages, sessions
+from dss.catalog import erasures, holds, namespaces, pages, segments, sessions
 from dss.catalog.database import Catalog, catalog_errors
 from dss.catalog.sessions import VersionRecord
 from dss.core.errors import CatalogCorrupt, CatalogUnavailable, ErasureInProgress
@@ -90,7 +90,7 @@ def _sessions(mirror: Mirror, conn: object) -> list[str]:
         contained: set[bytes] = set()
         for version_id in fresh.positions:
             contained.update(fresh.page_ids(version_id))
-        stray = pages.committed_pages(conn, record.ref) - contained  # type: ignore[arg-type]
+        stray = holds.committed_pages(conn, record.ref) - contained  # type: ignore[arg-type]
         if stray:
             problems.append(f"{name} references {len(stray)} pages none of its versions contains")
         cached = mirror.sessions.get(record.ref)
@@ -118,10 +118,10 @@ def _broken_versions(versions: list[VersionRecord], by_id: dict[int, VersionReco
 
 def _pages(conn: object) -> list[str]:
     problems: list[str] = []
-    unheld = pages.count_unheld_pages(conn)  # type: ignore[arg-type]
+    unheld = segments.count_unheld_pages(conn)  # type: ignore[arg-type]
     if unheld:
         problems.append(f"{unheld} pages are referenced by no session")
-    homeless = pages.count_homeless_pages(conn)  # type: ignore[arg-type]
+    homeless = segments.count_homeless_pages(conn)  # type: ignore[arg-type]
     if homeless:
         problems.append(f"{homeless} pages have no location on any tier")
     return problems
@@ -129,9 +129,9 @@ def _pages(conn: object) -> list[str]:
 
 def _segments(disk: DiskTier, capacity: int, node_ref: int, conn: object) -> list[str]:
     problems: list[str] = []
-    rows = pages.all_segments(conn, "disk", node_ref)  # type: ignore[arg-type]
+    rows = segments.all_segments(conn, "disk", node_ref)  # type: ignore[arg-type]
     files = disk.files()
-    extents = pages.disk_extents(conn, node_ref)  # type: ignore[arg-type]
+    extents = segments.disk_extents(conn, node_ref)  # type: ignore[arg-type]
     for name, (ref, size) in rows.items():
         if name not in files:
             problems.append(f"page file {name} is in the catalog but missing on disk")
@@ -145,7 +145,7 @@ def _segments(disk: DiskTier, capacity: int, node_ref: int, conn: object) -> lis
         if name not in rows and disk.is_orphan(name):
             problems.append(f"page file {name} has no catalog row")
     used = sum(size for _, size in rows.values())
-    total = pages.tier_bytes(conn, "disk", node_ref)  # type: ignore[arg-type]
+    total = segments.tier_bytes(conn, "disk", node_ref)  # type: ignore[arg-type]
     if total != used:
         problems.append(f"the disk tier's running total says {total} bytes, its segments hold {used}")
     if used > capacity:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
-from dss.catalog import erasures, pages
+from dss.catalog import erasures, segments
 from dss.catalog.database import now
 from dss.core.errors import InternalError
 from dss.core.types import PageId, PageRef, SqlResult
@@ -172,8 +172,8 @@ class Operations(Base):
         dropped to stay within it, bands and rows, storage ``"memory"``, ``"redis"`` or
         ``"none"`` before approximate matching was first used)."""
         with self._reading(), self.catalog.read() as conn:
-            disk_used = pages.tier_bytes(conn, "disk", self.node.ref)
-            disk_pages = pages.count_located(conn, "disk", self.node.ref)
+            disk_used = segments.tier_bytes(conn, "disk", self.node.ref)
+            disk_pages = segments.count_located(conn, "disk", self.node.ref)
             open_jobs = erasures.open_jobs(conn)
             lsh = (
                 self._near.lsh.stats()

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dss.catalog import pages
+from dss.catalog import segments
 from dss.catalog.database import Catalog
 from dss.core.errors import DssError
 from dss.core.types import PageId
@@ -144,7 +144,7 @@ class Mover:
             entries, host_ = self.pages.index.entries, self.pages.host
             placement.prune(lambda p: p in entries or p in host_)
             with self.catalog.read() as conn:
-                disk_used = pages.tier_bytes(conn, "disk", self.pages.node_ref)
+                disk_used = segments.tier_bytes(conn, "disk", self.pages.node_ref)
             rows = []
             for tier, capacity, used, user_q, tenant_q in (
                 ("host", host.capacity_bytes, host.used_bytes, s.host_user_quota, s.host_tenant_quota),
@@ -171,7 +171,7 @@ class Mover:
                     }
                 )
             with self.catalog.engine.begin() as conn:  # not a change: no feed sequence number
-                pages.record_policy(conn, self.process, rows)
+                segments.record_policy(conn, self.process, rows)
         self._recorded = time.monotonic()
 
     def run(self) -> dict[str, int]:
@@ -212,7 +212,7 @@ class Mover:
         placement = self.placement
         high, low = policy.watermarks(placement.settings, "disk", self.disk_bytes)
         with self.guard.reading(), self.catalog.read() as conn:
-            used = pages.tier_bytes(conn, "disk", self.pages.node_ref)
+            used = segments.tier_bytes(conn, "disk", self.pages.node_ref)
             if used <= high:
                 return 0
             ordered, page_ids = self.pages.segment_order(conn)
@@ -227,7 +227,7 @@ class Mover:
                 with self.guard.lock:
                     self.guard.check_open()
                     with self.catalog.read() as conn:  # another process's mover may have made room meanwhile
-                        if pages.tier_bytes(conn, "disk", self.pages.node_ref) <= low:
+                        if segments.tier_bytes(conn, "disk", self.pages.node_ref) <= low:
                             break
                     if any(PageId(p) in placement.held for ref in batch for p in page_ids.get(ref, ())):
                         batch, count = [], 0
