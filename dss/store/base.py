@@ -41,6 +41,7 @@ from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.remote import RemoteTier
 from dss.writes.compaction import Compactor
+from dss.writes.creator import Creator
 from dss.writes.mover import Mover
 from dss.writes.writer import Guard, Writer
 
@@ -152,6 +153,7 @@ class Base:
             group_commit=config.group_commit,
             compact_auto=config.compact_auto,
         )
+        self.creator = Creator(self.writer)
         self.mover = Mover(
             self.guard,
             self.pages,
@@ -294,7 +296,7 @@ class Base:
         check_name("user_id", user_id)
         check_name("tenant_id", tenant_id)
         check_layout(layout)
-        return self.writer.create(session_id, user_id, tenant_id, layout)
+        return self.creator.create(session_id, user_id, tenant_id, layout)
 
     def _cache_session(self, tenant_id: str, user_id: str, layout: Layout) -> SessionState:
         """The session holding pages saved without a session, one per namespace and layout

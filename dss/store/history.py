@@ -146,7 +146,7 @@ class History(Base):
         if new_session_id.startswith("~"):
             raise InvalidInput("session ids starting with '~' are reserved for dss")
         check_label(label)
-        return self.writer.branch(session_id, tenant_id, version_id, new_session_id, label).info()
+        return self.creator.branch(session_id, tenant_id, version_id, new_session_id, label).info()
 
     def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
         """Every version of the session, oldest first."""

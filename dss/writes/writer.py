@@ -43,10 +43,10 @@ from dss.catalog import erasures
 from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
 from dss.catalog.database import Catalog, DuplicateRow, Tx, catalog_errors
 from dss.core.crypto import Sealer
-from dss.core.errors import Conflict, DssError, ErasureInProgress, SessionExists, UnknownSession
-from dss.core.types import Layout, PageId
+from dss.core.errors import Conflict, DssError, UnknownSession
+from dss.core.types import PageId
 from dss.pages.index import PageIndex
-from dss.pages.keys import DataKeys, Keys, ensure_namespace
+from dss.pages.keys import DataKeys
 from dss.pages.store import PageStore
 from dss.sessions import versions
 from dss.sessions.mirror import Mirror
@@ -92,10 +92,7 @@ class Writer:
         self.keys = keys
         self.index = index
         self.guard = guard
-        self._master = master
-        self._namespaces: dict[tuple[str, str], tuple[int, int]] = {}
-        """``(tenant_id, user_id) -> (tenant_ref, user_ref)`` of namespaces this process made a
-        session in: a later session there is made in a commit group (see :meth:`create`)."""
+        self.master = master
 
     def apply(self, change: Change, *, alone: bool = False, sealer: Sealer | None = None) -> Applied:
         """Apply a change (:meth:`_apply`), compacting the disk tier first when its new pages
@@ -155,7 +152,7 @@ class Writer:
                     applied = changes.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
                 self.pages.disk.settled(w.name for w in written)
-                return self._taken(change, applied, written)
+                return self.taken(change, applied, written)
         except BaseException:
             if not committed:
                 self.pages.abort(written)
@@ -245,9 +242,9 @@ class Writer:
             self.guard.check_open()
             with catalog_errors(), self.catalog.write() as tx:
                 applied = changes.apply(tx, change, (), Room(tuple(victims), True))
-            return self._taken(change, applied)
+            return self.taken(change, applied)
 
-    def _taken(self, change: Change, applied: Applied, written: Sequence[WrittenSegment] = ()) -> Applied:
+    def taken(self, change: Change, applied: Applied, written: Sequence[WrittenSegment] = ()) -> Applied:
         """After a change committed: tell other processes, update this one's caches (and the
         remote tier, with ``written``)."""
         self.mirror.wrote(applied.seq)
@@ -299,106 +296,9 @@ class Writer:
                     continue
         raise Conflict(f"session {session_id!r} keeps being changed by other writers; try again")
 
-    def branch(
-        self, session_id: str, tenant_id: str | None, version_id: int, new_session_id: str, label: str | None
-    ) -> SessionState:
-        """Start ``new_session_id`` at a version of a session; ``SessionExists`` if the id is taken."""
-        for _ in range(ATTEMPTS):
-            with self.guard.reading():
-                state = self.mirror.state(session_id, tenant_id)
-                tenant = state.record.tenant_id
-                if self._exists(new_session_id, tenant):
-                    raise SessionExists(f"session {new_session_id!r} already exists in tenant {tenant!r}")
-                change = versions.branch(
-                    state, self.context(state), version_id, new_session_id, self.keys.session_key(new_session_id), label
-                )
-            try:
-                return self.state_of(self.apply(change))
-            except Stale:
-                continue  # made meanwhile: the check above says so next
-        raise Conflict(f"session id {new_session_id!r} keeps being created and deleted by other writers")
-
-    def _exists(self, session_id: str, tenant_id: str) -> bool:
-        try:
-            self.mirror.state(session_id, tenant_id)
-        except UnknownSession:
-            return False
-        return True
-
     def context(self, state: SessionState) -> versions.Context:
         """What a builder needs besides the session's state."""
         return versions.Context(self.keys.of(state.user_ref), self.index)
-
-    def create(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> SessionState:
-        """The session, made if absent (idempotent for the same owner and layout), in one
-        transaction with its namespace and data key when those are new too. In a namespace
-        this process has made a session in before, the change joins a commit group (the
-        transaction checks that the namespace still exists, unerased)."""
-        for attempt in range(ATTEMPTS):
-            with self.guard.reading():
-                try:
-                    state = self.mirror.state(session_id, tenant_id)
-                except UnknownSession:
-                    pass
-                else:
-                    if state.record.user_id != user_id or state.layout != layout:
-                        raise SessionExists(
-                            f"session {session_id!r} exists in tenant {tenant_id!r} with another owner or layout"
-                        )
-                    return state
-                known = self._namespaces.get((tenant_id, user_id)) if attempt == 0 else None
-                if known is not None:
-                    try:
-                        change = self._created(session_id, user_id, tenant_id, layout, *known, self.keys.of(known[1]))
-                    except ErasureInProgress:
-                        known = None  # its key is gone: the namespace's own transaction says why, or makes it anew
-            if known is not None:
-                try:
-                    applied = self.apply(change)
-                except Stale:
-                    continue  # made meanwhile, or the namespace was erased: look again
-                return self.state_of(applied)
-            made = committed = False
-            with self.guard.reading():
-                try:
-                    with catalog_errors(), self.catalog.write() as tx:
-                        tenant_ref, user_ref, made = ensure_namespace(tx.conn, tenant_id, user_id, self._master)
-                        change = self._created(
-                            session_id,
-                            user_id,
-                            tenant_id,
-                            layout,
-                            tenant_ref,
-                            user_ref,
-                            self.keys.of(user_ref, tx.conn),
-                        )
-                        applied = changes.apply(tx, change)
-                    committed = True
-                except Stale:
-                    continue
-                finally:
-                    if made and not committed:
-                        self.keys.forget(user_ref)  # its transaction rolled back: that key never existed
-                self._namespaces[(tenant_id, user_id)] = (tenant_ref, user_ref)
-                self._taken(change, applied)
-                assert applied.session_ref is not None
-                cached = self.mirror.sessions.get(applied.session_ref)
-                return cached if cached is not None else self.state_of(applied)
-        raise Conflict(f"session {session_id!r} keeps being created and deleted by other writers; try again")
-
-    def _created(
-        self, session_id: str, user_id: str, tenant_id: str, layout: Layout, tenant_ref: int, user_ref: int, keys: Keys
-    ) -> Change:
-        return versions.create(
-            session_id,
-            self.keys.session_key(session_id),
-            keys,
-            tenant_id=tenant_id,
-            tenant_ref=tenant_ref,
-            user_id=user_id,
-            user_ref=user_ref,
-            layout=layout,
-        )
 
     def state_of(self, applied: Applied) -> SessionState:
         """The state of the session a change wrote (loaded again if another writer moved it on)."""
