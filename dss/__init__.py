@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from dss.approx.nearest import Explanation
+from dss.approx.explanation import Explanation
 from dss.core.config import StoreConfig, load_config
 from dss.core.errors import (
     AmbiguousSession,

@@ -1,4 +1,4 @@
-"""``dss explain``: reading the prompt (ids or text) and printing an :class:`dss.approx.nearest.Explanation`."""
+"""``dss explain``: reading the prompt (ids or text) and printing an :class:`dss.approx.explanation.Explanation`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from dss.approx.nearest import Explanation
+from dss.approx.explanation import Explanation
 from dss.core.errors import ConfigError, InvalidInput
 
 

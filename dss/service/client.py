@@ -30,7 +30,8 @@ from typing import Any, Self
 
 import httpx
 
-from dss.approx.nearest import Decode, Explanation
+from dss.approx.explanation import Explanation
+from dss.approx.nearest import Decode
 from dss.core.tokens import TokenInput, pack, unpack
 from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Version
 from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads

@@ -3,7 +3,7 @@ both ways.
 
 A core result — a ``NamedTuple`` or a dataclass such as :class:`~dss.core.types.Session`,
 :class:`~dss.core.types.Version`, :class:`~dss.sessions.resume.Candidate`,
-:class:`~dss.approx.nearest.Explanation` or :class:`~dss.writes.compaction.Compaction` — is
+:class:`~dss.approx.explanation.Explanation` or :class:`~dss.writes.compaction.Compaction` — is
 the one place its fields are written. :func:`model_of` derives from the type's annotations
 the pydantic model the HTTP API documents (a field's attribute docstring is its description);
 :func:`dump` turns a value into that model's data and :func:`load` makes the value again

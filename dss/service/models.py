@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from dss.approx.nearest import Explanation
+from dss.approx.explanation import Explanation
 from dss.core.tokens import MAX_TOKEN
 from dss.core.types import Session, Version
 from dss.service.codec import LayoutModel, PageIdHex, check_unicode, list_of, model_of

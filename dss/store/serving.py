@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dss.approx.nearest import Decode, Explanation
+from dss.approx.explanation import Explanation
+from dss.approx.nearest import Decode
 from dss.catalog import pages
 from dss.catalog.change import Change
 from dss.core.errors import InvalidInput

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dss
-from dss.approx.nearest import common_prefix, realign
+from dss.approx.explanation import common_prefix, realign
 from dss.core.errors import InvalidInput
 from tests import rerender
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 import dss
-from dss.approx.nearest import Explanation
+from dss.approx.explanation import Explanation
 from dss.core.types import Layout, Session, Version, VersionId
 from dss.service import models as m
 from dss.service.codec import dump, fields_of, load
