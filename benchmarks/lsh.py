@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from progress import track
 
 import dss
-from dss.approx.lsh import LshIndex, Settings, shingle_hashes
+from dss.approx.lsh import LshIndex, Settings
+from dss.approx.minhash import shingle_hashes
 
 LAYOUT = dss.Layout(name="lsh-bench", page_tokens=16, page_bytes=64, model="bench")
 

@@ -1,11 +1,6 @@
 """MinHash-LSH index of stored versions: it proposes near-duplicates of a prompt, it never decides.
 
-Terms. A *shingle* is ``shingle_tokens`` consecutive tokens (a sequence shorter than that is
-one shingle of all its tokens); a sequence is compared by the *set* of its shingles; the
-Jaccard similarity of two sequences is ``|A ∩ B| / |A ∪ B|`` of those sets. A *signature* is
-the MinHash of a set (datasketch's ``affine32`` scheme, ``permutations`` values), computed here
-in one vectorised step from 32-bit shingle hashes keyed per namespace (so index contents say
-nothing without the namespace's key, and an erased key makes any leftover unlinkable).
+Terms: see :mod:`dss.approx.minhash` (shingles, Jaccard similarity, signatures).
 
 Entries. For each indexed version: one *whole* entry (all its tokens) and one *window* entry
 per page-aligned window of about ``window_tokens`` tokens, so a long shared stretch after an
@@ -21,19 +16,18 @@ entries of the same index go. With a Redis URL the indexes live in Redis (datask
 storage, one basename per namespace and layout) and several nodes share them.
 
 This module knows nothing of the catalog: :mod:`dss.approx.nearest` loads versions and feeds them in,
-:mod:`dss.sessions.mirror` tells it what changed. ``datasketch`` is imported on first use only.
+:mod:`dss.approx.upkeep` tells it what changed. ``datasketch`` is imported on first use only.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from dss.core.errors import ConfigError
+from dss.approx.minhash import Signer, datasketch_module, shingle_hashes, window_starts
 from dss.core.tokens import TOKEN_BYTES
 
 WEIGHTS = (0.1, 0.9)
@@ -41,18 +35,6 @@ WEIGHTS = (0.1, 0.9)
 for the threshold: a false positive costs one exact comparison, a false negative loses reuse
 (at the defaults, 11 bands of 11 rows: a version at Jaccard 0.9 is proposed with probability
 0.984, at 0.85 with 0.867, at 0.5 with 0.005)."""
-_P = np.uint64(0x100000001B3)
-_M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
-
-
-def _datasketch() -> Any:
-    try:
-        import datasketch
-    except ImportError:
-        raise ConfigError(
-            "approximate matching (MinHash-LSH) needs the datasketch package: pip install 'dss-store[lsh]'"
-        ) from None
-    return datasketch
 
 
 class Settings(NamedTuple):
@@ -92,71 +74,6 @@ class Hit(NamedTuple):
     prompt_start: int
 
 
-def shingles(tokens: np.ndarray, size: int) -> np.ndarray:
-    """The distinct shingles of ``tokens`` as rows of ``size`` tokens (for tests and examples)."""
-    if len(tokens) < size:
-        return np.asarray([tokens]) if len(tokens) else np.zeros((0, size), np.uint32)
-    rows = np.lib.stride_tricks.sliding_window_view(tokens, size)
-    return np.unique(rows, axis=0)
-
-
-def jaccard(a: np.ndarray, b: np.ndarray, size: int, salt: int = 0) -> float:
-    """Exact Jaccard similarity of the shingle sets of two token arrays."""
-    ha, hb = np.unique(shingle_hashes(a, size, salt)), np.unique(shingle_hashes(b, size, salt))
-    if not len(ha) and not len(hb):
-        return 1.0
-    common = len(np.intersect1d(ha, hb, assume_unique=True))
-    return common / (len(ha) + len(hb) - common)
-
-
-def shingle_hashes(tokens: np.ndarray, size: int, salt: int = 0) -> np.ndarray:
-    """A 32-bit hash of every shingle (in order; ``salt`` keys them per namespace)."""
-    n = len(tokens)
-    if n == 0:
-        return np.zeros(0, np.uint32)
-    width = min(size, n)
-    count = n - width + 1
-    t = tokens.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        h = np.full(count, np.uint64(salt), np.uint64)
-        for j in range(width):
-            h = h * _P + t[j : j + count] + np.uint64(1)
-        h = (h ^ (h >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)
-        return (h ^ (h >> np.uint64(32))).astype(np.uint32)
-
-
-class Signer:
-    """MinHash signatures (datasketch ``affine32``) of hash arrays, whole and by slices."""
-
-    def __init__(self, permutations: int) -> None:
-        ds = _datasketch()
-        self._ds = ds
-        proto = ds.MinHash(num_perm=permutations, seed=1, scheme="affine32")
-        self.permutations = proto.permutations
-        a, b = proto.permutations
-        self._a = np.asarray(a, np.uint32)[:, None]
-        self._b = np.asarray(b, np.uint32)[:, None]
-
-    def values(self, hashes: np.ndarray, bounds: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray | None]:
-        """The signature of all ``hashes`` and, when ``bounds`` (slice starts, first 0) are
-        given, one signature per slice (columns)."""
-        with np.errstate(over="ignore"):
-            hv = hashes ^ (hashes >> np.uint32(16))
-            hv = hv * _M1
-            hv = hv ^ (hv >> np.uint32(13))
-            hv = hv * _M2
-            hv = hv ^ (hv >> np.uint32(16))
-            phv = self._a * hv[None, :] + self._b
-        starts = list(bounds)
-        if starts and len(starts) > 1:
-            parts = np.minimum.reduceat(phv, starts, axis=1)
-            return parts.min(axis=1), parts
-        return phv.min(axis=1), None
-
-    def minhash(self, values: np.ndarray) -> Any:
-        return self._ds.MinHash(hashvalues=values, permutations=self.permutations, scheme="affine32")
-
-
 class Bucket:
     """The index of one namespace and layout."""
 
@@ -179,7 +96,7 @@ class LshIndex:
     the store locks. Every method that takes tokens takes them packed (``TOKEN_BYTES`` each)."""
 
     def __init__(self, settings: Settings, *, redis_url: str | None = None, redis_prefix: str = "dss-lsh") -> None:
-        ds = _datasketch()
+        ds = datasketch_module()
         self.settings = settings
         self.signer = Signer(settings.permutations)
         self._ds = ds
@@ -406,13 +323,3 @@ class LshIndex:
                     del bucket.by_session[entry.session_ref]
         if key in bucket.lsh:
             bucket.lsh.remove(key)
-
-
-def window_starts(num_tokens: int, window_tokens: int, page_tokens: int, shingle_tokens: int) -> list[int]:
-    """Where the windows of a sequence start, as shingle indices (= token positions): page
-    boundaries about ``window_tokens`` apart; ``[0]`` (the whole only) for a short sequence."""
-    step = max(page_tokens, window_tokens - window_tokens % page_tokens)
-    num_shingles = max(num_tokens - shingle_tokens + 1, 1)
-    if num_tokens <= step:
-        return [0]
-    return [s for s in range(0, num_shingles, step)]

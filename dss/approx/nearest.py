@@ -22,7 +22,8 @@ from dataclasses import replace
 import numpy as np
 
 from dss.approx.explanation import Explanation, common_prefix, realign
-from dss.approx.lsh import Bucket, jaccard, shingle_hashes
+from dss.approx.lsh import Bucket
+from dss.approx.minhash import jaccard, shingle_hashes
 from dss.approx.upkeep import Upkeep
 from dss.catalog import sessions
 from dss.core.errors import ErasureInProgress

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import dss
-from dss.approx.lsh import LshIndex, Settings, jaccard, shingle_hashes, shingles, window_starts
+from dss.approx.lsh import LshIndex, Settings
+from dss.approx.minhash import jaccard, shingle_hashes, shingles, window_starts
 from dss.core.errors import ConfigError
 
 DIGEST = b"L" * 32
