@@ -15,7 +15,7 @@ from dss.catalog import namespaces
 from dss.catalog.database import Catalog
 from dss.core.types import PageId
 from dss.pages.index import NamespacePages, PageIndex
-from dss.placement import policy
+from dss.placement import fill
 from dss.placement.policy import Placement
 from dss.tiers.host import HostTier, Owner, Victims
 
@@ -62,7 +62,7 @@ class HostPages:
     def above_high_mark(self) -> bool:
         """Whether the host tier's active pages are past its high watermark (the mover's
         work: the store wakes it when a write or a read left it so)."""
-        high, _ = policy.watermarks(self.placement.settings, "host", self.host.capacity_bytes)
+        high, _ = fill.watermarks(self.placement.settings, "host", self.host.capacity_bytes)
         return self.host.active_bytes > high
 
     def owner(self, namespace: NamespacePages) -> Owner:

@@ -36,7 +36,7 @@ from dss.pages.copies import RemoteCopies
 from dss.pages.host import HostPages
 from dss.pages.index import NamespacePages, PageEntry, PageIndex
 from dss.pages.records import SealRing, batches, records, segment_size
-from dss.placement import policy
+from dss.placement import fill
 from dss.placement.policy import Placement
 from dss.tiers.disk import SEALED_FLAG, DiskTier
 from dss.tiers.host import HostTier
@@ -158,7 +158,7 @@ class PageStore:
         conn = tx.conn
         used = segments.tier_bytes(conn, "disk", self.node_ref)
         quotas = user_ref is not None and (s.disk_user_quota or s.disk_tenant_quota)
-        to_free = policy.room_needed(used, need, self.disk_bytes)
+        to_free = fill.room_needed(used, need, self.disk_bytes)
         if to_free <= 0 and not quotas:
             return Room()
         ordered, page_ids = self.segment_order(conn)
@@ -185,7 +185,7 @@ class PageStore:
                 if over > 0:
                     log.info("disk quota of the owner full: %d new bytes stay in host only", need)
                     return Room((), False)
-        to_free = policy.room_needed(used - freed, need, self.disk_bytes)
+        to_free = fill.room_needed(used - freed, need, self.disk_bytes)
         for segment in ordered:
             if to_free <= 0:
                 break

@@ -93,9 +93,6 @@ from dss.core.types import PageId
 from dss.placement.stats import PageStats, Scale, Settings, Statistics, decayed
 from dss.tiers.host import HostTier
 
-SLACK = 0.05
-"""Fraction of a durable tier's capacity freed beyond what a write needs (inline eviction)."""
-
 HOT_FREQUENCY = 2.0
 """Decayed accesses from which a disk segment's pages count as hot: such segments leave the
 disk after every other, the least frequently used first (the others in the catalog's order)."""
@@ -383,32 +380,3 @@ class Placement(Statistics):
             best.append(worth)
         hot = HOT_FREQUENCY
         return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, i))]
-
-
-def watermarks(settings: Settings, tier: str, capacity: int) -> tuple[int, int]:
-    """``(high, low)`` marks of a tier in bytes."""
-    if tier == "host":
-        return round(capacity * settings.host_high), round(capacity * settings.host_low)
-    return round(capacity * settings.disk_high), round(capacity * settings.disk_low)
-
-
-def room_needed(used: int, need: int, capacity: int) -> int:
-    """Bytes to free so ``need`` more fit (0 when they fit already)."""
-    if used + need <= capacity:
-        return 0
-    return used + need - int(capacity * (1 - SLACK))
-
-
-def victims(segments: Iterable[SegmentRow], to_free: int) -> list[SegmentRow]:
-    """Segments to drop, in the order given, skipping pinned ones, until ``to_free`` bytes are
-    freed. Returns fewer than needed when the others do not suffice."""
-    chosen: list[SegmentRow] = []
-    freed = 0
-    for segment in segments:
-        if freed >= to_free:
-            break
-        if segment.is_pinned:
-            continue
-        chosen.append(segment)
-        freed += segment.size
-    return chosen

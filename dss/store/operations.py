@@ -12,7 +12,7 @@ from dss.core.errors import InternalError
 from dss.core.types import PageId, PageRef, SqlResult
 from dss.core.validate import check_callback, check_flag, check_name, check_page_ids
 from dss.erasure.documents import AuditEntry, Plan, Receipt, stored
-from dss.placement import policy
+from dss.placement import fill, policy
 from dss.store import integrity
 from dss.store.base import Base
 from dss.writes.compaction import Compaction
@@ -194,7 +194,7 @@ class Operations(Base):
             "lsh": lsh,
         }
         for tier in policy.TIERS:
-            high, low = policy.watermarks(settings, tier, out[tier]["capacity"])
+            high, low = fill.watermarks(settings, tier, out[tier]["capacity"])
             out[tier].update({"high_watermark": high, "low_watermark": low})
             counts = self.placement.counts[tier]
             out[tier].update({name: int(counts[name]) for name in policy.COUNTERS})

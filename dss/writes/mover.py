@@ -36,7 +36,7 @@ from dss.catalog.database import Catalog
 from dss.core.errors import DssError
 from dss.core.types import PageId
 from dss.pages.store import PageStore
-from dss.placement import policy
+from dss.placement import fill
 from dss.placement.policy import Placement
 from dss.writes.writer import Guard, Writer
 
@@ -150,7 +150,7 @@ class Mover:
                 ("host", host.capacity_bytes, host.used_bytes, s.host_user_quota, s.host_tenant_quota),
                 ("disk", self.disk_bytes, disk_used, s.disk_user_quota, s.disk_tenant_quota),
             ):
-                high, low = policy.watermarks(s, tier, capacity)
+                high, low = fill.watermarks(s, tier, capacity)
                 counts = placement.counts[tier]
                 rows.append(
                     {
@@ -184,7 +184,7 @@ class Mover:
     def _host(self) -> int:
         host = self.pages.host
         placement = self.placement
-        high, low = policy.watermarks(placement.settings, "host", host.capacity_bytes)
+        high, low = fill.watermarks(placement.settings, "host", host.capacity_bytes)
         with self.guard.lock:
             self.guard.check_open()
             if host.active_bytes <= high:
@@ -210,13 +210,13 @@ class Mover:
 
     def _disk(self) -> int:
         placement = self.placement
-        high, low = policy.watermarks(placement.settings, "disk", self.disk_bytes)
+        high, low = fill.watermarks(placement.settings, "disk", self.disk_bytes)
         with self.guard.reading(), self.catalog.read() as conn:
             used = segments.tier_bytes(conn, "disk", self.pages.node_ref)
             if used <= high:
                 return 0
             ordered, page_ids = self.pages.segment_order(conn)
-        chosen = policy.victims(ordered, used - low)
+        chosen = fill.victims(ordered, used - low)
         moved = 0
         batch: list[int] = []
         count = 0
