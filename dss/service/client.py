@@ -23,78 +23,30 @@ A client is thread-safe (one connection pool); close it, or use it as a context 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Self
-
-import httpx
+from typing import Any
 
 from dss.approx.explanation import Explanation
 from dss.approx.nearest import Decode
-from dss.core.tokens import TokenInput, pack, unpack
+from dss.core.tokens import TokenInput
 from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Version
-from dss.core.validate import check_callback, check_flag, check_layout, check_page_ids, check_version_id, page_payloads
-from dss.core.version import VERSION
+from dss.core.validate import check_callback, check_flag, check_page_ids, check_version_id
 from dss.erasure.documents import AuditEntry, Plan, Receipt
 from dss.service import codec
 from dss.service.codec import load
-from dss.service.config import default_api_key
-from dss.service.problems import Unavailable, error_from_problem
-from dss.sessions.resume import Candidate, Rates, ResumeResult
+from dss.service.transport import Transport, encode_pages, layout_dict, params_of, token_list
+from dss.sessions.resume import Candidate, ResumeResult
 from dss.writes.compaction import Compaction
 
 
-class Client:
+class Client(Transport):
     """A ``dss serve`` service seen through the :class:`dss.Store` API (see the module docstring).
 
     ``api_key`` defaults to ``DSS_API_KEY``; ``timeout`` is seconds per request; ``retries``
     re-attempts a connection that could not be made (nothing was sent, so this is safe for
     writes); ``transport`` replaces the HTTP transport (tests).
     """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str | None = None,
-        timeout: float = 60.0,
-        retries: int = 2,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.url = url.rstrip("/")
-        api_key = api_key if api_key is not None else default_api_key()
-        headers = {"User-Agent": f"dss-client/{VERSION}"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self.timeout = timeout
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers=headers,
-            timeout=timeout,
-            transport=transport or httpx.HTTPTransport(retries=retries),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-        )
-        self._rates: Rates | None = None
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"Client({self.url!r})"
-
-    def close(self) -> None:
-        """Close the connection pool. Idempotent; the service and its store stay up."""
-        self._http.close()
-
-    @property
-    def is_closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._http.is_closed
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- the service -----------------------------------------------------------------------
 
@@ -112,20 +64,20 @@ class Client:
         self, session_id: str, *, user_id: str = "anonymous", tenant_id: str | None = None, layout: Layout
     ) -> Session:
         """:meth:`dss.Store.create_session` in the key's tenant (idempotent for the same owner and layout)."""
-        body = {"session_id": session_id, "user_id": user_id, "layout": _layout(layout), "tenant_id": tenant_id}
+        body = {"session_id": session_id, "user_id": user_id, "layout": layout_dict(layout), "tenant_id": tenant_id}
         return load(Session, self._call("POST", "/v1/sessions", json=body))
 
     def session(self, session_id: str, *, tenant_id: str | None = None) -> Session:
         """:meth:`dss.Store.session`; raises ``UnknownSession``."""
         return load(
-            Session, self._call("GET", "/v1/session", params=_params(session_id=session_id, tenant_id=tenant_id))
+            Session, self._call("GET", "/v1/session", params=params_of(session_id=session_id, tenant_id=tenant_id))
         )
 
     def sessions(
         self, *, tenant_id: str | None = None, user_id: str | None = None, all_tenants: bool = False
     ) -> list[Session]:
         """The key's tenant's sessions (``all_tenants``: every tenant's, admin key), oldest first."""
-        params = _params(tenant_id=tenant_id, user_id=user_id, all_tenants="true" if all_tenants else None)
+        params = params_of(tenant_id=tenant_id, user_id=user_id, all_tenants="true" if all_tenants else None)
         return [load(Session, s) for s in self._call("GET", "/v1/sessions", params=params)]
 
     def count_sessions(self) -> int:
@@ -134,7 +86,7 @@ class Client:
 
     def delete_session(self, session_id: str, *, tenant_id: str | None = None) -> int:
         """:meth:`dss.Store.delete_session`: the number of pages released."""
-        out = self._call("DELETE", "/v1/session", params=_params(session_id=session_id, tenant_id=tenant_id))
+        out = self._call("DELETE", "/v1/session", params=params_of(session_id=session_id, tenant_id=tenant_id))
         return int(out["num_pages_released"])
 
     # -- versions --------------------------------------------------------------------------
@@ -151,8 +103,8 @@ class Client:
         """:meth:`dss.Store.commit`; returns once the service has made the version durable."""
         body = {
             "session_id": session_id,
-            "tokens": _token_list(tokens),
-            "pages": _encode_pages(pages),
+            "tokens": token_list(tokens),
+            "pages": encode_pages(pages),
             "label": label,
             "tenant_id": tenant_id,
         }
@@ -171,11 +123,11 @@ class Client:
         """:meth:`dss.Store.save_pages`: every given page's id, and how many were new."""
         body = {
             "session_id": session_id,
-            "tokens": _token_list(tokens),
-            "pages": _encode_pages(pages) or {},
+            "tokens": token_list(tokens),
+            "pages": encode_pages(pages) or {},
             "tenant_id": tenant_id,
             "user_id": user_id,
-            "layout": _layout(layout) if layout is not None else None,
+            "layout": layout_dict(layout) if layout is not None else None,
         }
         return codec.saved_from(self._call("POST", "/v1/pages", json=body))
 
@@ -205,14 +157,14 @@ class Client:
 
     def versions(self, session_id: str, *, tenant_id: str | None = None) -> list[Version]:
         """:meth:`dss.Store.versions`, oldest first."""
-        rows = self._call("GET", "/v1/versions", params=_params(session_id=session_id, tenant_id=tenant_id))
+        rows = self._call("GET", "/v1/versions", params=params_of(session_id=session_id, tenant_id=tenant_id))
         return [load(Version, v) for v in rows]
 
     def tokens(self, session_id: str, version_id: int | None = None, *, tenant_id: str | None = None) -> list[int]:
         """:meth:`dss.Store.tokens` (default the head)."""
         if version_id is not None:
             check_version_id(version_id)
-        params = _params(session_id=session_id, version_id=version_id, tenant_id=tenant_id)
+        params = params_of(session_id=session_id, version_id=version_id, tenant_id=tenant_id)
         return list(self._call("GET", "/v1/tokens", params=params)["tokens"])
 
     def pin(self, session_id: str, version_id: int, *, pinned: bool = True, tenant_id: str | None = None) -> Version:
@@ -234,7 +186,7 @@ class Client:
         """:meth:`dss.Store.resume`."""
         body = {
             "session_id": session_id,
-            "tokens": _token_list(tokens),
+            "tokens": token_list(tokens),
             "tenant_id": tenant_id,
             "approximate": approximate,
         }
@@ -251,8 +203,8 @@ class Client:
     ) -> ResumeResult:
         """:meth:`dss.Store.lookup` in the key's tenant."""
         body = {
-            "tokens": _token_list(tokens),
-            "layout": _layout(layout),
+            "tokens": token_list(tokens),
+            "layout": layout_dict(layout),
             "user_id": user_id,
             "tenant_id": tenant_id,
             "approximate": approximate,
@@ -271,11 +223,11 @@ class Client:
     ) -> list[Candidate]:
         """:meth:`dss.Store.nearest`."""
         body = {
-            "tokens": _token_list(tokens),
+            "tokens": token_list(tokens),
             "session_id": session_id,
             "tenant_id": tenant_id,
             "user_id": user_id,
-            "layout": _layout(layout) if layout is not None else None,
+            "layout": layout_dict(layout) if layout is not None else None,
             "k": k,
         }
         return [load(Candidate, c) for c in self._call("POST", "/v1/nearest", json=body)["candidates"]]
@@ -294,11 +246,11 @@ class Client:
         """:meth:`dss.Store.explain` (``decode`` runs here, on the windows the service returns)."""
         check_callback("decode", decode)
         body = {
-            "tokens": _token_list(tokens),
+            "tokens": token_list(tokens),
             "session_id": session_id,
             "tenant_id": tenant_id,
             "user_id": user_id,
-            "layout": _layout(layout) if layout is not None else None,
+            "layout": layout_dict(layout) if layout is not None else None,
             "context": context,
         }
         why = load(Explanation, self._call("POST", "/v1/explain", json=body))
@@ -334,11 +286,11 @@ class Client:
         """:meth:`dss.Store.prefetch_candidates` (``promote`` reads the pages into the service's host tier)."""
         check_flag("promote", promote)
         body = {
-            "tokens": _token_list(tokens),
+            "tokens": token_list(tokens),
             "session_id": session_id,
             "tenant_id": tenant_id,
             "user_id": user_id,
-            "layout": _layout(layout) if layout is not None else None,
+            "layout": layout_dict(layout) if layout is not None else None,
             "promote": promote,
         }
         return [bytes.fromhex(p) for p in self._call("POST", "/v1/prefetch_candidates", json=body)["page_ids"]]
@@ -354,9 +306,9 @@ class Client:
     ) -> Version:
         """:meth:`dss.Store.register_prefix` in the key's tenant: the pinned version of the shared prefix."""
         body = {
-            "tokens": _token_list(tokens),
-            "pages": _encode_pages(pages) or {},
-            "layout": _layout(layout),
+            "tokens": token_list(tokens),
+            "pages": encode_pages(pages) or {},
+            "layout": layout_dict(layout),
             "label": label,
             "tenant_id": tenant_id,
         }
@@ -364,7 +316,7 @@ class Client:
 
     def shared_prefixes(self, *, tenant_id: str | None = None) -> list[Version]:
         """:meth:`dss.Store.shared_prefixes` of the key's tenant, oldest first."""
-        return [load(Version, v) for v in self._call("GET", "/v1/prefixes", params=_params(tenant_id=tenant_id))]
+        return [load(Version, v) for v in self._call("GET", "/v1/prefixes", params=params_of(tenant_id=tenant_id))]
 
     # -- engines: the device tier (admin key, but residency) ----------------------------------
 
@@ -384,7 +336,7 @@ class Client:
 
     def residency(self, session_id: str, *, tenant_id: str | None = None) -> dict[str, int]:
         """:meth:`dss.Store.residency`: ``{engine_id: pages}`` of the session's head."""
-        out = self._call("GET", "/v1/residency", params=_params(session_id=session_id, tenant_id=tenant_id))
+        out = self._call("GET", "/v1/residency", params=params_of(session_id=session_id, tenant_id=tenant_id))
         return {engine: int(n) for engine, n in out["engines"].items()}
 
     # -- erasure ---------------------------------------------------------------------------
@@ -407,7 +359,7 @@ class Client:
 
     def audit(self, *, tenant_id: str | None = None, all_tenants: bool = False) -> list[AuditEntry]:
         """:meth:`dss.Store.audit` of the key's tenant (``all_tenants``: every tenant's, admin key)."""
-        params = _params(tenant_id=tenant_id, all_tenants="true" if all_tenants else None)
+        params = params_of(tenant_id=tenant_id, all_tenants="true" if all_tenants else None)
         return [AuditEntry.model_validate(entry) for entry in self._call("GET", "/v1/audit", params=params)]
 
     # -- inspection (admin key) ------------------------------------------------------------
@@ -441,51 +393,3 @@ class Client:
     def stats(self) -> dict[str, Any]:
         """:meth:`dss.Store.stats` of the service's store (admin key)."""
         return dict(self._call("GET", "/v1/stats"))
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _resume_rates(self) -> Rates:
-        if self._rates is None:
-            rates = codec.rates_from(self.info()["rates"])
-            with self._lock:
-                self._rates = rates
-        return self._rates
-
-    def _call(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        """Send one request; the decoded JSON answer, or the ``DssError`` its problem details name."""
-        try:
-            response = self._http.request(method, path, json=json, params=params)
-        except httpx.TimeoutException as exc:
-            raise Unavailable(
-                f"the dss service at {self.url} did not answer {method} {path} within "
-                f"{self.timeout}s (a write may or may not have happened)"
-            ) from exc
-        except httpx.TransportError as exc:
-            raise Unavailable(f"cannot reach the dss service at {self.url}: {exc}") from exc
-        if response.status_code >= 400:
-            try:
-                body: Any = response.json()
-            except ValueError:
-                body = response.text
-            raise error_from_problem(response.status_code, body)
-        return response.json()
-
-
-def _params(**values: Any) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _layout(layout: Any) -> dict[str, Any]:
-    return check_layout(layout).to_dict()
-
-
-def _token_list(tokens: TokenInput) -> list[int]:
-    """Tokens as a list of ints, refused here exactly as the store refuses them (``InvalidTokens``)."""
-    return unpack(pack(tokens))
-
-
-def _encode_pages(pages: Mapping[int, Any] | None) -> dict[str, str] | None:
-    """Page payloads as base64 keyed by index; ``InvalidPage`` for what cannot be sent."""
-    if pages is None:
-        return None
-    return {str(index): codec.encode_page(view.tobytes()) or "" for index, view in page_payloads(pages).items()}
