@@ -28,8 +28,8 @@ from dss.core.hashing import checksum
 from dss.core.types import PageId
 from dss.pages.index import PageEntry, PageIndex
 from dss.pages.keys import DataKeys, remote_tag
-from dss.tiers.disk import SEALED_FLAG
 from dss.tiers.remote import RemoteTier, key_of, pack_value, unpack_value
+from dss.tiers.segment import SEALED_FLAG
 
 log = logging.getLogger("dss.pages.copies")
 

@@ -23,8 +23,9 @@ from dss.pages.index import PageIndex
 from dss.pages.keys import DataKeys
 from dss.placement.policy import Placement
 from dss.tiers.base import ReadFailure, ReadRequest
-from dss.tiers.disk import SEALED_FLAG, DiskTier
+from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
+from dss.tiers.segment import SEALED_FLAG
 
 log = logging.getLogger("dss.pages.reader")
 

@@ -12,7 +12,7 @@ from dss.catalog.change import NewPage
 from dss.core.crypto import OVERHEAD, Sealer
 from dss.core.hashing import checksum
 from dss.core.types import PageId
-from dss.tiers.disk import HEADER_BYTES, IO_PAGES, RECORD, SEALED_FLAG
+from dss.tiers.segment import HEADER_BYTES, IO_PAGES, RECORD, SEALED_FLAG
 
 
 def segment_size(fresh: Sequence[NewPage]) -> int:

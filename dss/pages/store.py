@@ -38,9 +38,10 @@ from dss.pages.index import NamespacePages, PageEntry, PageIndex
 from dss.pages.records import SealRing, batches, records, segment_size
 from dss.placement import fill
 from dss.placement.policy import Placement
-from dss.tiers.disk import SEALED_FLAG, DiskTier
+from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.remote import RemoteTier
+from dss.tiers.segment import SEALED_FLAG
 
 log = logging.getLogger("dss.pages.store")
 

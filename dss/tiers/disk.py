@@ -1,6 +1,6 @@
 """The disk tier: page records in segment files, written in batches, read in batches.
 
-Segment file format ``dss-segment v1`` (all integers little-endian)::
+Segment file format ``dss-segment v1`` (all integers little-endian; :mod:`dss.tiers.segment`)::
 
     header   32 bytes   b"dss-segment v1\\n" + 17 zero bytes
     record   32 bytes   page id (16) | payload length u32 | flags u32 | XXH3-64 of payload i64
@@ -12,9 +12,9 @@ pages means deleting whole segments (the store rewrites live pages elsewhere fir
 compacts). Every read checks the record's page id, length and checksum against what the
 catalog expects.
 
-I/O is batched both ways: a segment is written with one ``writev`` per :data:`IO_PAGES`
+I/O is batched both ways: a segment is written with one ``writev`` per :data:`~dss.tiers.segment.IO_PAGES`
 records, and reads coalesce neighbouring records into one ``pread`` of at most
-:data:`IO_PAGES` records (more when they are small, up to :data:`IO_BYTES`), the next one
+:data:`~dss.tiers.segment.IO_PAGES` records (more when they are small, up to :data:`~dss.tiers.segment.IO_BYTES`), the next one
 issued by a helper thread while the caller verifies and opens the last (``read_chunks``).
 Records flagged sealed may be returned unverified (``sealed_verified_by_caller``): their
 AES-GCM tag authenticates them, so hashing them as well would be done twice.
@@ -31,31 +31,26 @@ import fcntl
 import itertools
 import os
 import secrets
-import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from dss.core.hashing import checksum as page_checksum
 from dss.core.types import PageId
 from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
-
-MAGIC = b"dss-segment v1\n".ljust(32, b"\0")
-RECORD = struct.Struct("<16sIIq")
-HEADER_BYTES = len(MAGIC)
-COALESCE_GAP = 256 << 10
-"""Records closer than this are read with one ``pread``."""
-IO_PAGES = 16
-"""Records per ``writev`` and (at most, unless they are small) per ``pread``."""
-FIRST_IO_PAGES = IO_PAGES // 2
-"""Records of a segment's first ``writev``: fewer, so the disk starts sooner while the records
-after them are still being produced (sealed); see :meth:`DiskTier.write`."""
-IO_BYTES = 4 << 20
-"""A ``pread`` of small records may hold more than :data:`IO_PAGES` of them, up to this many bytes."""
-SEALED_FLAG = 1
-"""Record flag bit 0: the payload is sealed (authenticated by its reader)."""
+from dss.tiers.segment import (
+    FIRST_IO_PAGES,
+    HEADER_BYTES,
+    IO_PAGES,
+    MAGIC,
+    RECORD,
+    Chunk,
+    pread,
+    runs_of,
+    verify_record,
+    write_all,
+)
 
 
 class IoCounts:
@@ -110,7 +105,7 @@ class DiskTier(DurableTier):
     ) -> tuple[str, int, list[Located]]:
         """Publish ``(page_id, checksum, payload, flags)`` records as one new segment; see DurableTier.
 
-        The records go out with one ``writev`` per :data:`IO_PAGES` of them (no copy into a
+        The records go out with one ``writev`` per :data:`~dss.tiers.segment.IO_PAGES` of them (no copy into a
         buffer), each issued by the helper thread while the next ones are taken from
         ``pages`` (which may be produced lazily: sealed as they are asked for) and written
         back to the disk right away, then one ``fsync`` of the file and one of the folder.
@@ -232,7 +227,7 @@ class DiskTier(DurableTier):
                     if len(buffers[k % 2]) < end - start:
                         buffers[k % 2] = bytearray(end - start)
                     into = buffers[k % 2]
-                return self._io().submit(_pread, fds[segment], end - start, start, into)
+                return self._io().submit(pread, fds[segment], end - start, start, into)
 
             pending = submit(0)
             for k, (_, start, _, run) in enumerate(plan):
@@ -274,7 +269,7 @@ class DiskTier(DurableTier):
             except OSError as exc:
                 failures.extend(ReadFailure(i, f"segment {segment}: {exc.strerror}") for i in indices)
                 continue
-            for run in _runs(indices, requests):
+            for run in runs_of(indices, requests):
                 start = requests[run[0]].offset
                 plan.append((segment, start, max(requests[i].offset + requests[i].length for i in run), run))
         return plan, failures, fds
@@ -295,7 +290,7 @@ class DiskTier(DurableTier):
         for i in run:
             req = requests[i]
             record = view[req.offset - start : req.offset - start + req.length]
-            problem = _verify(record, req, sealed_verified_by_caller)
+            problem = verify_record(record, req, sealed_verified_by_caller)
             if problem:
                 failures.append(ReadFailure(i, problem))
             else:
@@ -382,70 +377,3 @@ class DiskTier(DurableTier):
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-class Chunk(NamedTuple):
-    """What one ``pread`` yielded: ``(request index, record)`` of the good records, and the failures."""
-
-    records: list[tuple[int, StoredPage]]
-    failures: list[ReadFailure]
-
-
-def write_all(fd: int, parts: list[Any]) -> None:
-    """Write every byte of ``parts`` in order (``writev``, again after a short write)."""
-    while parts:
-        written = os.writev(fd, parts)
-        while parts and written >= len(parts[0]):
-            written -= len(parts[0])
-            parts = parts[1:]
-        if parts and written:
-            parts = [memoryview(parts[0])[written:], *parts[1:]]
-
-
-def _pread(fd: int, size: int, offset: int, into: bytearray | None = None) -> memoryview | OSError:
-    """``size`` bytes at ``offset`` (fewer at the end of the file), into ``into`` if given."""
-    try:
-        if into is None:
-            return memoryview(os.pread(fd, size, offset))
-        view = memoryview(into)[:size]
-        got = 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                break
-            got += n
-        return view[:got]
-    except OSError as exc:
-        return exc
-
-
-def _runs(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:
-    """Split offset-sorted request indices into runs to read with one ``pread`` each: records
-    close together, at most :data:`IO_PAGES` of them unless the run is under :data:`IO_BYTES`."""
-    runs: list[list[int]] = []
-    start = end = -1
-    for i in indices:
-        req = requests[i]
-        grown = max(end, req.offset + req.length) - start
-        if runs and req.offset <= end + COALESCE_GAP and (len(runs[-1]) < IO_PAGES or grown <= IO_BYTES):
-            runs[-1].append(i)
-            end = max(end, req.offset + req.length)
-        else:
-            runs.append([i])
-            start, end = req.offset, req.offset + req.length
-    return runs
-
-
-def _verify(record: memoryview, req: ReadRequest, sealed_verified_by_caller: bool = False) -> str | None:
-    if len(record) < req.length:
-        return f"record at {req.segment}:{req.offset} is truncated"
-    page_id, size, flags, stored = RECORD.unpack_from(record)
-    if page_id != req.page_id:
-        return f"record at {req.segment}:{req.offset} holds another page"
-    if size != req.length - RECORD.size or stored != req.checksum:
-        return f"record at {req.segment}:{req.offset} has a corrupt header"
-    if sealed_verified_by_caller and flags & SEALED_FLAG:
-        return None
-    if page_checksum(record[RECORD.size :]) != req.checksum:
-        return f"record at {req.segment}:{req.offset} fails its checksum"
-    return None

@@ -35,7 +35,8 @@ from dss.catalog.compaction import LiveRecord, SegmentUsage
 from dss.catalog.database import Catalog
 from dss.core.types import PageId
 from dss.tiers.base import ReadRequest
-from dss.tiers.disk import HEADER_BYTES, DiskTier
+from dss.tiers.disk import DiskTier
+from dss.tiers.segment import HEADER_BYTES
 
 log = logging.getLogger("dss.writes.compaction")
 

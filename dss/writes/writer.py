@@ -51,7 +51,7 @@ from dss.pages.store import PageStore
 from dss.sessions import versions
 from dss.sessions.mirror import Mirror
 from dss.sessions.state import SessionState
-from dss.tiers.disk import SEALED_FLAG
+from dss.tiers.segment import SEALED_FLAG
 from dss.writes.compaction import Compaction, Compactor
 from dss.writes.group import CommitQueue, Member, Restart
 from dss.writes.guard import Guard

@@ -10,7 +10,8 @@ from pathlib import Path
 from dss.core.hashing import checksum
 from dss.core.types import PageId
 from dss.tiers.base import ReadRequest
-from dss.tiers.disk import HEADER_BYTES, MAGIC, RECORD, DiskTier
+from dss.tiers.disk import DiskTier
+from dss.tiers.segment import HEADER_BYTES, MAGIC, RECORD
 
 PAGES = [(PageId(bytes([i]) * 16), checksum(bytes([i]) * 100), bytes([i]) * 100, i % 2) for i in range(5)]
 

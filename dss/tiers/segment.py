@@ -1,0 +1,95 @@
+"""The segment file format ``dss-segment v1`` and its I/O: records, one ``writev`` and coalesced
+``pread`` runs, and the check of a record read back (see :mod:`dss.tiers.disk`)."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from dss.core.hashing import checksum as page_checksum
+from dss.tiers.base import ReadFailure, ReadRequest, StoredPage
+
+MAGIC = b"dss-segment v1\n".ljust(32, b"\0")
+RECORD = struct.Struct("<16sIIq")
+HEADER_BYTES = len(MAGIC)
+COALESCE_GAP = 256 << 10
+"""Records closer than this are read with one ``pread``."""
+IO_PAGES = 16
+"""Records per ``writev`` and (at most, unless they are small) per ``pread``."""
+FIRST_IO_PAGES = IO_PAGES // 2
+"""Records of a segment's first ``writev``: fewer, so the disk starts sooner while the records
+after them are still being produced (sealed); see :meth:`DiskTier.write`."""
+IO_BYTES = 4 << 20
+"""A ``pread`` of small records may hold more than :data:`IO_PAGES` of them, up to this many bytes."""
+SEALED_FLAG = 1
+"""Record flag bit 0: the payload is sealed (authenticated by its reader)."""
+
+
+class Chunk(NamedTuple):
+    """What one ``pread`` yielded: ``(request index, record)`` of the good records, and the failures."""
+
+    records: list[tuple[int, StoredPage]]
+    failures: list[ReadFailure]
+
+
+def write_all(fd: int, parts: list[Any]) -> None:
+    """Write every byte of ``parts`` in order (``writev``, again after a short write)."""
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= len(parts[0]):
+            written -= len(parts[0])
+            parts = parts[1:]
+        if parts and written:
+            parts = [memoryview(parts[0])[written:], *parts[1:]]
+
+
+def pread(fd: int, size: int, offset: int, into: bytearray | None = None) -> memoryview | OSError:
+    """``size`` bytes at ``offset`` (fewer at the end of the file), into ``into`` if given."""
+    try:
+        if into is None:
+            return memoryview(os.pread(fd, size, offset))
+        view = memoryview(into)[:size]
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return view[:got]
+    except OSError as exc:
+        return exc
+
+
+def runs_of(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:
+    """Split offset-sorted request indices into runs to read with one ``pread`` each: records
+    close together, at most :data:`IO_PAGES` of them unless the run is under :data:`IO_BYTES`."""
+    runs: list[list[int]] = []
+    start = end = -1
+    for i in indices:
+        req = requests[i]
+        grown = max(end, req.offset + req.length) - start
+        if runs and req.offset <= end + COALESCE_GAP and (len(runs[-1]) < IO_PAGES or grown <= IO_BYTES):
+            runs[-1].append(i)
+            end = max(end, req.offset + req.length)
+        else:
+            runs.append([i])
+            start, end = req.offset, req.offset + req.length
+    return runs
+
+
+def verify_record(record: memoryview, req: ReadRequest, sealed_verified_by_caller: bool = False) -> str | None:
+    """Why a record read back is not the page the request expects (``None``: it is)."""
+    if len(record) < req.length:
+        return f"record at {req.segment}:{req.offset} is truncated"
+    page_id, size, flags, stored = RECORD.unpack_from(record)
+    if page_id != req.page_id:
+        return f"record at {req.segment}:{req.offset} holds another page"
+    if size != req.length - RECORD.size or stored != req.checksum:
+        return f"record at {req.segment}:{req.offset} has a corrupt header"
+    if sealed_verified_by_caller and flags & SEALED_FLAG:
+        return None
+    if page_checksum(record[RECORD.size :]) != req.checksum:
+        return f"record at {req.segment}:{req.offset} fails its checksum"
+    return None
