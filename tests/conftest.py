@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 import dss
-from dss.catalog.readonly import reader_role
+from dss.catalog.reader import reader_role
 from tests import servers
 
 PG_URL = os.environ.get("DSS_TEST_PG_URL", servers.PG_DEFAULT)

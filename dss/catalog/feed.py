@@ -1,6 +1,6 @@
 """The change feed: what each write transaction changed, as typed events.
 
-A write (:func:`dss.catalog.change.apply`) returns its events and records them in the
+A write (:func:`dss.catalog.transaction.apply`) returns its events and records them in the
 ``feed`` table under its transaction's sequence number. The process that wrote applies the
 events it got back, which carry what it wrote in detail (``own``); every other process reads
 them back from the feed, without the detail, and applies them with the same function

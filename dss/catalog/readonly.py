@@ -1,7 +1,7 @@
 """Read-only SQL on the catalog: what ``store.sql()`` runs, on SQLite and on PostgreSQL.
 
 Whatever the text says, :meth:`ReadOnlySql.run` runs exactly one statement, changes nothing,
-reads nothing but dss's tables and views (never :data:`SECRET_TABLES`, which hold wrapped
+reads nothing but dss's tables and views (never :data:`~dss.catalog.reader.SECRET_TABLES`, which hold wrapped
 keys), stops after the time limit, and raises nothing but ``SqlError`` (a wrong query, a
 timeout) or ``ReadOnlyViolation`` (the statement tried something ``sql()`` may not do: a
 write, a command, a privileged function, a secret table). Parameters use the driver's own
@@ -17,7 +17,7 @@ a progress handler that enforces the time limit.
 PostgreSQL: a connection of its own, as a separate LOGIN role that is no superuser, may
 only SELECT dss's tables and views, and has ``default_transaction_read_only = on``. dss
 creates the role on first use when the catalog user may (CREATEROLE): its name is derived
-from the database and schema (:func:`reader_role`), its random password is kept in
+from the database and schema (:func:`~dss.catalog.reader.reader_role`), its random password is kept in
 ``store_meta`` (which the role cannot read), and an advisory lock makes concurrent stores
 agree on one role and one password. ``sql_url`` names a role of the operator's instead. The
 text goes through the extended query protocol (a prepared statement, which holds exactly
@@ -31,9 +31,7 @@ from the client.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import secrets
 import sqlite3
 import threading
 import time
@@ -43,7 +41,7 @@ from urllib.parse import quote
 from sqlalchemy import make_url
 from sqlalchemy.engine import Engine
 
-from dss.catalog.schema import Base
+from dss.catalog.reader import HOW_TO, SECRET_TABLES, catalog_place, provision, reader_problems, reader_role
 from dss.catalog.sqlfunctions import BoundedPrintf, is_allowed
 from dss.core.errors import ConfigError, DssError, ReadOnlyViolation, SqlError
 from dss.core.types import SqlResult
@@ -51,31 +49,9 @@ from dss.core.types import SqlResult
 if TYPE_CHECKING:
     import psycopg
 
-SECRET_TABLES = ("user_keys", "store_meta")
-"""Tables ``sql()`` never reads: data keys wrapped under the master key, and facts about the store."""
-
-VIEWS = ("session_summary", "user_summary", "tier_usage", "version_summary", "tier_quota_usage")
-"""The catalog's views (``sql()`` may read them)."""
-
-PASSWORD_KEY = "sql_password"
-"""``store_meta`` key of the password of the role dss creates for ``sql()``."""
-
 NO_ROWS = (
     "sql() runs queries that return rows (SELECT, WITH, VALUES, TABLE, SHOW, EXPLAIN); this statement returns none"
 )
-
-
-def readable_relations() -> list[str]:
-    """Every table and view ``sql()`` may read: dss's tables and views but the secret ones."""
-    names = set(Base.metadata.tables) | {"alembic_version"} | set(VIEWS)
-    return sorted(names - set(SECRET_TABLES))
-
-
-def reader_role(database: str, schema: str) -> str:
-    """The name of the role dss creates for ``sql()`` on a catalog in ``database`` and ``schema``
-    (roles are shared by the whole PostgreSQL cluster, so the name tells catalogs apart)."""
-    digest = hashlib.sha256(f"{database}\0{schema}".encode()).hexdigest()[:20]
-    return f"dss_sql_{digest}"
 
 
 def check_text(query: Any, params: Any, max_rows: Any) -> None:
@@ -230,10 +206,10 @@ class ReadOnlySql:
         """Connection arguments of the reader role, creating the role if need be, checked once."""
         import psycopg
 
-        database, schema = _catalog_place(self.engine)
+        database, schema = catalog_place(self.engine)
         if self._reader_url is None:
             role = reader_role(database, schema)
-            url = self.engine.url.set(username=role, password=_provision(self.engine, role, schema))
+            url = self.engine.url.set(username=role, password=provision(self.engine, role, schema))
         else:
             url = make_url(self._reader_url)
         _, args = self.engine.dialect.create_connect_args(url)
@@ -247,7 +223,7 @@ class ReadOnlySql:
         try:
             conn = psycopg.connect(**args)
             try:
-                problems = _reader_problems(conn, schema)
+                problems = reader_problems(conn, schema)
             finally:
                 conn.close()
         except psycopg.Error as exc:
@@ -255,15 +231,8 @@ class ReadOnlySql:
                 f"cannot connect to the catalog as the SQL role {url.username!r}: {str(exc).strip()}"
             ) from None
         if problems:
-            raise ConfigError(f"the SQL role {url.username!r} is not read-only ({'; '.join(problems)}): {_HOW_TO}")
+            raise ConfigError(f"the SQL role {url.username!r} is not read-only ({'; '.join(problems)}): {HOW_TO}")
         return dict(args)
-
-
-_HOW_TO = (
-    "sql() on PostgreSQL runs as a LOGIN role that is no superuser and may only SELECT dss's tables; "
-    "grant the catalog user CREATEROLE so that dss creates that role itself, or create one and set "
-    "sql_url (DSS_SQL_URL) to it (see the Python API documentation, section SQL)"
-)
 
 
 def _cancel(conn: psycopg.Connection[Any]) -> None:
@@ -274,127 +243,6 @@ def _cancel(conn: psycopg.Connection[Any]) -> None:
         conn.cancel()
     except psycopg.Error:
         pass  # the connection is already closed: nothing runs
-
-
-def _catalog_place(engine: Engine) -> tuple[str, str]:
-    """``(database, schema)`` the catalog user works in."""
-    with engine.connect() as conn:
-        database, schema = conn.exec_driver_sql("SELECT current_database(), current_schema()").one()
-    if schema is None:
-        raise ConfigError("the catalog user has no schema on its search_path")
-    return database, schema
-
-
-def _provision(engine: Engine, role: str, schema: str) -> str:
-    """Create or refresh ``role``, the reader role of the catalog in ``schema``; return its password.
-
-    Runs as the catalog user in one transaction under an advisory lock, so concurrent stores
-    (threads or processes) agree on one role and one password. Grants SELECT on exactly
-    :func:`readable_relations` (refreshed each time, so new tables of a migration are covered).
-    """
-    import psycopg
-    from psycopg import sql
-
-    raw = engine.raw_connection()
-    try:
-        conn = raw.driver_connection
-        assert conn is not None
-        with conn.cursor() as cur:
-            cur.execute("SELECT rolsuper OR rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = current_user")
-            (may_create,) = cur.fetchone()
-            lock = int.from_bytes(hashlib.sha256(role.encode()).digest()[:8], "big", signed=True)
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (lock,))
-            cur.execute("SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = %s", (role,))
-            exists = cur.fetchone() is not None
-            cur.execute("SELECT value FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
-            stored = cur.fetchone()
-            password = bytes(stored[0]).decode() if stored else None
-            if not exists or password is None:
-                if not may_create:
-                    raise ConfigError(
-                        f"the catalog user may not create the SQL role {role!r} (no CREATEROLE): {_HOW_TO}"
-                    )
-                password = secrets.token_urlsafe(32)
-                verifier = conn.pgconn.encrypt_password(password.encode(), role.encode()).decode()
-                create = "ALTER ROLE {} WITH" if exists else "CREATE ROLE {}"
-                cur.execute(
-                    sql.SQL(
-                        create + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
-                        "NOINHERIT PASSWORD {}"
-                    ).format(sql.Identifier(role), sql.Literal(verifier))
-                )
-                cur.execute(
-                    sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(sql.Identifier(role))
-                )
-                cur.execute(
-                    sql.SQL("ALTER ROLE {} SET search_path = {}").format(sql.Identifier(role), sql.Identifier(schema))
-                )
-                cur.execute("DELETE FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
-                cur.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s)", (PASSWORD_KEY, password.encode()))
-            _grant(cur, role, schema)
-        conn.commit()
-        return password
-    except psycopg.Error as exc:
-        raise ConfigError(f"cannot set up the SQL role: {str(exc).strip()}: {_HOW_TO}") from None
-    finally:
-        raw.close()
-
-
-def _grant(cur: psycopg.Cursor[Any], role: str, schema: str) -> None:
-    """SELECT on :func:`readable_relations` that exist in ``schema``, and nothing else there."""
-    from psycopg import sql
-
-    cur.execute(
-        "SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relname = ANY(%s)",
-        (schema, readable_relations()),
-    )
-    present = sorted(name for (name,) in cur.fetchall())
-    who, where = sql.Identifier(role), sql.Identifier(schema)
-    cur.execute(sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM {}").format(where, who))
-    cur.execute(sql.SQL("REVOKE ALL ON ALL SEQUENCES IN SCHEMA {} FROM {}").format(where, who))
-    cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(where, who))
-    if present:
-        tables = sql.SQL(", ").join(sql.Identifier(schema, name) for name in present)
-        cur.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(tables, who))
-
-
-_POWERFUL_ROLES = (
-    "pg_read_all_data",
-    "pg_write_all_data",
-    "pg_read_server_files",
-    "pg_write_server_files",
-    "pg_execute_server_program",
-)
-
-
-def _reader_problems(conn: psycopg.Connection[Any], schema: str) -> list[str]:
-    """What makes the connected role unfit to run ``sql()`` (empty when it is fit)."""
-    problems = []
-    attributes = conn.execute(
-        "SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls FROM pg_catalog.pg_roles "
-        "WHERE rolname = current_user"
-    ).fetchone()
-    assert attributes is not None  # the connected role has a row
-    for flag, name in zip(attributes, ("SUPERUSER", "CREATEROLE", "CREATEDB", "REPLICATION", "BYPASSRLS")):
-        if flag:
-            problems.append(f"it has {name}")
-    member = conn.execute(
-        "SELECT rolname FROM pg_catalog.pg_roles WHERE rolname = ANY(%s) "
-        "AND pg_catalog.pg_has_role(current_user, oid, 'USAGE') ORDER BY rolname",
-        (list(_POWERFUL_ROLES),),
-    ).fetchall()
-    problems += [f"it has the privileges of {name}" for (name,) in member]
-    rows = conn.execute(
-        "SELECT c.relname, pg_catalog.has_table_privilege(c.oid, 'SELECT'), "
-        "pg_catalog.has_table_privilege(c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER') "
-        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relname = ANY(%s) ORDER BY c.relname",
-        (schema, readable_relations() + list(SECRET_TABLES)),
-    ).fetchall()
-    problems += [f"it may write to {name}" for name, _, writes in rows if writes]
-    problems += [f"it may read {name}" for name, reads, _ in rows if reads and name in SECRET_TABLES]
-    return problems
 
 
 _SQLITE_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE}

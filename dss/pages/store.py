@@ -7,7 +7,7 @@ A write's pages take three steps around its catalog transaction:
 1. :meth:`PageStore.write` — outside any lock and transaction, write the change's new pages
    as segment files (each published atomically: temp file, fsync, rename, fsync of the folder);
 2. :meth:`PageStore.room`, inside the transaction — ask the policy (:mod:`dss.placement.policy`) which
-   segments to drop if the new ones do not fit; :func:`dss.catalog.change.apply` records both;
+   segments to drop if the new ones do not fit; :func:`dss.catalog.transaction.apply` records both;
 3. :meth:`PageStore.settle` after the commit — delete the files the transaction left without a
    page, put the payloads in the host tier; or :meth:`PageStore.abort` if it rolled back.
 

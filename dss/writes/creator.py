@@ -4,7 +4,7 @@ branch of another at one of its versions. Both are changes the writer applies
 
 from __future__ import annotations
 
-from dss.catalog import change as changes
+from dss.catalog import transaction
 from dss.catalog.change import Change, Stale
 from dss.catalog.database import catalog_errors
 from dss.core.errors import Conflict, ErasureInProgress, SessionExists, UnknownSession
@@ -96,7 +96,7 @@ class Creator:
                             user_ref,
                             w.keys.of(user_ref, tx.conn),
                         )
-                        applied = changes.apply(tx, change)
+                        applied = transaction.apply(tx, change)
                     committed = True
                 except Stale:
                     continue

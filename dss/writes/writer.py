@@ -2,7 +2,7 @@
 
 :class:`Writer` applies a :class:`~dss.catalog.change.Change` in three steps: its page files
 are written outside the lock (:meth:`dss.pages.store.PageStore.write`); one catalog transaction,
-under the lock, makes room by the policy and applies it (:func:`dss.catalog.change.apply`);
+under the lock, makes room by the policy and applies it (:func:`dss.catalog.transaction.apply`);
 then this process's caches take its events (:meth:`dss.sessions.mirror.Mirror.apply`) and its pages
 (:meth:`dss.pages.store.PageStore.settle`). A change built on a session that another writer moved
 on meanwhile is built again from a fresh state.
@@ -38,8 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dss.approx.upkeep import Upkeep
-from dss.catalog import change as changes
-from dss.catalog import erasures
+from dss.catalog import erasures, transaction
 from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
 from dss.catalog.database import Catalog, DuplicateRow, Tx, catalog_errors
 from dss.core.crypto import Sealer
@@ -149,7 +148,7 @@ class Writer:
                 self.guard.check_open()
                 with catalog_errors(), self.catalog.write() as tx:
                     _check_fence(tx, change)
-                    applied = changes.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
+                    applied = transaction.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
                 self.pages.disk.settled(w.name for w in written)
                 return self.taken(change, applied, written)
@@ -202,7 +201,7 @@ class Writer:
                     self.pages.abort(member.written)
 
     def _apply_group(self, tx: Tx, group: list[Member]) -> bool:
-        """Apply in ``tx`` each member that :func:`~dss.catalog.change.check` accepts (the others
+        """Apply in ``tx`` each member that :func:`~dss.catalog.transaction.check` accepts (the others
         keep their error; a refused check writes nothing) and return ``True``. A member whose
         change fails part-way gets the error, and ``Restart`` rolls ``tx`` back: the caller
         applies the group again without it in a new transaction."""
@@ -213,13 +212,13 @@ class Writer:
                 continue
             try:
                 _check_fence(tx, member.change)
-                changes.check(tx, member.change)
+                transaction.check(tx, member.change)
             except (Stale, DssError) as exc:  # refused before writing: this member alone
                 member.error = exc
                 continue
             try:
                 room = self.pages.room(tx, member.written, member.change.user_ref)
-                member.applied = changes.apply(tx, member.change, member.written, room, is_checked=True)
+                member.applied = transaction.apply(tx, member.change, member.written, room, is_checked=True)
             except (DssError, DuplicateRow) as exc:  # part written: roll back, go again without it
                 member.error = exc
                 raise Restart() from exc
@@ -241,7 +240,7 @@ class Writer:
         with self.guard.lock:
             self.guard.check_open()
             with catalog_errors(), self.catalog.write() as tx:
-                applied = changes.apply(tx, change, (), Room(tuple(victims), True))
+                applied = transaction.apply(tx, change, (), Room(tuple(victims), True))
             return self.taken(change, applied)
 
     def taken(self, change: Change, applied: Applied, written: Sequence[WrittenSegment] = ()) -> Applied:

@@ -19,15 +19,8 @@ import pytest
 import sqlalchemy as sa
 
 import dss
-from dss.catalog.readonly import (
-    MAX_RESULT_BYTES,
-    MAX_VALUE_BYTES,
-    PASSWORD_KEY,
-    SECRET_TABLES,
-    VIEWS,
-    readable_relations,
-    reader_role,
-)
+from dss.catalog.reader import PASSWORD_KEY, SECRET_TABLES, VIEWS, readable_relations, reader_role
+from dss.catalog.readonly import MAX_RESULT_BYTES, MAX_VALUE_BYTES
 from dss.catalog.schema import Base
 from dss.catalog.sqlfunctions import SQLITE_FUNCTIONS
 from tests.conftest import LAYOUT, PG_URL, _pg_schema, pages_for
