@@ -123,3 +123,14 @@ def test_adapters_use_only_the_public_api() -> None:
 def test_only_the_entry_points_lie_directly_in_dss() -> None:
     """Everything but the package's entry points is in a folder named by its role."""
     assert sorted(path.name for path in (ROOT / "dss").glob("*.py")) == ["__init__.py", "__main__.py"]
+
+
+def test_no_module_is_over_400_lines() -> None:
+    """A module that grows past 400 lines is split by role before it lands."""
+    long = sorted(
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for folder in ("dss", "adapters")
+        for path in (ROOT / folder).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    )
+    assert long == []

@@ -65,6 +65,20 @@ class Tracked:
     """Finished requests of the same session whose saves this one waits for."""
     waiting_since: float | None = None
 
+    def lose_load(self, first_failed: int, page_tokens: int) -> int:
+        """Pages ``first_failed ..`` of the last load did not load: count them out (vLLM
+        recomputes them). Returns how many pages were lost."""
+        lost = len(self.loaded_blocks) - first_failed
+        if lost <= 0:
+            return 0
+        self.num_loaded_tokens -= lost * page_tokens
+        for tier in self.loaded_tiers[first_failed:]:
+            self.loaded_by_tier[tier] -= page_tokens
+        self.num_stored_pages = min(self.num_stored_pages, self.first_loaded_page + first_failed)
+        self.loaded_blocks = self.loaded_blocks[:first_failed]
+        self.loaded_tiers = self.loaded_tiers[:first_failed]
+        return lost
+
 
 class RequestBook:
     """Live requests and the finished ones whose saves are still in flight."""

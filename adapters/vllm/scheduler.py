@@ -391,13 +391,8 @@ class SchedulerSide:
 
     def _lose_load(self, tracked: Tracked, first_failed: int) -> None:
         """Pages ``first_failed ..`` of the request's last load did not load."""
-        lost = len(tracked.loaded_blocks) - first_failed
-        if lost <= 0:
-            return
-        tracked.num_loaded_tokens -= lost * self.page_tokens
-        for tier in tracked.loaded_tiers[first_failed:]:
-            tracked.loaded_by_tier[tier] -= self.page_tokens
-        tracked.num_stored_pages = min(tracked.num_stored_pages, tracked.first_loaded_page + first_failed)
-        tracked.loaded_blocks = tracked.loaded_blocks[:first_failed]
-        tracked.loaded_tiers = tracked.loaded_tiers[:first_failed]
-        log.warning("request %s: %d dss pages failed to load; vLLM recomputes them", tracked.request.request_id, lost)
+        lost = tracked.lose_load(first_failed, self.page_tokens)
+        if lost:
+            log.warning(
+                "request %s: %d dss pages failed to load; vLLM recomputes them", tracked.request.request_id, lost
+            )
