@@ -69,12 +69,25 @@ class Base:
             raise
 
     def _open(self, config: StoreConfig, create: bool) -> None:
+        """Open the store's parts, lowest floor first, each given the values it needs (no
+        part is handed a callable of a part above it), then finish what a crash left."""
         self.config = config
+        if not create and not has_store(config.home, config.url):
+            raise NoStore(f"no store at {config.home}")
+        with file_errors("make the store folder", config.home):
+            config.home.mkdir(parents=True, exist_ok=True)
+        self._open_catalog()
+        self._open_tiers()
+        self._open_pages()
+        self._open_reads()
+        self._open_writes()
+        self._recover()
+
+    def _open_catalog(self) -> None:
+        """The remote tier (a bad URL is refused before anything is made), the catalog, the
+        master key, this folder's node and the epoch file; on PostgreSQL, the feed's listener."""
+        config = self.config
         home = config.home
-        if not create and not has_store(home, config.url):
-            raise NoStore(f"no store at {home}")
-        with file_errors("make the store folder", home):
-            home.mkdir(parents=True, exist_ok=True)
         self.remote = (
             None
             if config.remote_url is None
@@ -103,12 +116,22 @@ class Base:
             from dss.catalog.listen import FeedListener
 
             self.listener = FeedListener(self.catalog.engine.url, self._epoch, poll_s=config.feed_poll_s)
+
+    def _open_tiers(self) -> None:
+        """The disk, host and device tiers, the policy and the page index."""
+        config = self.config
+        home = config.home
         with file_errors("set up the page files at", home):
             self.disk = DiskTier(home, fsync=config.fsync)
         self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
         self.host = HostTier(config.host_bytes)
         self.device = device_tier(_catalog_key(config), config.residency_ttl_s)
         self.index = PageIndex(self.host, has_remote=self.remote is not None, resident=self.device.held)
+
+    def _open_pages(self) -> None:
+        """Data keys, the mirror (and the LSH index's upkeep), the page store's write and read
+        sides, and the host tier as they fill it."""
+        config = self.config
         self.keys = DataKeys(self.catalog, self._master, encrypt=config.encrypt)
         self.mirror = Mirror(self.catalog, self._epoch, self.index, self.keys, self.node.ref)
         self.upkeep = Upkeep(self.mirror)
@@ -124,6 +147,11 @@ class Base:
             copies=copies,
         )
         self.reader = PageReader(self.catalog, self.disk, self.hosted, self.keys, node_ref=self.node.ref, copies=copies)
+
+    def _open_reads(self) -> None:
+        """What resume and lookup answer from: the rates, the matcher and (when asked for)
+        the LSH index."""
+        config = self.config
         speeds = {"host": config.host_read_gbps * 1e9, "disk": config.disk_read_gbps * 1e9}
         if self.remote is not None:
             speeds["remote"] = config.remote_read_gbps * 1e9
@@ -132,6 +160,11 @@ class Base:
         self._near: Nearest | None = None
         if config.approximate or config.lsh_redis_url is not None:
             self._nearest_index()  # now: a missing datasketch is a ConfigError at open; Redis is kept current
+
+    def _open_writes(self) -> None:
+        """The erasure job, the guard, the writer with its compactor, the session maker and
+        the mover."""
+        config = self.config
         self.eraser = Eraser(self.catalog, self.mirror, self.upkeep, self.pages)
         self.guard = Guard(self.mirror, self.upkeep, self.pages)
         self.writer = Writer(
@@ -164,6 +197,12 @@ class Base:
             interval_s=config.mover_interval_s,
             batch=config.move_batch_pages,
         )
+
+    def _recover(self) -> None:
+        """Remove the page files dead writers left, finish interrupted erasures, build the LSH
+        index when asked, start the mover."""
+        config = self.config
+        home = config.home
         with self.catalog.read() as conn, file_errors("clean up the page file", home):
             removed = self.disk.recover(set(segments.all_segments(conn, "disk", self.node.ref)))
         if removed:
