@@ -41,7 +41,8 @@ No label ever carries a tenant, user or session id (erasure must leave none behi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -50,6 +51,7 @@ from prometheus_client.registry import Collector
 from dss.core.errors import DssError
 from dss.sessions.resume import ResumeResult
 from dss.store import Store
+from dss.tiers.remote import RemoteTier
 
 log = logging.getLogger("dss.service.server")
 
@@ -149,88 +151,90 @@ class StoreCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        sessions = GaugeMetricFamily("dss_sessions", "Sessions in the store (every tenant).")
-        pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
-        size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
-        capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
-        inactive = GaugeMetricFamily(
-            "dss_tier_inactive_bytes",
-            "Bytes of pages the mover demoted that a tier still holds, readable until their room is needed (host).",
-            labels=["tier"],
-        )
-        open_erasures = GaugeMetricFamily("dss_erasures_open", "Erasure jobs not finished (every process).")
-        oldest = GaugeMetricFamily(
-            "dss_erasure_oldest_open_seconds", "Seconds since the oldest unfinished erasure job started (0 when none)."
-        )
-        high = GaugeMetricFamily(
-            "dss_tier_high_watermark_bytes", "Fill of a tier at which the mover starts.", labels=["tier"]
-        )
-        low = GaugeMetricFamily(
-            "dss_tier_low_watermark_bytes", "Fill of a tier the mover moves pages down to.", labels=["tier"]
-        )
-        moves = {
-            name: CounterMetricFamily(f"dss_tier_{name}", text, labels=["tier"])
-            for name, text in (
-                ("promotions", "Pages moved up into a tier."),
-                ("demotions", "Pages moved down out of a tier (a lower tier keeps a copy)."),
-                ("evictions", "Pages dropped from a tier with no copy on a lower tier."),
-                ("moved_bytes", "Bytes of pages promoted into or demoted out of a tier."),
-            )
-        }
-        prefetch_hits = CounterMetricFamily("dss_prefetch_hits", "Prefetched pages then read from host.")
-        prefetch_wasted = CounterMetricFamily("dss_prefetch_wasted", "Prefetched pages that left host unread.")
         try:
             stats = self.store.stats()
             num_sessions = self.store.count_sessions()
         except DssError as exc:  # a scrape must not fail because the store is closing
             log.warning("metrics: cannot read the store: %s", exc)
             return
+        sessions = GaugeMetricFamily("dss_sessions", "Sessions in the store (every tenant).")
         sessions.add_metric([], num_sessions)
-        open_erasures.add_metric([], stats["erasures"]["open"])
-        oldest.add_metric([], stats["erasures"]["oldest_open_s"])
-        for tier in self.tiers:
-            if tier in stats:
-                pages.add_metric([tier], stats[tier]["pages"])
-                size.add_metric([tier], stats[tier]["bytes"])
-                capacity.add_metric([tier], stats[tier]["capacity"])
-                inactive.add_metric([tier], stats[tier].get("inactive_bytes", 0))
-                if "high_watermark" in stats[tier]:
-                    high.add_metric([tier], stats[tier]["high_watermark"])
-                    low.add_metric([tier], stats[tier]["low_watermark"])
-                    for name, family in moves.items():
-                        family.add_metric([tier], stats[tier][name])
-        prefetch = stats.get("prefetch", {})
-        prefetch_hits.add_metric([], prefetch.get("hits", 0))
-        prefetch_wasted.add_metric([], prefetch.get("wasted", 0))
-        yield from (
-            sessions,
-            pages,
-            size,
-            capacity,
-            inactive,
-            high,
-            low,
-            *moves.values(),
-            prefetch_hits,
-            prefetch_wasted,
-            open_erasures,
-            oldest,
-        )
-        remote = self.store.remote
-        if remote is not None:
-            up = GaugeMetricFamily(
-                "dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call failed."
-            )
-            up.add_metric([], 1.0 if remote.is_up else 0.0)
-            errors = CounterMetricFamily(
-                "dss_remote_errors",
-                "Remote-tier calls that failed, and values that failed verification.",
-                labels=["op"],
-            )
-            for op, count in remote.errors.items():
-                errors.add_metric([op], count)
-            pending = GaugeMetricFamily(
-                "dss_remote_pending_bytes", "Page bytes waiting to be written to the remote tier."
-            )
-            pending.add_metric([], remote.pending_bytes)
-            yield from (up, errors, pending)
+        yield sessions
+        yield from _tier_families(stats, self.tiers)
+        yield from _other_families(stats)
+        if self.store.remote is not None:
+            yield from _remote_families(self.store.remote)
+
+
+def _tier_families(stats: dict[str, Any], tiers: Sequence[str]) -> Iterator[Metric]:
+    """Each tier's pages, bytes, capacity, watermarks and moves, as the store's stats say."""
+    pages = GaugeMetricFamily("dss_tier_pages", "Pages held on a tier.", labels=["tier"])
+    size = GaugeMetricFamily("dss_tier_bytes", "Bytes held on a tier.", labels=["tier"])
+    capacity = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of a tier.", labels=["tier"])
+    inactive = GaugeMetricFamily(
+        "dss_tier_inactive_bytes",
+        "Bytes of pages the mover demoted that a tier still holds, readable until their room is needed (host).",
+        labels=["tier"],
+    )
+    high = GaugeMetricFamily(
+        "dss_tier_high_watermark_bytes", "Fill of a tier at which the mover starts.", labels=["tier"]
+    )
+    low = GaugeMetricFamily(
+        "dss_tier_low_watermark_bytes", "Fill of a tier the mover moves pages down to.", labels=["tier"]
+    )
+    moves = {name: CounterMetricFamily(f"dss_tier_{name}", text, labels=["tier"]) for name, text in MOVES}
+    for tier in tiers:
+        if tier not in stats:
+            continue
+        held = stats[tier]
+        pages.add_metric([tier], held["pages"])
+        size.add_metric([tier], held["bytes"])
+        capacity.add_metric([tier], held["capacity"])
+        inactive.add_metric([tier], held.get("inactive_bytes", 0))
+        if "high_watermark" in held:
+            high.add_metric([tier], held["high_watermark"])
+            low.add_metric([tier], held["low_watermark"])
+            for name, family in moves.items():
+                family.add_metric([tier], held[name])
+    yield from (pages, size, capacity, inactive, high, low, *moves.values())
+
+
+def _other_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Prefetch's hits and waste, and the erasures not finished."""
+    prefetch = stats.get("prefetch", {})
+    prefetch_hits = CounterMetricFamily("dss_prefetch_hits", "Prefetched pages then read from host.")
+    prefetch_hits.add_metric([], prefetch.get("hits", 0))
+    prefetch_wasted = CounterMetricFamily("dss_prefetch_wasted", "Prefetched pages that left host unread.")
+    prefetch_wasted.add_metric([], prefetch.get("wasted", 0))
+    open_erasures = GaugeMetricFamily("dss_erasures_open", "Erasure jobs not finished (every process).")
+    open_erasures.add_metric([], stats["erasures"]["open"])
+    oldest = GaugeMetricFamily(
+        "dss_erasure_oldest_open_seconds", "Seconds since the oldest unfinished erasure job started (0 when none)."
+    )
+    oldest.add_metric([], stats["erasures"]["oldest_open_s"])
+    yield from (prefetch_hits, prefetch_wasted, open_erasures, oldest)
+
+
+MOVES = (
+    ("promotions", "Pages moved up into a tier."),
+    ("demotions", "Pages moved down out of a tier (a lower tier keeps a copy)."),
+    ("evictions", "Pages dropped from a tier with no copy on a lower tier."),
+    ("moved_bytes", "Bytes of pages promoted into or demoted out of a tier."),
+)
+"""The per-tier counters of the policy's moves, with their help text."""
+
+
+def _remote_families(remote: RemoteTier) -> Iterator[Metric]:
+    """Whether the remote tier answers, its failed calls, and the bytes waiting for it."""
+    up = GaugeMetricFamily("dss_remote_up", "Whether the remote tier (Redis) answers: 1, or 0 since a call failed.")
+    up.add_metric([], 1.0 if remote.is_up else 0.0)
+    errors = CounterMetricFamily(
+        "dss_remote_errors",
+        "Remote-tier calls that failed, and values that failed verification.",
+        labels=["op"],
+    )
+    for op, count in remote.errors.items():
+        errors.add_metric([op], count)
+    pending = GaugeMetricFamily("dss_remote_pending_bytes", "Page bytes waiting to be written to the remote tier.")
+    pending.add_metric([], remote.pending_bytes)
+    yield from (up, errors, pending)
