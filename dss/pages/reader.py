@@ -19,10 +19,10 @@ from dss.core.crypto import OVERHEAD, SealError
 from dss.core.types import PageId
 from dss.pages.copies import RemoteCopies
 from dss.pages.host import HostPages
-from dss.pages.index import PageIndex
+from dss.pages.index import PageEntry, PageIndex
 from dss.pages.keys import DataKeys
 from dss.placement.policy import Placement
-from dss.tiers.base import ReadFailure, ReadRequest
+from dss.tiers.base import ReadFailure, ReadRequest, StoredPage
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.tiers.segment import SEALED_FLAG
@@ -74,9 +74,9 @@ class PageReader:
         placement = self.placement
         now = placement.now()
         out = self.host.get_many(ids)
+        hits = [ids[i] for i, v in enumerate(out) if v is not None]
         if not prefetch:
             placement.touch(ids, now)
-            hits = [ids[i] for i, v in enumerate(out) if v is not None]
             placement.count("host", "hits", len(hits))
             placement.prefetch_used(hits)
         entries = self.index.entries
@@ -88,61 +88,62 @@ class PageReader:
             for i, v in enumerate(out)
             if v is None and ids[i] in entries and entries[ids[i]].disk is not None
         ]
+        failures = self._read_disk(wanted, out, load=load, prefetch=prefetch, now=now)
+        if not prefetch:
+            placement.count("host", "misses", len(ids) - len(hits))
+            placement.count("disk", "hits", sum(1 for i, _ in wanted if out[i] is not None))
+            placement.count("disk", "misses", sum(v is None for v in out))
+        if self.copies is not None:
+            self._read_remote(ids, out)
+        return Read(out, [_quarantined(wanted[f.index][1], f.reason) for f in failures])
+
+    def _read_disk(
+        self, wanted: list[tuple[int, PageEntry]], out: list[bytes | None], *, load: bool, prefetch: bool, now: float
+    ) -> list[ReadFailure]:
+        """Fill ``out[i]`` for each ``(i, entry)`` of ``wanted`` from this node's disk, verified,
+        promoting what the policy says; returns the records that failed verification."""
         requests = [ReadRequest.at(entry.disk, entry.page_id, entry.checksum) for _, entry in wanted if entry.disk]
         failures: list[ReadFailure] = []
         for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True, transient=True):
             failures.extend(chunk.failures)
             for j, record in chunk.records:
                 i, entry = wanted[j]
-                sealed = bool(record.flags & SEALED_FLAG)
-                if len(record.payload) != entry.size + (OVERHEAD if sealed else 0):  # a flipped flag, say
-                    failures.append(
-                        ReadFailure(
-                            j,
-                            f"record at {requests[j].segment}:{requests[j].offset} has the wrong length for its flags",
-                        )
-                    )
-                    continue
-                if sealed:
-                    sealer = self.keys.sealer_of(entry.namespace.user_ref)
-                    if sealer is None:
-                        continue
-                    try:
-                        data = sealer.open(record.payload, entry.page_id)
-                    except SealError:
-                        failures.append(
-                            ReadFailure(j, f"record at {requests[j].segment}:{requests[j].offset} fails authentication")
-                        )
-                        continue
-                else:
-                    data = bytes(record.payload)
-                out[i] = data
-                promote = prefetch or placement.should_promote(entry.page_id, load=load, now=now)
-                if promote and self.hosted.put(entry.page_id, data, entry.namespace, compete=not prefetch):
-                    placement.count("host", "promotions")
-                    placement.count("host", "moved_bytes", len(data))
-                    placement.count("disk", "moved_bytes", len(data))
-                    if prefetch:
-                        placement.prefetch_issued(entry.page_id, now)
-                entry.namespace.bump()
-        if not prefetch:
-            served = sum(1 for i, _ in wanted if out[i] is not None)
-            placement.count("host", "misses", len(ids) - len(hits))
-            placement.count("disk", "hits", served)
-            placement.count("disk", "misses", sum(v is None for v in out))
-        if self.copies is not None:
-            self._read_remote(ids, out)
-        bad = []
-        for failure in failures:
-            entry = wanted[failure.index][1]
-            assert entry.disk is not None
-            log.error("quarantined a page: %s", failure.reason)  # no page id: logs outlive erasures
-            bad.append(
-                Quarantined(
-                    entry.page_id, entry.namespace.user_ref, entry.disk.segment, entry.disk.offset, failure.reason
-                )
-            )
-        return Read(out, bad)
+                data = self._opened(entry, record, requests[j])
+                if isinstance(data, str):
+                    failures.append(ReadFailure(j, data))
+                elif data is not None:
+                    out[i] = data
+                    self._promoted(entry, data, load=load, prefetch=prefetch, now=now)
+                    entry.namespace.bump()
+        return failures
+
+    def _opened(self, entry: PageEntry, record: StoredPage, request: ReadRequest) -> bytes | str | None:
+        """The payload of a record read back: its bytes, why it fails verification, or
+        ``None`` when it is sealed under a key that is gone (a miss)."""
+        sealed = bool(record.flags & SEALED_FLAG)
+        where = f"record at {request.segment}:{request.offset}"
+        if len(record.payload) != entry.size + (OVERHEAD if sealed else 0):  # a flipped flag, say
+            return f"{where} has the wrong length for its flags"
+        if not sealed:
+            return bytes(record.payload)
+        sealer = self.keys.sealer_of(entry.namespace.user_ref)
+        if sealer is None:
+            return None
+        try:
+            return sealer.open(record.payload, entry.page_id)
+        except SealError:
+            return f"{where} fails authentication"
+
+    def _promoted(self, entry: PageEntry, data: bytes, *, load: bool, prefetch: bool, now: float) -> None:
+        """Put a page read from disk in host when it is prefetched or the policy says so."""
+        placement = self.placement
+        promote = prefetch or placement.should_promote(entry.page_id, load=load, now=now)
+        if promote and self.hosted.put(entry.page_id, data, entry.namespace, compete=not prefetch):
+            placement.count("host", "promotions")
+            placement.count("host", "moved_bytes", len(data))
+            placement.count("disk", "moved_bytes", len(data))
+            if prefetch:
+                placement.prefetch_issued(entry.page_id, now)
 
     def _read_remote(self, ids: Sequence[PageId], out: list[bytes | None]) -> None:
         """Fill ``out`` from the remote tier (:meth:`dss.pages.copies.RemoteCopies.fetch`) and promote
@@ -169,3 +170,11 @@ class PageReader:
             found = pages.pages_by_id(conn, page_ids, self.node_ref)
         for record in found:
             self.index.apply(self.index.namespace(record.user_ref), [record])
+
+
+def _quarantined(entry: PageEntry, reason: str) -> Quarantined:
+    """A page whose bytes on disk failed verification, to quarantine (logged without its id:
+    logs outlive erasures)."""
+    assert entry.disk is not None
+    log.error("quarantined a page: %s", reason)
+    return Quarantined(entry.page_id, entry.namespace.user_ref, entry.disk.segment, entry.disk.offset, reason)
