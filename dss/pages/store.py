@@ -159,33 +159,15 @@ class PageStore:
         conn = tx.conn
         used = segments.tier_bytes(conn, "disk", self.node_ref)
         quotas = user_ref is not None and (s.disk_user_quota or s.disk_tenant_quota)
-        to_free = fill.room_needed(used, need, self.disk_bytes)
-        if to_free <= 0 and not quotas:
+        if fill.room_needed(used, need, self.disk_bytes) <= 0 and not quotas:
             return Room()
         ordered, page_ids = self.segment_order(conn)
         chosen: list[int] = []
-        freed = 0
         if quotas:
             assert user_ref is not None
-            owners = segments.segment_owners(conn, "disk")
-            mine, tenant_used, tenant_ref = segments.owner_bytes(conn, "disk", user_ref)
-            for quota, held, same in ((s.disk_user_quota, mine, 0), (s.disk_tenant_quota, tenant_used, 1)):
-                if not quota:
-                    continue
-                wanted = user_ref if same == 0 else tenant_ref
-                over = held - freed + need - quota
-                if need > quota:
-                    return Room((), False)
-                for segment in ordered:
-                    if over <= 0:
-                        break
-                    if segment.ref not in chosen and owners.get(segment.ref, (0, 0))[same] == wanted:
-                        chosen.append(segment.ref)
-                        freed += segment.size
-                        over -= segment.size
-                if over > 0:
-                    log.info("disk quota of the owner full: %d new bytes stay in host only", need)
-                    return Room((), False)
+            if not self._within_quotas(conn, ordered, chosen, need, user_ref):
+                return Room((), False)
+        freed = sum(segment.size for segment in ordered if segment.ref in chosen)
         to_free = fill.room_needed(used - freed, need, self.disk_bytes)
         for segment in ordered:
             if to_free <= 0:
@@ -208,6 +190,34 @@ class PageStore:
                 need,
             )
         return Room(tuple(chosen), fits)
+
+    def _within_quotas(
+        self, conn: Any, ordered: Sequence[segments.SegmentRow], chosen: list[int], need: int, user_ref: int
+    ) -> bool:
+        """Add to ``chosen`` the owner's own segments (in the order they leave) until ``need``
+        more bytes fit the user's quota, then the tenant's; ``False`` when they cannot."""
+        s = self.placement.settings
+        owners = segments.segment_owners(conn, "disk")
+        mine, tenant_used, tenant_ref = segments.owner_bytes(conn, "disk", user_ref)
+        freed = 0
+        for quota, held, same in ((s.disk_user_quota, mine, 0), (s.disk_tenant_quota, tenant_used, 1)):
+            if not quota:
+                continue
+            if need > quota:
+                return False
+            wanted = user_ref if same == 0 else tenant_ref
+            over = held - freed + need - quota
+            for segment in ordered:
+                if over <= 0:
+                    break
+                if segment.ref not in chosen and owners.get(segment.ref, (0, 0))[same] == wanted:
+                    chosen.append(segment.ref)
+                    freed += segment.size
+                    over -= segment.size
+            if over > 0:
+                log.info("disk quota of the owner full: %d new bytes stay in host only", need)
+                return False
+        return True
 
     def segment_order(self, conn: Any) -> tuple[list[segments.SegmentRow], dict[int, list[bytes]]]:
         """The disk's unpinned segments that hold no held page, in the order they leave, and
