@@ -40,15 +40,39 @@ class Matcher:
         self.residency = residency
         self._residency_seen = -1
 
+    def _catch_up_residency(self) -> None:
+        """Expire engines' stale reports; a change of what engines hold re-codes every namespace's tiers."""
+        if self.residency is None:
+            return
+        self.residency.expire(at_most_every_s=1.0)
+        if self.residency.version != self._residency_seen:
+            self._residency_seen = self.residency.version
+            self.index.bump_all()  # tier codes cached per namespace generation now name other tiers
+
+    def _namespace_span(
+        self,
+        buf: bytes | memoryview,
+        layout: Layout,
+        user_ref: int,
+        own_ids: Sequence[PageId] | None,
+        spans: list[Span],
+        num_pages: int,
+    ) -> Span | None:
+        """Past the pages found so far, the namespace's further pages by exact chain-hash lookup."""
+        page_tokens = layout.page_tokens
+        key = self.mirror.keys.of(user_ref).hash_key
+        prev = self._user_page_id(buf, key, layout, own_ids, spans, num_pages)
+
+        def chain(prev_id: PageId, k: int) -> PageId:
+            return chain_ids(key, prev_id, buf, k, 1, page_tokens)[0]
+
+        return _chain_span(chain, prev, num_pages, len(buf) // TOKEN_BYTES // page_tokens, self.index.code_of)
+
     def match(
         self, buf: bytes | memoryview, layout: Layout, tenant_id: str, user_ref: int | None, state: SessionState | None
     ) -> ResumeResult:
         """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
-        if self.residency is not None:
-            self.residency.expire(at_most_every_s=1.0)
-        if self.residency is not None and self.residency.version != self._residency_seen:
-            self._residency_seen = self.residency.version
-            self.index.bump_all()  # tier codes cached per namespace generation now name other tiers
+        self._catch_up_residency()
         page_tokens = layout.page_tokens
         total = len(buf) // TOKEN_BYTES // page_tokens
         code_of = self.index.code_of
@@ -75,15 +99,9 @@ class Matcher:
             node = next(n for n in match.path if n.start < depth <= n.depth)
             version_id = state.trie.version_along(node, depth, state.head)
         if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
-            key = self.mirror.keys.of(user_ref).hash_key
-            prev = self._user_page_id(buf, key, layout, own_ids, spans, num_pages)
-
-            def chain(prev_id: PageId, k: int) -> PageId:
-                return chain_ids(key, prev_id, buf, k, 1, page_tokens)[0]
-
             if state is None:
                 self.mirror.namespace(user_ref)
-            extra = _chain_span(chain, prev, num_pages, total, code_of)
+            extra = self._namespace_span(buf, layout, user_ref, own_ids, spans, num_pages)
             if extra is not None:
                 spans = [*spans, extra]
                 num_pages += extra.count
