@@ -106,6 +106,39 @@ def check(ctx: Context, as_json: bool) -> None:
         sys.exit(1)
 
 
+STATS_COLUMNS = (
+    "tier",
+    "pages",
+    "bytes",
+    "capacity",
+    "fill",
+    "inactive",
+    "high",
+    "low",
+    "hits",
+    "misses",
+    "promotions",
+    "demotions",
+    "evictions",
+    "moved_bytes",
+)
+"""The columns of ``dss stats``' table of tiers."""
+
+
+def _tier_row(tier: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A tier's row of ``dss stats``: its fill, inactive bytes and watermarks as shares of capacity."""
+    capacity = values["capacity"] or 1
+    inactive = values.get("inactive_bytes", 0)
+    return {
+        "tier": tier,
+        "fill": round((values["bytes"] - inactive) / capacity, 4),
+        "inactive": inactive,
+        "high": round(values["high_watermark"] / capacity, 4),
+        "low": round(values["low_watermark"] / capacity, 4),
+        **values,
+    }
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
@@ -121,42 +154,12 @@ def stats(ctx: Context, as_json: bool) -> None:
     """
     with ctx.open() as store:
         data = store.stats()
-    rows = []
-    for tier in ("host", "disk"):
-        values = data[tier]
-        capacity = values["capacity"] or 1
-        inactive = values.get("inactive_bytes", 0)
-        rows.append(
-            {
-                "tier": tier,
-                "fill": round((values["bytes"] - inactive) / capacity, 4),
-                "inactive": inactive,
-                "high": round(values["high_watermark"] / capacity, 4),
-                "low": round(values["low_watermark"] / capacity, 4),
-                **values,
-            }
-        )
+    rows = [_tier_row(tier, data[tier]) for tier in ("host", "disk")]
     rows.append({"tier": "prefetch", **data["prefetch"]})
     lsh = data["lsh"]
     if as_json:
         _emit([*rows, {"tier": "lsh", **lsh}], True)
         return
-    columns = (
-        "tier",
-        "pages",
-        "bytes",
-        "capacity",
-        "fill",
-        "inactive",
-        "high",
-        "low",
-        "hits",
-        "misses",
-        "promotions",
-        "demotions",
-        "evictions",
-        "moved_bytes",
-    )
     table = [
         {
             **row,
@@ -166,7 +169,7 @@ def stats(ctx: Context, as_json: bool) -> None:
         }
         for row in rows[:2]
     ]
-    _emit(table, False, columns)
+    _emit(table, False, STATS_COLUMNS)
     prefetch = data["prefetch"]
     click.echo(
         f"prefetch: {prefetch['issued']} pages moved up, {prefetch['hits']} read from host, "
