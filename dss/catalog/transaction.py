@@ -79,13 +79,8 @@ def apply(
     _move(conn, seq, change.move, events, dead)
     released: list[PageId] = []
     if ref is not None and change.delete:
-        released = holds.release(conn, ref)
-        sessions.delete_session_rows(conn, ref)
-        holders, emptied = pages.drop_pages(conn, released, seq, thinned)
-        dead += emptied
-        _changed(events, conn, holders, skip=ref)
         assert change.user_ref is not None
-        events.append(PagesDropped(change.user_ref, tuple(released)))
+        released = _delete(conn, seq, ref, change.user_ref, events, dead, thinned)
     if ref is not None:
         assert change.user_ref is not None and layout_ref is not None
         unheld = tuple(p for p in (*evicted, *dropped))
@@ -106,6 +101,20 @@ def apply(
         tuple(sorted(set(thinned))),
         tuple((p.index, p.page_id) for p in change.pages),
     )
+
+
+def _delete(
+    conn: Any, seq: int, ref: int, user_ref: int, events: list[Event], dead: list[str], thinned: list[int]
+) -> list[PageId]:
+    """Delete session ``ref`` and release its pages: those no other session holds go from every
+    tier (their files, once emptied, into ``dead``). Returns the pages released."""
+    released = holds.release(conn, ref)
+    sessions.delete_session_rows(conn, ref)
+    holders, emptied = pages.drop_pages(conn, released, seq, thinned)
+    dead += emptied
+    _changed(events, conn, holders, skip=ref)
+    events.append(PagesDropped(user_ref, tuple(released)))
+    return released
 
 
 def _create(conn: Any, seq: int, stamp: dt.datetime, change: Change) -> tuple[int, int]:
