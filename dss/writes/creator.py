@@ -82,33 +82,33 @@ class Creator:
                 except Stale:
                     continue  # made meanwhile, or the namespace was erased: look again
                 return w.state_of(applied)
-            made = committed = False
-            with w.guard.reading():
-                try:
-                    with catalog_errors(), w.catalog.write() as tx:
-                        tenant_ref, user_ref, made = ensure_namespace(tx.conn, tenant_id, user_id, w.master)
-                        change = self._created(
-                            session_id,
-                            user_id,
-                            tenant_id,
-                            layout,
-                            tenant_ref,
-                            user_ref,
-                            w.keys.of(user_ref, tx.conn),
-                        )
-                        applied = transaction.apply(tx, change)
-                    committed = True
-                except Stale:
-                    continue
-                finally:
-                    if made and not committed:
-                        w.keys.forget(user_ref)  # its transaction rolled back: that key never existed
-                self._namespaces[(tenant_id, user_id)] = (tenant_ref, user_ref)
-                w.taken(change, applied)
-                assert applied.session_ref is not None
-                cached = w.mirror.sessions.get(applied.session_ref)
-                return cached if cached is not None else w.state_of(applied)
+            try:
+                return self._create_in_namespace(session_id, user_id, tenant_id, layout)
+            except Stale:
+                continue
         raise Conflict(f"session {session_id!r} keeps being created and deleted by other writers; try again")
+
+    def _create_in_namespace(self, session_id: str, user_id: str, tenant_id: str, layout: Layout) -> SessionState:
+        """Make the session in a transaction of its own, with its namespace and data key when
+        those are new. Raises ``Stale`` (nothing made) when it was made meanwhile."""
+        w = self.writer
+        made = committed = False
+        with w.guard.reading():
+            try:
+                with catalog_errors(), w.catalog.write() as tx:
+                    tenant_ref, user_ref, made = ensure_namespace(tx.conn, tenant_id, user_id, w.master)
+                    keys = w.keys.of(user_ref, tx.conn)
+                    change = self._created(session_id, user_id, tenant_id, layout, tenant_ref, user_ref, keys)
+                    applied = transaction.apply(tx, change)
+                committed = True
+            finally:
+                if made and not committed:
+                    w.keys.forget(user_ref)  # its transaction rolled back: that key never existed
+            self._namespaces[(tenant_id, user_id)] = (tenant_ref, user_ref)
+            w.taken(change, applied)
+            assert applied.session_ref is not None
+            cached = w.mirror.sessions.get(applied.session_ref)
+            return cached if cached is not None else w.state_of(applied)
 
     def _created(
         self, session_id: str, user_id: str, tenant_id: str, layout: Layout, tenant_ref: int, user_ref: int, keys: Keys
