@@ -99,20 +99,7 @@ class Mirror:
         version = change.version
         if version is not None:
             assert write.version_id is not None
-            num_tokens = len(version.tokens) // TOKEN_BYTES
-            record = VersionRecord(
-                write.version_id,
-                ref,
-                version.parent_id,
-                version.base_id,
-                version.base_len,
-                num_tokens,
-                version.tokens[TOKEN_BYTES * version.base_len :],
-                version.label,
-                False,
-                write.stamp,
-            )
-            state.add(record, version.tokens, version.walk)
+            state.add(_version_record(ref, write), version.tokens, version.walk)
             head = write.version_id
         for page_id in write.unheld:
             state.held.pop(page_id, None)
@@ -347,3 +334,21 @@ class Mirror:
             if ref is not None:
                 self._users[(tenant_id, user_id)] = ref
         return ref
+
+
+def _version_record(ref: int, write: SessionWrite) -> VersionRecord:
+    """The catalog row of the version this process's own write made in session ``ref``."""
+    version = write.change.version
+    assert version is not None and write.version_id is not None
+    return VersionRecord(
+        write.version_id,
+        ref,
+        version.parent_id,
+        version.base_id,
+        version.base_len,
+        len(version.tokens) // TOKEN_BYTES,
+        version.tokens[TOKEN_BYTES * version.base_len :],
+        version.label,
+        False,
+        write.stamp,
+    )
