@@ -249,44 +249,57 @@ class Placement(Statistics):
         quota, then the lowest-scored pages of anyone while the tier would exceed its capacity.
         ``None``: it stays out (over a quota by itself, held pages fill the room, or, with
         ``compete``, it scores lower than a page it would displace for room)."""
-        s = self.settings
         self._arrived += 1
         chosen: list[PageId] = []
-        taken: set[PageId] = set()
-        freed_user = 0
-
-        def take(to_free: int, accept: Callable[[Owner | None], bool] | None) -> int:
-            # every page of the tier is listed only here, when a quota is exceeded: a put that
-            # fits costs O(1), not O(pages held)
-            pool = [c for c in host.candidates() if c[0] not in taken]
-            got = 0
-            for victim in self.host_victims(pool, to_free, accept):
-                chosen.append(victim)
-                taken.add(victim)
-                got += host.size_of(victim)
-            return got
-
-        if owner is not None and s.host_user_quota:
-            if size > s.host_user_quota:
-                return None
-            over = host.owner_bytes.get(owner, 0) + size - s.host_user_quota
-            if over > 0:
-                freed_user = take(over, lambda o: o == owner)
-                if freed_user < over:
-                    return None
-        if owner is not None and s.host_tenant_quota:
-            if size > s.host_tenant_quota:
-                return None
-            over = host.tenant_bytes.get(owner[0], 0) + size - s.host_tenant_quota - freed_user
-            if over > 0:
-                freed_tenant = take(over, lambda o: o is not None and o[0] == owner[0])
-                if freed_tenant < over:
-                    return None
+        if owner is not None and not self._quota_room(host, size, owner, chosen):
+            return None
         freed = sum(host.size_of(p) for p in chosen)
         need = host.used_bytes - freed + size - host.capacity_bytes
         if need <= 0:
             return chosen
-        room: list[PageId] = []  # for the tier's capacity: inactive pages first, then the order's
+        room = self._capacity_room(host, page_id, size, need, set(chosen), compete)
+        return None if room is None else chosen + room
+
+    def _quota_room(self, host: HostTier, size: int, owner: Owner, chosen: list[PageId]) -> bool:
+        """Add to ``chosen`` the owner's pages to drop so ``size`` more bytes fit the user's
+        quota, then the tenant's; ``False`` when they cannot."""
+        s = self.settings
+        freed_user = 0
+        if s.host_user_quota:
+            if size > s.host_user_quota:
+                return False
+            over = host.owner_bytes.get(owner, 0) + size - s.host_user_quota
+            if over > 0:
+                freed_user = self._take(host, over, lambda o: o == owner, chosen)
+                if freed_user < over:
+                    return False
+        if s.host_tenant_quota:
+            if size > s.host_tenant_quota:
+                return False
+            over = host.tenant_bytes.get(owner[0], 0) + size - s.host_tenant_quota - freed_user
+            if over > 0 and self._take(host, over, lambda o: o is not None and o[0] == owner[0], chosen) < over:
+                return False
+        return True
+
+    def _take(self, host: HostTier, to_free: int, accept: Callable[[Owner | None], bool], chosen: list[PageId]) -> int:
+        """Add to ``chosen`` the lowest-scored pages ``accept`` takes until ``to_free`` bytes are
+        freed; returns the bytes freed. (Every page of the tier is listed only here, when a quota
+        is exceeded: a put that fits costs O(1), not O(pages held).)"""
+        taken = set(chosen)
+        pool = [c for c in host.candidates() if c[0] not in taken]
+        got = 0
+        for victim in self.host_victims(pool, to_free, accept):
+            chosen.append(victim)
+            got += host.size_of(victim)
+        return got
+
+    def _capacity_room(
+        self, host: HostTier, page_id: PageId, size: int, need: int, taken: set[PageId], compete: bool
+    ) -> list[PageId] | None:
+        """The pages (beyond ``taken``) to drop for ``need`` bytes of the tier's capacity:
+        inactive pages first, then the eviction order's; ``None`` when held pages fill the room
+        or, with ``compete``, the page is worth less than one it would displace."""
+        room: list[PageId] = []
         for victim, victim_size in host.inactive():
             if need <= 0:
                 break
@@ -305,7 +318,7 @@ class Placement(Statistics):
             if self.score(page_id, size, self._scale, now) < best:
                 self._pos = pos if self._order is order else 0  # they stay next in line
                 return None
-        return chosen + room
+        return room
 
     def next_victims(
         self, host: HostTier, need: int, exclude: AbstractSet[PageId] = frozenset()
