@@ -90,8 +90,8 @@ from contextlib import contextmanager
 
 from dss.catalog.segments import SegmentRow
 from dss.core.types import PageId
-from dss.placement.stats import PageStats, Scale, Settings, Statistics, decayed
-from dss.tiers.host import HostTier
+from dss.placement.stats import TIERS, PageStats, Scale, Settings, Statistics, decayed
+from dss.tiers.host import HostTier, Owner
 
 HOT_FREQUENCY = 2.0
 """Decayed accesses from which a disk segment's pages count as hot: such segments leave the
@@ -100,17 +100,6 @@ disk after every other, the least frequently used first (the others in the catal
 ARRIVALS = 8
 """The host's eviction order is computed again once more than ``1/ARRIVALS`` of the pages it
 ranked have arrived since (pages that arrived after it are in no order, so could not leave)."""
-
-TIERS = ("host", "disk")
-"""The tiers this process places pages on, fastest first."""
-
-
-Owner = tuple[str, int]
-"""``(tenant_id, user_ref)`` of a page."""
-
-
-COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "inline_evictions")
-"""Per-tier counters (see :meth:`Placement.counts`)."""
 
 
 class Placement(Statistics):
@@ -320,6 +309,26 @@ class Placement(Statistics):
                 return None
         return room
 
+    def _lru_victims(self, host: HostTier, need: int, exclude: AbstractSet[PageId]) -> list[PageId] | None:
+        """The least recently used pages not held, to free ``need`` bytes (``None``: held pages fill it)."""
+        chosen: list[PageId] = []
+        for page_id, page_size in host.oldest():
+            if need <= 0:
+                break
+            if page_id not in self.held and page_id not in exclude:
+                chosen.append(page_id)
+                need -= page_size
+        return chosen if need <= 0 else None
+
+    def _rank(self, host: HostTier, now: float) -> None:
+        """Compute the host's eviction order again, from every page it holds."""
+        candidates = host.candidates()
+        ids = [c[0] for c in candidates]
+        ranked, self._scale = self.order(ids, [c[1] for c in candidates], now)
+        self._order = [ids[i] for i in ranked]
+        self._order_at, self._order_tick, self._pos = now, self._tick, 0
+        self._arrived = 0
+
     def next_victims(
         self, host: HostTier, need: int, exclude: AbstractSet[PageId] = frozenset()
     ) -> list[PageId] | None:
@@ -329,16 +338,10 @@ class Placement(Statistics):
         and consumed, skipping pages gone, held, or accessed since it was computed (their score
         only rose); it is recomputed when used up or older than a quarter of
         ``recency_half_life_s``. LRU walks the tier's own order."""
+        if self.is_lru:
+            return self._lru_victims(host, need, exclude)
         chosen: list[PageId] = []
         held = self.held
-        if self.is_lru:
-            for page_id, page_size in host.oldest():
-                if need <= 0:
-                    break
-                if page_id not in held and page_id not in exclude:
-                    chosen.append(page_id)
-                    need -= page_size
-            return chosen if need <= 0 else None
         now = self.now()
         if now - self._order_at > self.settings.recency_half_life_s / 4 or self._arrived * ARRIVALS > len(self._order):
             self._order = []
@@ -349,12 +352,8 @@ class Placement(Statistics):
             if self._pos >= len(self._order):
                 if refreshed:
                     return None
-                candidates = host.candidates()
-                ids = [c[0] for c in candidates]
-                ranked, self._scale = self.order(ids, [c[1] for c in candidates], now)
-                self._order = [ids[i] for i in ranked]
-                self._order_at, self._order_tick, self._pos, refreshed = now, self._tick, 0, True
-                self._arrived = 0
+                self._rank(host, now)
+                refreshed = True
                 need, chosen = wanted, []  # the new order ranks them again
                 continue
             page_id = self._order[self._pos]

@@ -14,6 +14,12 @@ from typing import NamedTuple
 
 from dss.core.types import PageId
 
+TIERS = ("host", "disk")
+"""The tiers this process places pages on, fastest first."""
+
+COUNTERS = ("hits", "misses", "promotions", "demotions", "evictions", "moved_bytes", "inline_evictions")
+"""Per-tier counters (see :attr:`dss.placement.policy.Placement.counts`)."""
+
 FREQUENCY_QUANTILE = 0.9
 """The frequency term is ``log(1 + f)`` over that of this quantile of the candidates' frequencies,
 capped at 1: the few pages everyone reads (shared prompts) do not flatten everyone else's."""

@@ -12,7 +12,8 @@ from dss.core.errors import InternalError
 from dss.core.types import PageId, PageRef, SqlResult
 from dss.core.validate import check_callback, check_flag, check_name, check_page_ids
 from dss.erasure.documents import AuditEntry, Plan, Receipt, stored
-from dss.placement import fill, policy
+from dss.placement import fill
+from dss.placement.stats import COUNTERS, TIERS
 from dss.store import integrity
 from dss.store.base import Base
 from dss.writes.compaction import Compaction
@@ -193,11 +194,11 @@ class Operations(Base):
             "erasures": {"open": len(open_jobs), "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
             "lsh": lsh,
         }
-        for tier in policy.TIERS:
+        for tier in TIERS:
             high, low = fill.watermarks(settings, tier, out[tier]["capacity"])
             out[tier].update({"high_watermark": high, "low_watermark": low})
             counts = self.placement.counts[tier]
-            out[tier].update({name: int(counts[name]) for name in policy.COUNTERS})
+            out[tier].update({name: int(counts[name]) for name in COUNTERS})
         out["prefetch"] = {name: int(n) for name, n in self.placement.prefetch.items()}
         out["policy"] = {"name": settings.policy, "mover_passes": self.mover.passes}
         return out
