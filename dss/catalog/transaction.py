@@ -166,38 +166,48 @@ def _store(
         if not placed:
             dead.append(segment.name)
             continue
-        pages.insert_segment(
-            conn,
-            segment.name,
-            "disk",
-            segment.node_ref,
-            change.user_ref,
-            segment.size,
-            [
-                {
-                    "page_id": p.page_id,
-                    "user_ref": change.user_ref,
-                    "layout_ref": layout_ref,
-                    "page_index": p.index,
-                    "size": len(p.payload),
-                    "checksum": p.checksum,
-                    "created_at": stamp,
-                    "seq": seq,
-                }
-                for p, _, _ in placed
-            ],
-            [
-                {"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length}
-                for p, offset, length in placed
-            ],
-        )
-        stored += [
-            PageRecord(p.page_id, change.user_ref, p.index, len(p.payload), p.checksum, segment.name, offset, length)
-            for p, offset, length in placed
-        ]
+        stored += _insert_segment(conn, seq, stamp, segment, placed, change.user_ref, layout_ref)
     if stored:
         events.append(PagesStored(change.user_ref, seq, tuple(stored)))
     return stored
+
+
+def _insert_segment(
+    conn: Any,
+    seq: int,
+    stamp: dt.datetime,
+    segment: WrittenSegment,
+    placed: Sequence[tuple[NewPage, int, int]],
+    user_ref: int,
+    layout_ref: int,
+) -> list[PageRecord]:
+    """Record one segment file and its ``placed`` pages ``(page, offset, length)``; returns their rows."""
+    pages.insert_segment(
+        conn,
+        segment.name,
+        "disk",
+        segment.node_ref,
+        user_ref,
+        segment.size,
+        [
+            {
+                "page_id": p.page_id,
+                "user_ref": user_ref,
+                "layout_ref": layout_ref,
+                "page_index": p.index,
+                "size": len(p.payload),
+                "checksum": p.checksum,
+                "created_at": stamp,
+                "seq": seq,
+            }
+            for p, _, _ in placed
+        ],
+        [{"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length} for p, offset, length in placed],
+    )
+    return [
+        PageRecord(p.page_id, user_ref, p.index, len(p.payload), p.checksum, segment.name, offset, length)
+        for p, offset, length in placed
+    ]
 
 
 def _session(conn: Any, seq: int, stamp: dt.datetime, ref: int, change: Change) -> tuple[int | None, list[PageId]]:
