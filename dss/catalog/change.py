@@ -185,3 +185,18 @@ class Applied(NamedTuple):
     """The version the change made, moved the head to or pinned, as this process holds it
     right after the commit (set by the writer, under the lock that applied the change;
     ``None`` from :func:`apply`, for changes about no version, or when the session is gone)."""
+
+
+__all__ = [
+    "Applied",
+    "Change",
+    "MovedSegment",
+    "NewPage",
+    "NewSession",
+    "NewVersion",
+    "Quarantined",
+    "Room",
+    "SessionWrite",
+    "Stale",
+    "WrittenSegment",
+]

@@ -13,8 +13,6 @@ from dss.catalog.change import (
     Change,
     MovedSegment,
     NewPage,
-    NewSession,
-    NewVersion,
     Quarantined,
     Room,
     SessionWrite,
@@ -283,18 +281,4 @@ def _changed(events: list[Event], conn: Any, session_refs: Sequence[int], skip: 
         events.append(SessionChanged(ref, user_ref))
 
 
-__all__ = [
-    "Applied",
-    "Change",
-    "MovedSegment",
-    "NewPage",
-    "NewSession",
-    "NewVersion",
-    "Quarantined",
-    "Room",
-    "SessionWrite",
-    "Stale",
-    "WrittenSegment",
-    "apply",
-    "check",
-]
+__all__ = ["apply", "check"]
