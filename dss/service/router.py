@@ -144,14 +144,7 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
     if rewritten is not None:
         raw = json.dumps(rewritten).encode()
     served_key = f"{tenant or ''}\0{session}" if session else None
-    held: Holdings = {}
-    if state.config.policy == "kv" and session and state.holdings is not None:
-        served_by = state.served.get(served_key) if served_key else None
-        try:
-            held = await anyio.to_thread.run_sync(state.holdings.of, session, tenant, served_by, list(state.backends))
-        except DssError as exc:  # the store cannot say: route as if nothing were held
-            metrics.holdings_errors.inc()
-            log.warning("could not ask the store where a session's pages are: %s", exc.kind)
+    held = await _holdings(state, metrics, session, tenant, served_key)
     forward = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     tried: set[str] = set()
     client: httpx.AsyncClient = request.app.state.client
@@ -174,10 +167,7 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
                 client.build_request("POST", backend.url + request.url.path, content=raw, headers=forward), stream=True
             )
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            done(backend, metrics)
-            mark(backend, False, metrics)
-            metrics.failovers.labels(backend.node_id).inc()
-            log.warning("backend %s failed (%s): failing over", backend.node_id, type(exc).__name__)
+            _failed(backend, metrics, exc)
             tried.add(backend.node_id)
             continue
         except asyncio.CancelledError:
@@ -197,6 +187,31 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
             status_code=upstream.status_code,
             headers={**passed, "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason},
         )
+
+
+async def _holdings(
+    state: RouterState, metrics: RouterMetrics, session: str | None, tenant: str | None, served_key: str | None
+) -> Holdings:
+    """Where the session's head pages are, per node and tier, when the policy routes by them
+    (empty when it does not, or when the store cannot say: routed as if nothing were held)."""
+    if state.config.policy != "kv" or not session or state.holdings is None:
+        return {}
+    served_by = state.served.get(served_key) if served_key else None
+    try:
+        return await anyio.to_thread.run_sync(state.holdings.of, session, tenant, served_by, list(state.backends))
+    except DssError as exc:
+        metrics.holdings_errors.inc()
+        log.warning("could not ask the store where a session's pages are: %s", exc.kind)
+        return {}
+
+
+def _failed(backend: BackendState, metrics: RouterMetrics, exc: Exception) -> None:
+    """A backend refused the connection or failed before answering: it is marked down and the
+    request fails over to the next choice."""
+    done(backend, metrics)
+    mark(backend, False, metrics)
+    metrics.failovers.labels(backend.node_id).inc()
+    log.warning("backend %s failed (%s): failing over", backend.node_id, type(exc).__name__)
 
 
 class ResponseCut(Exception):
