@@ -63,7 +63,6 @@ def provision(engine: Engine, role: str, schema: str) -> str:
     :func:`readable_relations` (refreshed each time, so new tables of a migration are covered).
     """
     import psycopg
-    from psycopg import sql
 
     raw = engine.raw_connection()
     try:
@@ -84,23 +83,7 @@ def provision(engine: Engine, role: str, schema: str) -> str:
                     raise ConfigError(
                         f"the catalog user may not create the SQL role {role!r} (no CREATEROLE): {HOW_TO}"
                     )
-                password = secrets.token_urlsafe(32)
-                verifier = conn.pgconn.encrypt_password(password.encode(), role.encode()).decode()
-                create = "ALTER ROLE {} WITH" if exists else "CREATE ROLE {}"
-                cur.execute(
-                    sql.SQL(
-                        create + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
-                        "NOINHERIT PASSWORD {}"
-                    ).format(sql.Identifier(role), sql.Literal(verifier))
-                )
-                cur.execute(
-                    sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(sql.Identifier(role))
-                )
-                cur.execute(
-                    sql.SQL("ALTER ROLE {} SET search_path = {}").format(sql.Identifier(role), sql.Identifier(schema))
-                )
-                cur.execute("DELETE FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
-                cur.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s)", (PASSWORD_KEY, password.encode()))
+                password = _create_role(conn, cur, role, schema, exists)
             grant(cur, role, schema)
         conn.commit()
         return password
@@ -108,6 +91,26 @@ def provision(engine: Engine, role: str, schema: str) -> str:
         raise ConfigError(f"cannot set up the SQL role: {str(exc).strip()}: {HOW_TO}") from None
     finally:
         raw.close()
+
+
+def _create_role(conn: Any, cur: psycopg.Cursor[Any], role: str, schema: str, exists: bool) -> str:
+    """Create ``role`` (or give the existing one a new password), read-only, searching
+    ``schema``; keep its password in ``store_meta`` and return it."""
+    from psycopg import sql
+
+    password = secrets.token_urlsafe(32)
+    verifier = conn.pgconn.encrypt_password(password.encode(), role.encode()).decode()
+    create = "ALTER ROLE {} WITH" if exists else "CREATE ROLE {}"
+    cur.execute(
+        sql.SQL(
+            create + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS NOINHERIT PASSWORD {}"
+        ).format(sql.Identifier(role), sql.Literal(verifier))
+    )
+    cur.execute(sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(sql.Identifier(role)))
+    cur.execute(sql.SQL("ALTER ROLE {} SET search_path = {}").format(sql.Identifier(role), sql.Identifier(schema)))
+    cur.execute("DELETE FROM store_meta WHERE key = %s", (PASSWORD_KEY,))
+    cur.execute("INSERT INTO store_meta (key, value) VALUES (%s, %s)", (PASSWORD_KEY, password.encode()))
+    return password
 
 
 def grant(cur: psycopg.Cursor[Any], role: str, schema: str) -> None:
