@@ -288,15 +288,8 @@ class Nearest:
         p_win = prompt[start : pos + context].tolist()
         s_win = stored[start : pos + context].tolist()
         resync = realign(prompt, stored, pos, self.lsh.settings.shingle_tokens)
-        would = near.matched_tokens
-        r_p = r_s = None
-        shared = 0
-        if resync is not None:
-            r_p, r_s, shared = resync
-            page_tokens = layout.page_tokens
-            reach = (r_s + shared) // page_tokens
-            would = len(self._available(owner, near.version_id, reach)) * page_tokens
-        would = max(would, result.matched_tokens)
+        r_p, r_s, shared = resync if resync is not None else (None, None, 0)
+        would = max(self._would_reuse(owner, near, resync, layout.page_tokens), result.matched_tokens)
         return Explanation(
             len(prompt),
             result.matched_tokens,
@@ -315,6 +308,16 @@ class Nearest:
             would - result.matched_tokens,
             self.recurring(tenant_id),
         )
+
+    def _would_reuse(
+        self, owner: SessionState, near: Candidate, resync: tuple[int, int, int] | None, page_tokens: int
+    ) -> int:
+        """The page-aligned tokens of ``near`` with stored pages that resume would reuse had the
+        prompt not diverged: up to where it runs along the version again, when it does."""
+        if resync is None:
+            return near.matched_tokens
+        _, r_s, shared = resync
+        return len(self._available(owner, near.version_id, (r_s + shared) // page_tokens)) * page_tokens
 
     def problems(self) -> list[str]:
         """Entries of this process's index whose session is gone or of another namespace (for
