@@ -117,13 +117,32 @@ class DiskTier(DurableTier):
         self._in_flight.add(name)
         tmp = self.tmp_dir / name
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            offset, locations = self._write_records(fd, name, pages)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.rename(tmp, self.segments_dir / name)
+        if publish:
+            self._sync_dir(self.segments_dir)
+        return name, offset, locations
+
+    def _write_records(
+        self, fd: int, name: str, pages: Iterable[tuple[PageId, int, Any, int]]
+    ) -> tuple[int, list[Located]]:
+        """Write the header and the records of ``pages`` to ``fd``, each batch by the helper
+        thread while the next is taken from ``pages``; returns the file's size and where each
+        record lies. A failure waits for the batch in flight (the fd must outlive it)."""
         locations: list[Located] = []
         offset = HEADER_BYTES
         pending: Future[None] | None = None
+        parts: list[Any] = [MAGIC]
+        count = written = 0
         try:
-            parts: list[Any] = [MAGIC]
-            count = 0
-            written = 0
             for page_id, checksum, payload, flags in pages:
                 parts.append(RECORD.pack(page_id, len(payload), flags, checksum))
                 parts.append(payload)
@@ -139,21 +158,13 @@ class DiskTier(DurableTier):
             if pending is not None:
                 pending.result()
                 pending = None
-            if parts:
-                self._write_parts(fd, parts, count, written, offset - written)
-            if self.fsync:
-                os.fsync(fd)
         except BaseException:
             if pending is not None:
-                pending.exception()  # wait: the fd must outlive the write in flight
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
+                pending.exception()
             raise
-        os.close(fd)
-        os.rename(tmp, self.segments_dir / name)
-        if publish:
-            self._sync_dir(self.segments_dir)
-        return name, offset, locations
+        if parts:
+            self._write_parts(fd, parts, count, written, offset - written)
+        return offset, locations
 
     def _write_parts(self, fd: int, parts: list[Any], records: int, start: int, length: int) -> None:
         """Write ``parts`` (``length`` bytes from file offset ``start``) in order with ``writev``
