@@ -93,11 +93,7 @@ class Matcher:
                 spans = [*spans, extra]
                 num_pages += extra.count
                 source = "shared"
-        version_id = None
-        depth = min(num_pages * page_tokens, history)
-        if state is not None and match is not None and depth:
-            node = next(n for n in match.path if n.start < depth <= n.depth)
-            version_id = state.trie.version_along(node, depth, state.head)
+        version_id = _version_of(state, match, min(num_pages * page_tokens, history))
         if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
             if state is None:
                 self.mirror.namespace(user_ref)
@@ -108,7 +104,7 @@ class Matcher:
                 source = "namespace"
         return ResumeResult(
             state.session_id if state is not None else None,
-            VersionId(version_id) if version_id is not None else None,
+            version_id,
             num_pages * page_tokens,
             len(buf) // TOKEN_BYTES,
             history,
@@ -186,3 +182,12 @@ def _chain_span(
         codes.append(code)
         prev = page_id
     return Span(first, tuple(ids), codes, len(ids)) if ids else None
+
+
+def _version_of(state: SessionState | None, match: Match | None, depth: int) -> VersionId | None:
+    """The version along the trie's match that the first ``depth`` matched tokens belong to
+    (``None`` when nothing of the session matched)."""
+    if state is None or match is None or not depth:
+        return None
+    node = next(n for n in match.path if n.start < depth <= n.depth)
+    return state.trie.version_along(node, depth, state.head)
