@@ -91,8 +91,10 @@ def is_result(tp: Any) -> bool:
     return isinstance(tp, type) and (dataclasses.is_dataclass(tp) or (issubclass(tp, tuple) and hasattr(tp, "_fields")))
 
 
+@functools.cache
 def fields_of(tp: type) -> dict[str, Any]:
-    """A result type's fields and their annotations, in order."""
+    """A result type's fields and their annotations, in order (resolved once per type: every
+    value a response carries goes through here)."""
     hints = typing.get_type_hints(tp)
     names = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else list(tp._fields)  # type: ignore[attr-defined]
     return {name: hints[name] for name in names}
@@ -154,8 +156,9 @@ def dump(value: Any) -> Any:
     """A value as the data of its response model (times stay ``datetime``: the framework writes them)."""
     if isinstance(value, Layout):
         return value.to_dict()
-    if is_result(type(value)):
-        return {field: dump(getattr(value, field)) for field in fields_of(type(value))}
+    kind: type = value.__class__
+    if is_result(kind):
+        return {field: dump(getattr(value, field)) for field in fields_of(kind)}
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, (list, tuple)):
