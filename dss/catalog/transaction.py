@@ -80,13 +80,9 @@ def apply(
         assert change.user_ref is not None
         released = _delete(conn, seq, ref, change.user_ref, events, dead, thinned)
     if ref is not None:
-        assert change.user_ref is not None and layout_ref is not None
-        unheld = tuple(p for p in (*evicted, *dropped))
-        events.append(
-            SessionChanged(
-                ref, change.user_ref, SessionWrite(change, seq, stamp, version_id, tuple(held), unheld, layout_ref)
-            )
-        )
+        assert layout_ref is not None
+        written_by = SessionWrite(change, seq, stamp, version_id, tuple(held), (*evicted, *dropped), layout_ref)
+        events.append(_session_changed(ref, change, written_by))
     feed.record(conn, seq, events)
     return Applied(
         seq,
@@ -99,6 +95,12 @@ def apply(
         tuple(sorted(set(thinned))),
         tuple((p.index, p.page_id) for p in change.pages),
     )
+
+
+def _session_changed(ref: int, change: Change, write: SessionWrite) -> SessionChanged:
+    """The feed event that tells every mirror what ``change`` did to its session."""
+    assert change.user_ref is not None
+    return SessionChanged(ref, change.user_ref, write)
 
 
 def _delete(

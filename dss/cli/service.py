@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -19,8 +19,11 @@ from dss.core.errors import DssError
 from dss.service.apikeys import add_key, read_keys, remove_key
 from dss.service.config import ServerConfig, load_server_config
 
+if TYPE_CHECKING:
+    from dss.service.backends import RouterConfig
 
-def _fail(message: str) -> None:
+
+def _fail(message: str) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(1)
 
@@ -252,33 +255,23 @@ def route(
 ) -> None:
     """Proxy vLLM's OpenAI API (/v1/completions, /v1/chat/completions), sending each session
     to the node that holds its KV; fails over when a backend dies."""
-    from pydantic import ValidationError
-
     try:
-        from dss.service.backends import RouterConfig, StoreHoldings, parse_backends
+        from dss.service.backends import StoreHoldings
         from dss.service.router import serve_router
     except ModuleNotFoundError as exc:
         _fail(f"dss route needs the server extra ({exc.name} is missing): pip install 'dss-store[server]'")
         return
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = RouterConfig(
-            backends=parse_backends(backends),
-            policy=policy,
-            host=host,
-            port=port,
-            load_factor=load_factor,
-            health_interval_s=health_interval,
-            max_body_bytes=max_body_bytes,
-            graceful_timeout_s=graceful_timeout,
-        )
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        _fail(f"ConfigError: invalid router configuration: {problems}")
-        return
-    except DssError as exc:
-        _fail(f"{exc.kind}: {exc}")
-        return
+    config = _router_config(
+        backends=backends,
+        policy=policy,
+        host=host,
+        port=port,
+        load_factor=load_factor,
+        health_interval_s=health_interval,
+        max_body_bytes=max_body_bytes,
+        graceful_timeout_s=graceful_timeout,
+    )
     store = None
     try:
         if policy == "kv" and not no_store:
@@ -301,6 +294,21 @@ def route(
     finally:
         if store is not None:
             store.close()
+
+
+def _router_config(*, backends: tuple[str, ...], **settings: Any) -> RouterConfig:
+    """The router's validated settings; an invalid one ends the command with its message."""
+    from pydantic import ValidationError
+
+    from dss.service.backends import RouterConfig, parse_backends
+
+    try:
+        return RouterConfig(backends=parse_backends(backends), **settings)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        _fail(f"ConfigError: invalid router configuration: {problems}")
+    except DssError as exc:
+        _fail(f"{exc.kind}: {exc}")
 
 
 def register(group: click.Group) -> None:

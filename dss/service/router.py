@@ -145,9 +145,7 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
         raw = json.dumps(rewritten).encode()
     served_key = f"{tenant or ''}\0{session}" if session else None
     held = await _holdings(state, metrics, session, tenant, served_key)
-    forward = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     tried: set[str] = set()
-    client: httpx.AsyncClient = request.app.state.client
     while True:
         state.counter += 1
         decision = route(
@@ -159,34 +157,48 @@ async def _proxy(request: Request, state: RouterState, metrics: RouterMetrics) -
             load_factor=state.config.load_factor,
         )
         backend = state.backends[decision.node_id]
-        backend.load += 1
-        metrics.in_flight.labels(backend.node_id).inc()
-        start = time.perf_counter()
-        try:
-            upstream = await client.send(
-                client.build_request("POST", backend.url + request.url.path, content=raw, headers=forward), stream=True
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            _failed(backend, metrics, exc)
+        sent = await _send(request, raw, backend, decision, state, metrics)
+        if sent is None:
             tried.add(backend.node_id)
             continue
-        except asyncio.CancelledError:
-            done(backend, metrics)
-            if not state.is_stopping:
-                raise
-            metrics.requests.labels(backend.node_id, decision.reason, "cancelled").inc()
-            log.warning("request to backend %s cancelled: the router is shutting down", backend.node_id)
-            return problem_response(
-                Unavailable("the router is shutting down (graceful_timeout_s passed)"), {"Connection": "close"}
-            )
-        if served_key is not None and upstream.status_code < 500:
+        if served_key is not None and sent.status_code < 500:
             state.remember(served_key, backend.node_id)
-        passed = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
-        return StreamingResponse(
-            _relay(upstream, backend, decision, state, metrics, start),
-            status_code=upstream.status_code,
-            headers={**passed, "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason},
+        return sent
+
+
+async def _send(
+    request: Request, raw: bytes, backend: BackendState, decision: Decision, state: RouterState, metrics: RouterMetrics
+) -> Response | None:
+    """Forward the request to ``backend`` and stream its answer back; ``None`` when the backend
+    failed before answering (marked down: the caller fails over), 503 when the router is
+    shutting down."""
+    backend.load += 1
+    metrics.in_flight.labels(backend.node_id).inc()
+    start = time.perf_counter()
+    client: httpx.AsyncClient = request.app.state.client
+    forward = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    try:
+        upstream = await client.send(
+            client.build_request("POST", backend.url + request.url.path, content=raw, headers=forward), stream=True
         )
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        _failed(backend, metrics, exc)
+        return None
+    except asyncio.CancelledError:
+        done(backend, metrics)
+        if not state.is_stopping:
+            raise
+        metrics.requests.labels(backend.node_id, decision.reason, "cancelled").inc()
+        log.warning("request to backend %s cancelled: the router is shutting down", backend.node_id)
+        return problem_response(
+            Unavailable("the router is shutting down (graceful_timeout_s passed)"), {"Connection": "close"}
+        )
+    passed = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+    return StreamingResponse(
+        _relay(upstream, backend, decision, state, metrics, start),
+        status_code=upstream.status_code,
+        headers={**passed, "X-Dss-Node": backend.node_id, "X-Dss-Route": decision.reason},
+    )
 
 
 async def _holdings(
