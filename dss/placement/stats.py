@@ -129,6 +129,11 @@ class Statistics:
     def now(self) -> float:
         return float(self.clock())
 
+    @property
+    def tick(self) -> int:
+        """How many accesses were recorded so far (a page's ``tick`` is the last that touched it)."""
+        return self._tick
+
     def touch(self, page_ids: Iterable[PageId], now: float | None = None) -> None:
         """Record an access to each page."""
         t = self.now() if now is None else now

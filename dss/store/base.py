@@ -190,12 +190,12 @@ class Base:
         self.mover = Mover(
             self.guard,
             self.pages,
-            self.writer,
             self.catalog,
             self.placement,
             disk_bytes=config.disk_bytes,
             interval_s=config.mover_interval_s,
             batch=config.move_batch_pages,
+            clock=config.clock if config.mover else None,
         )
 
     def _recover(self) -> None:
@@ -266,10 +266,10 @@ class Base:
     # -- internals -------------------------------------------------------------------------
 
     def _wake_mover(self) -> None:
-        """Wake the mover when the host tier is past its high watermark (a write's pages or a
-        read's promotions can leave it so)."""
-        if self.hosted.above_high_mark:
-            self.mover.wake()
+        """After a read or write: wake the mover when the host tier is past its high watermark
+        (a write's pages or a read's promotions can leave it so); on an injected clock, step it
+        (:meth:`dss.writes.mover.Mover.step`)."""
+        self.mover.step(self.hosted.above_high_mark)
 
     def _check_open(self) -> None:
         self.guard.check_open()
