@@ -274,10 +274,12 @@ class PageStore:
         user: int | None = None,
         turn: bool = False,
         started: bool = False,
+        sessionless: bool = False,
     ) -> None:
         """After the transaction committed: delete dead files, tell the policy of the write by
         namespace ``user`` (``turn``: it made a new version of a session; ``started``: the
-        session's first, a version without a parent), put the payloads in
+        session's first, a version without a parent; ``sessionless``: a save without a
+        session), put the payloads in
         the host tier (a page no durable tier took stays known there while it lasts), queue the
         pages of ``written`` (the change's segment files) for the remote tier, and the deletion
         of the keys of the pages it dropped from every tier."""
@@ -285,7 +287,9 @@ class PageStore:
         self.placement.forget(applied.dropped)
         entries = self.index.entries
         now = self.placement.now()
-        self.placement.wrote([p.page_id for p in new], user, turn=turn, started=started, now=now)
+        self.placement.wrote(
+            [p.page_id for p in new], user, turn=turn, started=started, sessionless=sessionless, now=now
+        )
         for page in new:
             if page.page_id not in entries and namespace is not None:  # not durable: the disk tier had no room
                 self.index.add(

@@ -12,11 +12,11 @@ catalog.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 from dss.catalog.segments import SegmentRow
 from dss.core.types import PageId
-from dss.placement.stats import Statistics, decayed
+from dss.placement.stats import PageStats, Statistics, decayed
 from dss.tiers.inactive import InactiveSegment
 
 HOT_FREQUENCY = 2.0
@@ -27,24 +27,38 @@ disk after every other, the least frequently used first (the others in the catal
 def segment_order(
     stats: Statistics, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]], now: float
 ) -> list[SegmentRow]:
-    """Disk segments in the order they leave (pinned ones left out): LRU keeps the catalog's
-    order (oldest newest-version first); ``dss`` keeps it for segments without a hot page and
-    puts the hot ones last, least frequently used first."""
+    """Disk segments in the order they leave (pinned ones left out), given in the catalog's order
+    (oldest newest-version first). ``dss``: segments without a hot page first, in that order, and
+    among those of one newest version (a namespace's sessionless saves are all of one: none) the
+    least frequently used first; then the hot ones, least frequently used first. LRU: the least
+    recently read first (the catalog's order among equals)."""
     free = [s for s in segments if not s.is_pinned]
-    if stats.is_lru or not free:
+    if not free:
         return free
-    best: list[float] = []
     pages = stats.stats
-    h_f = stats.settings.frequency_half_life_s
+    if stats.is_lru:
+        last = [_last_read(pages, pages_of(segment.ref)) for segment in free]
+        return [free[i] for i in sorted(range(len(free)), key=lambda i: (last[i], i))]
+    best: list[float] = []
     for segment in free:
         worth = 0.0
         for p in pages_of(segment.ref):
             s = pages.get(p)
             if s is not None and s.last != -math.inf:
-                worth = max(worth, decayed(s.freq, max(0.0, now - s.last), h_f))
+                worth = max(worth, decayed(s.freq, max(0.0, now - s.last), stats.half_life(s)))
         best.append(worth)
     hot = HOT_FREQUENCY
-    return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, i))]
+    return [
+        free[i]
+        for i in sorted(
+            range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, free[i].newest, best[i], i)
+        )
+    ]
+
+
+def _last_read(pages: Mapping[PageId, PageStats], page_ids: Iterable[PageId]) -> float:
+    """When a page of these was last read (``-inf``: never)."""
+    return max((s.last for p in page_ids if (s := pages.get(p)) is not None), default=-math.inf)
 
 
 def is_read_since(stats: Statistics, segment: InactiveSegment) -> bool:

@@ -162,7 +162,7 @@ class Placement(Statistics):
                 s = self.stats[page_id] = PageStats(t)
             elif s.last < t:
                 if s.last != -math.inf:
-                    s.freq = decayed(s.freq, t - s.last, self.settings.frequency_half_life_s)
+                    s.freq = decayed(s.freq, t - s.last, self.half_life(s))
                 s.last = t
             self._tick += 1
             s.tick = self._tick

@@ -20,7 +20,7 @@ from dss.core.config import StoreConfig, sqlite_url
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
 from dss.core.errors import ErasureIncomplete, InvalidInput, NoStore
-from dss.core.types import Layout, Version
+from dss.core.types import CACHE_PREFIX, Layout, Version
 from dss.core.validate import check_flag, check_layout, check_name
 from dss.erasure.job import Eraser
 from dss.pages.copies import RemoteCopies
@@ -46,9 +46,6 @@ from dss.writes.mover import Mover
 from dss.writes.writer import Guard, Writer
 
 log = logging.getLogger("dss.store")
-
-CACHE_PREFIX = "~cache-"
-"""Session ids of the sessions holding pages saved without a session (one per namespace and layout)."""
 
 
 class Base:

@@ -43,7 +43,7 @@ from dss.catalog.change import Applied, Change, Stale, WrittenSegment
 from dss.catalog.database import Catalog, DuplicateRow, Tx, catalog_errors
 from dss.core.crypto import Sealer
 from dss.core.errors import Conflict, DssError, UnknownSession
-from dss.core.types import PageId
+from dss.core.types import CACHE_PREFIX, PageId
 from dss.pages.index import PageIndex
 from dss.pages.keys import DataKeys
 from dss.pages.store import PageStore
@@ -255,6 +255,7 @@ class Writer:
             user=change.user_ref,
             turn=version is not None,
             started=version is not None and version.parent_id is None,
+            sessionless=bool(change.session_id) and change.session_id.startswith(CACHE_PREFIX),
         )
         state = self.mirror.sessions.get(applied.session_ref) if applied.session_ref is not None else None
         if state is None:
