@@ -209,9 +209,10 @@ class Operations(Base):
         return out
 
     def run_mover(self) -> dict[str, int]:
-        """Run one pass of the mover now, in this thread: demote host and evict disk down to
-        their low marks where they passed their high marks, then record this process's tiers in
-        the ``tier_policy`` table. Returns the pages moved per tier."""
+        """Run one pass of the mover now, in this thread: demote host and disk down to their low
+        marks where they passed their high marks (demoted pages and segments stay readable until
+        a write needs their room), then record this process's tiers in the ``tier_policy``
+        table. Returns the pages demoted per tier."""
         self._check_open()
         moved = self.mover.run()
         self.mover.record()

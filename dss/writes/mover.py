@@ -216,7 +216,7 @@ class Mover:
         self._recorded = self._now()
 
     def run(self) -> dict[str, int]:
-        """One pass: demote host, then evict disk, each down to its low mark if past its high
+        """One pass: demote host, then disk, each down to its low mark if past its high
         mark. Returns the pages moved per tier."""
         with self._pass_lock:
             self.passes += 1
