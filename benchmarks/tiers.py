@@ -117,7 +117,7 @@ def run(
                 row, trace = _chat(requests, name, host_pages, disk_pages, sessions, label, settings)
                 if name == "lru" and disk >= 1.5:
                     ideal = ideal or trace
-                row.capacity, row.disk, row.settings = capacity, disk, settings
+                row.policy, row.capacity, row.disk, row.settings = name, capacity, disk, settings
                 rows.append(row)
             if "belady" in wanted:
                 if ideal is None:
