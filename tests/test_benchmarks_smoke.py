@@ -1,6 +1,8 @@
 """The multi-turn benchmark's workload (``benchmarks/chats.py``) and reuse arithmetic
 (``benchmarks/multiturn.py``), and tiny runs of ``benchmarks/multiturn.py`` and
-``benchmarks/ttft.py`` on the real model (slow: each starts vLLM engines).
+``benchmarks/ttft.py`` on the real model (slow: each starts vLLM engines), of
+``benchmarks/tiers.py`` on a published trace and without sessions, and of
+``benchmarks/commit_processes.py`` on PostgreSQL (slow: it starts processes).
 
 The tiny runs only show that the benchmarks run end to end and print their tables; their
 timings mean nothing at these sizes.
@@ -20,6 +22,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import chats
 import multiturn
+import tiers
+from workload import WorkloadSpec
 
 
 class TemplateOnly:
@@ -137,3 +141,53 @@ def test_ttft_runs_on_the_real_model() -> None:
     assert "SmolLM2-135M-Instruct bf16" in out
     rows = table_rows(out)
     assert list(rows) == ["256"], out
+
+
+def test_a_trace_replays_as_lookups_and_the_same_replay_gives_the_same_figures() -> None:
+    """The first 60 requests of the synthetic Mooncake trace, twice: the figures are the same
+    (the mover steps on the trace's clock, not the wall clock)."""
+    first, again = (
+        [r.as_dict() for r in tiers.run_trace("synthetic", disks=(0.4,), watermarks=[(0.99, 0.97)], limit=60)]
+        for _ in range(2)
+    )
+    assert first == again
+    assert [(r["policy"], r["disk"], r["capacity"]) for r in first] == [
+        ("dss", 0.4, 0.02),
+        ("lru", 0.4, 0.02),
+        ("dss 0.99/0.97", 0.4, 0.02),
+        ("belady", 0.4, 0.02),
+    ]
+    assert all(r["prompt_tokens"] == first[0]["prompt_tokens"] for r in first)
+    bound = first[-1]
+    assert all(r["total_share"] <= bound["total_share"] for r in first)  # Belady bounds the total
+
+
+def test_the_tier_benchmark_prints_its_table_and_bars() -> None:
+    out = run_benchmark(
+        "benchmarks/tiers.py", "--trace", "synthetic", "--requests", "40", "--disks", "0.2", timeout=600
+    )
+    assert "trace synthetic: 40 requests" in out
+    assert "disk 0.2x,   2% host: dss/lru host share" in out and "points below" not in out
+
+
+def test_the_chat_workload_replays_without_sessions() -> None:
+    rows = tiers.run(
+        (0.05,), ("dss", "lru", "belady", "dss+prefetch"), 1, WorkloadSpec(turns=40), disks=(0.4,), sessions=False
+    )
+    assert [r.policy for r in rows] == ["dss", "lru", "belady"]  # no prefetch without sessions
+    dss_row, lru_row, bound = rows
+    assert dss_row.prompt_tokens == lru_row.prompt_tokens == bound.prompt_tokens
+    assert bound.total_share >= max(dss_row.total_share, lru_row.total_share)
+
+
+@pytest.mark.slow
+def test_commits_of_one_and_two_processes_on_one_catalog() -> None:
+    from tests.conftest import PG_URL
+
+    out = run_benchmark(
+        "benchmarks/commit_processes.py", "--catalog", PG_URL, "--processes", "1", "2", "--duration", "1", timeout=600
+    )
+    lines = out.splitlines()
+    assert lines[1].split() == ["processes", "commits", "commits/s", "per", "process", "x", "1", "proc", "p50", "ms", "p99", "ms", "SQL", "Python", "fsync"]  # fmt: skip
+    assert [line.split()[0] for line in lines[2:4]] == ["1", "2"]
+    assert all("missing or different after reopening: 0; check(): []" in line for line in lines[4:6])

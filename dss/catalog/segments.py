@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sqlalchemy import bindparam, case, delete, func, insert, select
+from sqlalchemy import Select, bindparam, case, delete, func, insert, select
 from sqlalchemy.engine import Connection
 
 from dss.catalog.database import chunks, now
@@ -58,11 +58,11 @@ def tier_bytes(conn: Connection, tier: str, node_ref: int) -> int:
     return int(conn.execute(_TIER_BYTES, {"tier": tier, "node_ref": node_ref}).scalar() or 0)
 
 
-def tier_segments(conn: Connection, tier: str, node_ref: int) -> list[SegmentRow]:
-    """Every segment of a node's tier with what eviction weighs, oldest newest-version first."""
+def _weighed(tier: str, node_ref: int) -> Select:
+    """Segments of a node's tier with what eviction weighs (newest version, pinned)."""
     newest = func.coalesce(func.max(session_pages.c.version_ref), -1)
     pinned = func.coalesce(func.max(case((session_pages.c.pinned, 1), else_=0)), 0)
-    query = (
+    return (
         select(segments.c.id, segments.c.name, segments.c.size, newest, pinned)
         .outerjoin(locations, locations.c.segment_ref == segments.c.id)
         .outerjoin(session_pages, session_pages.c.page_id == locations.c.page_id)
@@ -70,7 +70,20 @@ def tier_segments(conn: Connection, tier: str, node_ref: int) -> list[SegmentRow
         .group_by(segments.c.id, segments.c.name, segments.c.size)
         .order_by(newest, segments.c.id)
     )
-    return [SegmentRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in conn.execute(query)]
+
+
+def tier_segments(conn: Connection, tier: str, node_ref: int) -> list[SegmentRow]:
+    """Every segment of a node's tier with what eviction weighs, oldest newest-version first."""
+    return [SegmentRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in conn.execute(_weighed(tier, node_ref))]
+
+
+def named_segments(conn: Connection, tier: str, node_ref: int, names: Sequence[str]) -> dict[str, SegmentRow]:
+    """``name -> row`` of those of these segments that a node's tier still holds."""
+    out: dict[str, SegmentRow] = {}
+    for part in chunks(names):
+        for r in conn.execute(_weighed(tier, node_ref).where(segments.c.name.in_(part))):
+            out[r[1]] = SegmentRow(r[0], r[1], r[2], r[3], bool(r[4]))
+    return out
 
 
 def segment_pages(conn: Connection, segment_refs: Sequence[int]) -> list[tuple[bytes, int]]:

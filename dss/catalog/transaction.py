@@ -67,7 +67,7 @@ def apply(
         ref, layout_ref = _create(conn, seq, stamp, change)
     dead: list[str] = []
     thinned: list[int] = []
-    evicted = _evict(conn, seq, room.victims, events, dead)
+    evicted = _evict(conn, seq, room.victims, events, dead, ref)
     stored = _store(conn, seq, stamp, change, layout_ref, written, room.fits, events, dead)
     version_id = None
     held: list[PageId] = []
@@ -127,15 +127,18 @@ def _create(conn: Any, seq: int, stamp: dt.datetime, change: Change) -> tuple[in
     return ref, layout_ref
 
 
-def _evict(conn: Any, seq: int, victims: Sequence[int], events: list[Event], dead: list[str]) -> list[bytes]:
-    """Drop the victim segments and their pages (a full disk making room)."""
+def _evict(
+    conn: Any, seq: int, victims: Sequence[int], events: list[Event], dead: list[str], ref: int | None
+) -> list[bytes]:
+    """Drop the victim segments and their pages (a full disk making room for the change of
+    session ``ref``, whose own event lists the pages it no longer holds)."""
     if not victims:
         return []
     owned = segments.segment_pages(conn, victims)
     ids = [page_id for page_id, _ in owned]
     holders, emptied = pages.drop_pages(conn, ids, seq)
     dead += emptied
-    _changed(events, conn, holders)
+    _changed(events, conn, holders, skip=ref)
     for user_ref in sorted({user for _, user in owned}):
         events.append(PagesEvicted(user_ref, tuple(p for p, user in owned if user == user_ref)))
     return ids

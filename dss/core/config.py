@@ -235,24 +235,24 @@ class StoreConfig(BaseModel):
         0.70, ge=0, le=1, allow_inf_nan=False, description="Host fill the mover demotes down to."
     )
     disk_high_watermark: float = Field(
-        0.85, gt=0, le=1, allow_inf_nan=False, description="Disk fill (share of disk_bytes) at which the mover starts."
+        0.85, gt=0, le=1, allow_inf_nan=False, description="Active share of disk_bytes at which the mover starts."
     )
     disk_low_watermark: float = Field(
-        0.70, ge=0, le=1, allow_inf_nan=False, description="Disk fill the mover evicts down to."
+        0.70, ge=0, le=1, allow_inf_nan=False, description="Disk fill the mover demotes down to."
     )
     host_user_quota: int = Field(0, description="Most host bytes one user's pages may take (0: no quota).")
     host_tenant_quota: int = Field(0, description="Most host bytes one tenant's pages may take (0: no quota).")
     disk_user_quota: int = Field(0, description="Most disk bytes one user's pages may take (0: no quota).")
     disk_tenant_quota: int = Field(0, description="Most disk bytes one tenant's pages may take (0: no quota).")
-    mover: bool = Field(True, description="Run the background mover thread (off: call store.run_mover()).")
+    mover: bool = Field(True, description="Run the mover (thread, or stepped on clock=; off: store.run_mover()).")
     mover_interval_s: float = Field(
-        1.0, gt=0, allow_inf_nan=False, description="How often the mover thread looks at the tiers, seconds."
+        1.0, gt=0, allow_inf_nan=False, description="Seconds between mover passes (of clock= if given)."
     )
     move_batch_pages: int = Field(16, ge=8, le=16, description="Pages the mover moves per batch (8 to 16).")
     clock: Callable[[], float] | None = Field(
         None,
         exclude=True,
-        description="Policy time source (seconds); default time.monotonic. Not read from files or the environment.",
+        description="Policy and mover time (seconds); default time.monotonic. Not read from files or the environment.",
     )
 
     @field_validator(

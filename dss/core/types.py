@@ -24,6 +24,9 @@ TIERS: tuple[str, ...] = ("device", "host", "disk", "remote")
 
 TIER_CODE: dict[str, int] = {name: i + 1 for i, name in enumerate(TIERS)}
 
+CACHE_PREFIX = "~cache-"
+"""Session ids of the sessions holding pages saved without a session (one per namespace and layout)."""
+
 _FIELD_TYPES = (str, int, float, bool)
 
 

@@ -51,16 +51,18 @@ The rules (``policy="dss"``, the default):
   for recency, not as an access (its frequency is unchanged), so it stays for the turn it is
   for.
 * **Watermarks.** Each tier has a high and a low mark (``*_high_watermark`` /
-  ``*_low_watermark``, default 85 % / 70 % of its capacity). When a tier passes its high mark
-  the mover (:mod:`dss.writes.mover`) demotes its lowest-scored pages in batches of
-  ``move_batch_pages`` (8–16) until it is at its low mark, so foreground writes rarely evict
-  inline. Demoting from host costs no I/O (disk holds the page): the page stays in host,
-  *inactive* — readable, active again when read, and the first to go (in the order demoted)
-  when a put needs room — so the room below the low mark is not left empty (the host's
-  watermarks measure its active bytes; see :mod:`dss.tiers.host`). Demoting from disk, the
-  last tier, drops whole segments: first those whose pages are not hot (decayed frequency
+  ``*_low_watermark``, default 85 % / 70 % of its capacity), which measure its *active* bytes.
+  When a tier's active bytes pass its high mark the mover (:mod:`dss.writes.mover`) demotes its
+  lowest-ranked pages until they are at its low mark, so foreground writes rarely choose victims
+  inline. A demotion costs no I/O and keeps the bytes: a demoted page stays in host (disk holds
+  it), a demoted segment on disk; either is *inactive* — readable, active again when read, and
+  the first to go (in the order demoted) when a write needs room — so the room below the low
+  mark is not left empty, and the watermarks bound the work a write does inline, not what a tier
+  holds (see :mod:`dss.tiers.host` and :mod:`dss.tiers.inactive`). The disk demotes whole
+  segments (:mod:`dss.placement.disk`): first those whose pages are not hot (decayed frequency
   below ``HOT_FREQUENCY``), oldest first by the newest version holding them (so pages only old
-  versions hold go first), then the hot ones, least frequently used first.
+  versions hold go first), then the hot ones, least frequently used first; a write that finds
+  too few inactive segments ranks them so inline and frees 5 % more than it needs.
 * **Refcount safety.** A page being read, loaded into an engine or moved is *held*
   (:meth:`Placement.hold`); no held page is ever chosen. Pinned versions' pages and registered
   shared prefixes (which are pinned) never leave the last tier.
@@ -90,12 +92,10 @@ from contextlib import contextmanager
 
 from dss.catalog.segments import SegmentRow
 from dss.core.types import PageId
+from dss.placement import disk
 from dss.placement.stats import TIERS, PageStats, Scale, Settings, Statistics, decayed
 from dss.tiers.host import HostTier, Owner
-
-HOT_FREQUENCY = 2.0
-"""Decayed accesses from which a disk segment's pages count as hot: such segments leave the
-disk after every other, the least frequently used first (the others in the catalog's order)."""
+from dss.tiers.inactive import InactiveSegment
 
 ARRIVALS = 8
 """The host's eviction order is computed again once more than ``1/ARRIVALS`` of the pages it
@@ -162,7 +162,7 @@ class Placement(Statistics):
                 s = self.stats[page_id] = PageStats(t)
             elif s.last < t:
                 if s.last != -math.inf:
-                    s.freq = decayed(s.freq, t - s.last, self.settings.frequency_half_life_s)
+                    s.freq = decayed(s.freq, t - s.last, self.half_life(s))
                 s.last = t
             self._tick += 1
             s.tick = self._tick
@@ -373,22 +373,10 @@ class Placement(Statistics):
     def segment_order(
         self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]], now: float | None = None
     ) -> list[SegmentRow]:
-        """Disk segments in the order they leave (pinned ones left out): LRU keeps the catalog's
-        order (oldest newest-version first); ``dss`` keeps it for segments without a hot page and
-        puts the hot ones last, least frequently used first."""
-        free = [s for s in segments if not s.is_pinned]
-        if self.is_lru or not free:
-            return free
-        t = self.now() if now is None else now
-        best: list[float] = []
-        stats = self.stats
-        h_f = self.settings.frequency_half_life_s
-        for segment in free:
-            worth = 0.0
-            for p in pages_of(segment.ref):
-                s = stats.get(p)
-                if s is not None and s.last != -math.inf:
-                    worth = max(worth, decayed(s.freq, max(0.0, t - s.last), h_f))
-            best.append(worth)
-        hot = HOT_FREQUENCY
-        return [free[i] for i in sorted(range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, i))]
+        """Disk segments in the order they leave (:func:`dss.placement.disk.segment_order`)."""
+        return disk.segment_order(self, segments, pages_of, self.now() if now is None else now)
+
+    def disk_reclaim(self, inactive: Iterable[InactiveSegment], need: int) -> tuple[list[InactiveSegment], list[str]]:
+        """The inactive disk segments a write drops for ``need`` bytes, and those read since
+        they were demoted (:func:`dss.placement.disk.reclaim`); held pages' segments never."""
+        return disk.reclaim(self, self.held, inactive, need)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from dss.core.types import PageId
+from dss.placement.sessionless import SessionlessStats
 
 TIERS = ("host", "disk")
 """The tiers this process places pages on, fastest first."""
@@ -96,10 +97,25 @@ class Scale(NamedTuple):
 class PageStats:
     """What the policy remembers of one page."""
 
-    __slots__ = ("demoted_at", "freq", "last", "tick", "tokens", "user", "window_count", "window_start")
+    __slots__ = (
+        "demoted_at",
+        "freq",
+        "is_sessionless",
+        "last",
+        "reads",
+        "tick",
+        "tokens",
+        "user",
+        "window_count",
+        "window_start",
+    )
 
     def __init__(self, now: float) -> None:
         self.freq = 0.0
+        self.reads = 0
+        """Accesses recorded, undecayed."""
+        self.is_sessionless = False
+        """Saved without a session (:mod:`dss.placement.sessionless`), by its last write."""
         self.last = now
         self.window_start = now
         self.window_count = 0
@@ -124,29 +140,50 @@ class Statistics:
         """Turns of every user seen by this process."""
         self.starts = 0
         """Of ``turns``, those that started a session."""
+        self.sessionless = SessionlessStats(settings.recency_half_life_s, settings.frequency_half_life_s)
+        """What the policy learns of pages saved without a session."""
         self._tick = 0
 
     def now(self) -> float:
         return float(self.clock())
 
+    @property
+    def tick(self) -> int:
+        """How many accesses were recorded so far (a page's ``tick`` is the last that touched it)."""
+        return self._tick
+
     def touch(self, page_ids: Iterable[PageId], now: float | None = None) -> None:
-        """Record an access to each page."""
+        """Record an access to each page (a sessionless page's read counts for its going on and
+        the sessionless rhythm: :mod:`dss.placement.sessionless`)."""
         t = self.now() if now is None else now
         h = self.settings.frequency_half_life_s
         window = self.settings.promote_interval_s
         stats = self.stats
+        sessionless = self.sessionless
         self._tick += 1
         tick = self._tick
+        gaps = 0.0
+        again = 0
         for page_id in page_ids:
             s = stats.get(page_id)
             if s is None:
                 s = stats[page_id] = PageStats(t)
             s.tick = tick
-            s.freq = (decayed(s.freq, t - s.last, h) if t >= s.last else s.freq) + 1.0
+            half = h
+            if s.is_sessionless:
+                half = sessionless.half_life
+                sessionless.again(s.reads)
+                if s.reads and t >= s.last:
+                    gaps += t - s.last
+                    again += 1
+            s.freq = (decayed(s.freq, t - s.last, half) if t >= s.last else s.freq) + 1.0
+            s.reads += 1
             s.last = max(t, s.last)
             if t - s.window_start > window:
                 s.window_start, s.window_count = t, 0
             s.window_count += 1
+        if again:
+            sessionless.gap(gaps / again)
 
     def wrote(
         self,
@@ -155,15 +192,18 @@ class Statistics:
         *,
         turn: bool,
         started: bool = False,
+        sessionless: bool = False,
         now: float | None = None,
     ) -> None:
         """Record a write of the pages by namespace ``user`` (``turn``: it made a new version of
-        a session; ``started``: the session's first). Each page is accessed once and starts no
-        lower than the user's activity (the user's turns, decayed like frequency, this one
-        included); a turn also moves the user's rhythm towards the time since its last turn,
-        and counts towards its ending."""
+        a session; ``started``: the session's first; ``sessionless``: a save without a session).
+        Each page is accessed once and starts no lower than the user's activity (the user's
+        turns, decayed like frequency, this one included); a turn also moves the user's rhythm
+        towards the time since its last turn, and counts towards its ending. A sessionless
+        write marks its pages sessionless (any other, not)."""
         t = self.now() if now is None else now
         self.touch(page_ids, t)
+        self._mark(page_ids, sessionless)
         if user is None:
             return
         activity = self.activity(user, t) + (1.0 if turn else 0.0)
@@ -184,6 +224,23 @@ class Statistics:
             s = stats[page_id]
             s.user = user
             s.freq = max(s.freq, activity)
+
+    def _mark(self, page_ids: Sequence[PageId], sessionless: bool) -> None:
+        """Mark the pages just written sessionless or not; a page read for the first time
+        counts for the sessionless pages' going on."""
+        stats = self.stats
+        first = 0
+        for page_id in page_ids:
+            s = stats[page_id]
+            if sessionless and not s.is_sessionless and s.reads == 1:
+                first += 1
+            s.is_sessionless = sessionless
+        if first:
+            self.sessionless.first(first)
+
+    def half_life(self, s: PageStats) -> float:
+        """Seconds in which the page's frequency halves (longer for a sessionless page)."""
+        return self.sessionless.half_life if s.is_sessionless else self.settings.frequency_half_life_s
 
     def ending(self, user: UserStats) -> float:
         """The chance that a turn of ``user`` is its conversation's last, within [0.01, 0.99]:
@@ -254,24 +311,30 @@ class Statistics:
         s = self.stats.get(page_id)
         if s is None or s.last == -math.inf:
             f = r = 0.0
-        else:
+        elif s.is_sessionless:
             age = max(0.0, t - s.last)
-            f = decayed(s.freq, age, self.settings.frequency_half_life_s)
-            h_r = self.settings.recency_half_life_s
-            user = self.users.get(s.user) if s.user is not None else None
-            if user is None:
-                r = decayed(1.0, age, h_r)
-            else:
-                rhythm = max(user.rhythm, h_r / 8)
-                if age > OVERDUE * rhythm:
-                    f = decayed(f, age - OVERDUE * rhythm, rhythm)
-                # the chance the conversation goes on, after ``age`` without the next turn
-                going, waiting = 1.0 - self.ending(user), math.exp(-age / rhythm)
-                r = going * waiting / (1.0 - going + going * waiting)
+            f = decayed(s.freq, age, self.sessionless.half_life)
+            r = self.sessionless.recency(s.reads, age)
+        else:
+            f, r = self._session_terms(s, max(0.0, t - s.last))
         tokens = s.tokens if s is not None and s.tokens else 0
         # 1/cost = recompute seconds saved / seconds to move; unknown tokens: neutral
         per_byte = self.settings.recompute_tokens_per_s / self.settings.disk_bytes_per_s
         return f, r, (tokens / (size * per_byte) if tokens and size else 0.0)
+
+    def _session_terms(self, s: PageStats, age: float) -> tuple[float, float]:
+        """``(decayed frequency, recency)`` of a page of a session (or of no known user)."""
+        f = decayed(s.freq, age, self.settings.frequency_half_life_s)
+        h_r = self.settings.recency_half_life_s
+        user = self.users.get(s.user) if s.user is not None else None
+        if user is None:
+            return f, decayed(1.0, age, h_r)
+        rhythm = max(user.rhythm, h_r / 8)
+        if age > OVERDUE * rhythm:
+            f = decayed(f, age - OVERDUE * rhythm, rhythm)
+        # the chance the conversation goes on, after ``age`` without the next turn
+        going, waiting = 1.0 - self.ending(user), math.exp(-age / rhythm)
+        return f, going * waiting / (1.0 - going + going * waiting)
 
     def _combine(self, terms: tuple[float, float, float], scale: Scale) -> float:
         f, r, v = terms

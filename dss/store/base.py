@@ -20,7 +20,7 @@ from dss.core.config import StoreConfig, sqlite_url
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
 from dss.core.errors import ErasureIncomplete, InvalidInput, NoStore
-from dss.core.types import Layout, Version
+from dss.core.types import CACHE_PREFIX, Layout, Version
 from dss.core.validate import check_flag, check_layout, check_name
 from dss.erasure.job import Eraser
 from dss.pages.copies import RemoteCopies
@@ -46,9 +46,6 @@ from dss.writes.mover import Mover
 from dss.writes.writer import Guard, Writer
 
 log = logging.getLogger("dss.store")
-
-CACHE_PREFIX = "~cache-"
-"""Session ids of the sessions holding pages saved without a session (one per namespace and layout)."""
 
 
 class Base:
@@ -190,12 +187,12 @@ class Base:
         self.mover = Mover(
             self.guard,
             self.pages,
-            self.writer,
             self.catalog,
             self.placement,
             disk_bytes=config.disk_bytes,
             interval_s=config.mover_interval_s,
             batch=config.move_batch_pages,
+            clock=config.clock if config.mover else None,
         )
 
     def _recover(self) -> None:
@@ -266,10 +263,10 @@ class Base:
     # -- internals -------------------------------------------------------------------------
 
     def _wake_mover(self) -> None:
-        """Wake the mover when the host tier is past its high watermark (a write's pages or a
-        read's promotions can leave it so)."""
-        if self.hosted.above_high_mark:
-            self.mover.wake()
+        """After a read or write: wake the mover when the host tier is past its high watermark
+        (a write's pages or a read's promotions can leave it so); on an injected clock, step it
+        (:meth:`dss.writes.mover.Mover.step`)."""
+        self.mover.step(self.hosted.above_high_mark)
 
     def _check_open(self) -> None:
         self.guard.check_open()

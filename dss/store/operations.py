@@ -162,8 +162,8 @@ class Operations(Base):
             return problems
 
     def stats(self) -> dict[str, Any]:
-        """Tiers as this process sees them: per tier its pages, bytes, capacity, watermarks
-        (bytes) and what the policy did (``hits``, ``misses``, ``promotions`` into it,
+        """Tiers as this process sees them: per tier its pages, bytes (``inactive_bytes``: those
+        the mover demoted, still readable), capacity, watermarks (bytes) and what the policy did (``hits``, ``misses``, ``promotions`` into it,
         ``demotions`` out of it, ``evictions`` from it with no copy left below, ``moved_bytes``,
         ``inline_evictions`` made by a foreground write rather than the mover); ``prefetch``:
         pages ``issued`` (moved up), ``hits`` (then read from host), ``wasted`` (left host
@@ -190,7 +190,12 @@ class Operations(Base):
                 "capacity": self.host.capacity_bytes,
                 "inactive_bytes": self.host.inactive_bytes,
             },
-            "disk": {"pages": disk_pages, "bytes": disk_used, "capacity": self.config.disk_bytes},
+            "disk": {
+                "pages": disk_pages,
+                "bytes": disk_used,
+                "capacity": self.config.disk_bytes,
+                "inactive_bytes": self.disk.inactive.bytes,
+            },
             "erasures": {"open": len(open_jobs), "oldest_open_s": (now() - oldest).total_seconds() if oldest else 0.0},
             "lsh": lsh,
         }
@@ -204,9 +209,10 @@ class Operations(Base):
         return out
 
     def run_mover(self) -> dict[str, int]:
-        """Run one pass of the mover now, in this thread: demote host and evict disk down to
-        their low marks where they passed their high marks, then record this process's tiers in
-        the ``tier_policy`` table. Returns the pages moved per tier."""
+        """Run one pass of the mover now, in this thread: demote host and disk down to their low
+        marks where they passed their high marks (demoted pages and segments stay readable until
+        a write needs their room), then record this process's tiers in the ``tier_policy``
+        table. Returns the pages demoted per tier."""
         self._check_open()
         moved = self.mover.run()
         self.mover.record()

@@ -22,6 +22,9 @@ AES-GCM tag authenticates them, so hashing them as well would be done twice.
 Each process writes under a writer id and holds an exclusive ``flock`` on
 ``locks/<writer>.lock`` while it lives; a segment without a catalog row is an orphan only
 once its writer's lock can be taken, i.e. the writer is dead.
+
+:attr:`DiskTier.inactive` lists the segments the mover demoted (:mod:`dss.tiers.inactive`);
+deleting a file takes it off that list.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 from dss.core.types import PageId
 from dss.tiers.base import DurableTier, Located, ReadFailure, ReadRequest, StoredPage
+from dss.tiers.inactive import InactiveSegments
 from dss.tiers.segment import (
     FIRST_IO_PAGES,
     HEADER_BYTES,
@@ -85,6 +89,8 @@ class DiskTier(DurableTier):
         self._in_flight: set[str] = set()
         """Segments this process wrote whose catalog transaction has not ended yet."""
         self.io = IoCounts()
+        self.inactive = InactiveSegments()
+        """Segments the mover demoted: the first to leave when a write needs room."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-disk-io")
         self._pool_pid = os.getpid()
         self._buffers: list[bytearray] = [bytearray(), bytearray()]
@@ -186,6 +192,7 @@ class DiskTier(DurableTier):
         removed = False
         for name in segments:
             self._in_flight.discard(name)
+            self.inactive.discard([name])
             try:
                 (self.segments_dir / name).unlink()
                 removed = True

@@ -15,6 +15,10 @@ locates there) reach ``compact_dead_share`` of its size. Compaction:
    left alone), the rows of old segments left without a page gone;
 4. after that commit, deletes the old files.
 
+Inactive segments (demoted by the mover: the first to leave when a write needs room, see
+:mod:`dss.tiers.inactive`) are left alone: rewriting them would spend I/O on bytes about to go,
+and their pages would land in a new file the mover has not demoted, undoing its order.
+
 A kill before step 3 commits leaves the new file unrecorded: the next opener deletes it (its
 writer is dead) and the old files still hold every page. A kill after the commit and before
 step 4 leaves the old files unrecorded: the next opener deletes them once their writers are
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import NamedTuple
 
 from dss.catalog import compaction as rows
@@ -65,11 +69,15 @@ def is_sparse(segment: SegmentUsage, dead_share: float) -> bool:
     return dead > 0 and dead >= dead_share * segment.size
 
 
-def plan(usage: Sequence[SegmentUsage], dead_share: float, segment_bytes: int) -> list[list[SegmentUsage]]:
-    """The sparse segments, grouped: one group per new file (one namespace, at most
-    ``segment_bytes`` of live records, or one segment alone)."""
+def plan(
+    usage: Sequence[SegmentUsage], dead_share: float, segment_bytes: int, skip: Container[str] = frozenset()
+) -> list[list[SegmentUsage]]:
+    """The sparse segments (but those named in ``skip``), grouped: one group per new file (one
+    namespace, at most ``segment_bytes`` of live records, or one segment alone)."""
     groups: list[list[SegmentUsage]] = []
-    sparse = sorted((s for s in usage if is_sparse(s, dead_share)), key=lambda s: (s.user_ref, s.ref))
+    sparse = sorted(
+        (s for s in usage if s.name not in skip and is_sparse(s, dead_share)), key=lambda s: (s.user_ref, s.ref)
+    )
     for _, same_user in itertools.groupby(sparse, key=lambda s: s.user_ref):
         group: list[SegmentUsage] = []
         live = HEADER_BYTES
@@ -108,15 +116,15 @@ class Compactor:
             return rows.segment_usage(conn, "disk", self.node_ref, refs)
 
     def has_sparse(self, refs: Sequence[int] | None = None) -> bool:
-        """Whether some segment (of ``refs``, if given) is sparse (one catalog read)."""
-        return any(is_sparse(s, self.dead_share) for s in self.usage(refs))
+        """Whether some active segment (of ``refs``, if given) is sparse (one catalog read)."""
+        return any(is_sparse(s, self.dead_share) and s.name not in self.disk.inactive for s in self.usage(refs))
 
     def run(self, apply: Apply, *, dry_run: bool = False) -> Compaction:
-        """Compact every sparse segment now, each group's change applied with ``apply`` (or,
+        """Compact every sparse active segment now, each group's change applied with ``apply`` (or,
         with ``dry_run``, say what that would do)."""
         usage = self.usage()
         before = sum(s.size for s in usage)
-        groups = plan(usage, self.dead_share, self.segment_bytes)
+        groups = plan(usage, self.dead_share, self.segment_bytes, self.disk.inactive)
         if dry_run:
             after = (
                 before

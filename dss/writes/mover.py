@@ -10,19 +10,30 @@ One :class:`Mover` per store. Its thread (``mover=True``, the default) wakes eve
   the page of a write the full disk could not take has no other copy either way): the page
   stays in host, *inactive* (readable; the first to go when a put needs room, see
   :mod:`dss.tiers.host`);
-* disk past its high mark: drop the lowest-ordered unpinned segments (one catalog transaction
-  per batch of at most ``move_batch_pages`` pages, files deleted after it committed) until disk
-  is at its low mark.
+* disk's active segments past its high mark: demote the lowest-ordered unpinned segments until
+  the active ones are at its low mark. A demotion needs no I/O and no transaction either: the
+  segment stays on disk, *inactive* (readable; a read of one of its pages makes it active
+  again), and leaves, in the order demoted, when a write needs its room
+  (:meth:`dss.pages.store.PageStore.room`, in that write's transaction; files deleted after it
+  committed). The watermarks bound the work a write does inline, not what the disk holds.
 
-The store's lock is taken per batch, never across a whole pass, so foreground calls wait at
-most one batch. Held pages (being read, loaded, moved) are never chosen. Prefetch jobs run on
+The store's lock is taken per batch of host pages, and once for the disk's pass (a catalog
+read and a decision, no I/O), never across a whole pass. Held pages (being read, loaded, moved) are never chosen. Prefetch jobs run on
 the same thread, ahead of the watermark pass. :meth:`Mover.close` stops the thread and waits
 for it. ``store.run_mover()`` runs one pass in the caller's thread (tests, benchmarks).
+
+**On an injected clock** (``clock=`` given to the store) there is no thread: the store *steps*
+the mover after each of its reads and writes (:meth:`Mover.step`), which runs a pass in the
+caller's thread when ``mover_interval_s`` of the clock's time has passed since the last, or at
+once when the host is past its high mark (what wakes the thread), and records ``tier_policy``
+every ``RECORD_EVERY_S`` of the clock's time; prefetch jobs run in the caller's thread. A
+replayed trace then moves exactly the same pages on any machine, however fast.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import socket
@@ -36,14 +47,15 @@ from dss.catalog.database import Catalog
 from dss.core.errors import DssError
 from dss.core.types import PageId
 from dss.pages.store import PageStore
-from dss.placement import fill
+from dss.placement import disk, fill
 from dss.placement.policy import Placement
-from dss.writes.writer import Guard, Writer
+from dss.tiers.inactive import InactiveSegment
+from dss.writes.guard import Guard
 
 log = logging.getLogger("dss.writes.mover")
 
 RECORD_EVERY_S = 5.0
-"""How often the thread writes this process's row of ``tier_policy`` (real seconds)."""
+"""How often the mover writes this process's row of ``tier_policy`` (seconds of its clock)."""
 
 
 class Mover:
@@ -53,17 +65,18 @@ class Mover:
         self,
         guard: Guard,
         pages_: PageStore,
-        writer: Writer,
         catalog: Catalog,
         placement: Placement,
         *,
         disk_bytes: int,
         interval_s: float,
         batch: int,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock``: the store's injected clock, which steps the mover instead of a thread
+        (see the module docstring); ``None``: the thread, on wall-clock time."""
         self.guard = guard
         self.pages = pages_
-        self.writer = writer
         self.catalog = catalog
         self.placement = placement
         self.disk_bytes = disk_bytes
@@ -77,12 +90,15 @@ class Mover:
         self._pass_lock = threading.Lock()
         self.process = f"{socket.gethostname()}:{os.getpid()}"[:128]
         self._recorded = 0.0
+        self.clock = clock
+        self._next_pass = -math.inf
+        """Stepped: the clock's time from which the next pass is due."""
 
     # -- the thread ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the background thread (once)."""
-        if self._thread is None:
+        """Start the background thread (once; never on an injected clock: the store steps it)."""
+        if self._thread is None and self.clock is None:
             self._thread = threading.Thread(target=self._loop, name="dss-mover", daemon=True)
             self._thread.start()
 
@@ -98,6 +114,27 @@ class Mover:
     def wake(self) -> None:
         """Ask the thread for a pass now (a tier passed its high mark)."""
         self._wake.set()
+
+    def step(self, urgent: bool) -> None:
+        """On an injected clock, after a read or write of the store: run a pass now when it is
+        ``urgent`` (the host is past its high mark) or ``mover_interval_s`` of the clock's time
+        has passed since the last one, and record ``tier_policy`` every ``RECORD_EVERY_S`` of
+        it. Without an injected clock: wake the thread when ``urgent``. Never call it inside a
+        write, or holding the store's lock."""
+        if self.clock is None:
+            if urgent:
+                self.wake()
+            return
+        now = self.clock()
+        if not urgent and now < self._next_pass:
+            return
+        self._next_pass = now + self.interval_s
+        try:
+            self.run()
+            if now - self._recorded >= RECORD_EVERY_S:
+                self.record()
+        except DssError as exc:  # a closing store: as the thread would, the next step tries again
+            log.info("mover: %s", exc)
 
     def submit(self, job: Callable[[], Any]) -> bool:
         """Run ``job`` on the thread (``False``: no thread; the caller runs it)."""
@@ -121,8 +158,12 @@ class Mover:
                 self._safely(job)
             if not self._stop.is_set():
                 self._safely(self.run)
-                if time.monotonic() - self._recorded >= RECORD_EVERY_S:
+                if self._now() - self._recorded >= RECORD_EVERY_S:
                     self._safely(self.record)
+
+    def _now(self) -> float:
+        """The mover's time: the injected clock's, or the wall clock's (monotonic)."""
+        return time.monotonic() if self.clock is None else self.clock()
 
     def _safely(self, job: Callable[[], Any]) -> None:
         try:
@@ -172,10 +213,10 @@ class Mover:
                 )
             with self.catalog.engine.begin() as conn:  # not a change: no feed sequence number
                 segments.record_policy(conn, self.process, rows)
-        self._recorded = time.monotonic()
+        self._recorded = self._now()
 
     def run(self) -> dict[str, int]:
-        """One pass: demote host, then evict disk, each down to its low mark if past its high
+        """One pass: demote host, then disk, each down to its low mark if past its high
         mark. Returns the pages moved per tier."""
         with self._pass_lock:
             self.passes += 1
@@ -209,31 +250,27 @@ class Mover:
         return moved
 
     def _disk(self) -> int:
+        """Demote the disk's lowest-ordered active segments until the active ones are at the low
+        mark, if past the high mark (no I/O, no transaction: they stay readable, inactive, until
+        a write needs their room); first take off the inactive list the segments read since
+        they were demoted, or gone. Returns the pages demoted."""
         placement = self.placement
+        inactive = self.pages.disk.inactive
         high, low = fill.watermarks(placement.settings, "disk", self.disk_bytes)
         with self.guard.reading(), self.catalog.read() as conn:
             used = segments.tier_bytes(conn, "disk", self.pages.node_ref)
-            if used <= high:
+            if len(inactive):
+                held = segments.all_segments(conn, "disk", self.pages.node_ref)
+                inactive.discard([s.name for s in inactive if s.name not in held or disk.is_read_since(placement, s)])
+            if used - inactive.bytes <= high:
                 return 0
             ordered, page_ids = self.pages.segment_order(conn)
-        chosen = fill.victims(ordered, used - low)
-        moved = 0
-        batch: list[int] = []
-        count = 0
-        for i, segment in enumerate(chosen):
-            batch.append(segment.ref)
-            count += len(page_ids.get(segment.ref, ()))
-            if count >= self.batch or i == len(chosen) - 1:
-                with self.guard.lock:
-                    self.guard.check_open()
-                    with self.catalog.read() as conn:  # another process's mover may have made room meanwhile
-                        if segments.tier_bytes(conn, "disk", self.pages.node_ref) <= low:
-                            break
-                    if any(PageId(p) in placement.held for ref in batch for p in page_ids.get(ref, ())):
-                        batch, count = [], 0
-                        continue
-                    self.writer.evict(batch)
-                placement.count("disk", "evictions", count)
-                moved += count
-                batch, count = [], 0
+            chosen = fill.victims([s for s in ordered if s.name not in inactive], used - inactive.bytes - low)
+            tick = placement.tick
+            demoted = [
+                InactiveSegment(s.name, s.size, tuple(PageId(p) for p in page_ids.get(s.ref, ())), tick) for s in chosen
+            ]
+            inactive.demote(demoted)
+        moved = sum(len(s.page_ids) for s in demoted)
+        placement.count("disk", "demotions", moved)
         return moved

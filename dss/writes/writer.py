@@ -39,11 +39,11 @@ from typing import Any
 
 from dss.approx.upkeep import Upkeep
 from dss.catalog import erasures, transaction
-from dss.catalog.change import Applied, Change, Room, Stale, WrittenSegment
+from dss.catalog.change import Applied, Change, Stale, WrittenSegment
 from dss.catalog.database import Catalog, DuplicateRow, Tx, catalog_errors
 from dss.core.crypto import Sealer
 from dss.core.errors import Conflict, DssError, UnknownSession
-from dss.core.types import PageId
+from dss.core.types import CACHE_PREFIX, PageId
 from dss.pages.index import PageIndex
 from dss.pages.keys import DataKeys
 from dss.pages.store import PageStore
@@ -233,16 +233,6 @@ class Writer:
         for member in committed:
             member.applied = self._settle(member.change, member.applied, member.written)  # type: ignore[arg-type]
 
-    def evict(self, victims: Sequence[int]) -> Applied:
-        """Drop these disk segments and their pages in one catalog transaction (the mover
-        making room), then bring this process's caches up to date."""
-        change = Change()
-        with self.guard.lock:
-            self.guard.check_open()
-            with catalog_errors(), self.catalog.write() as tx:
-                applied = transaction.apply(tx, change, (), Room(tuple(victims), True))
-            return self.taken(change, applied)
-
     def taken(self, change: Change, applied: Applied, written: Sequence[WrittenSegment] = ()) -> Applied:
         """After a change committed: tell other processes, update this one's caches (and the
         remote tier, with ``written``)."""
@@ -265,6 +255,7 @@ class Writer:
             user=change.user_ref,
             turn=version is not None,
             started=version is not None and version.parent_id is None,
+            sessionless=bool(change.session_id) and change.session_id.startswith(CACHE_PREFIX),
         )
         state = self.mirror.sessions.get(applied.session_ref) if applied.session_ref is not None else None
         if state is None:

@@ -305,7 +305,7 @@ def test_the_mover_demotes_to_the_low_mark_in_batches(open_store) -> None:
     assert store.check() == []
 
 
-def test_the_disk_mover_evicts_to_the_low_mark_and_keeps_pinned_pages(open_store) -> None:
+def test_the_disk_mover_demotes_to_the_low_mark_and_keeps_pinned_pages(open_store) -> None:
     segment = 32 + 4 * (32 + 28 + 1024)  # one commit of 4 sealed pages
     store = open_store(disk_bytes=10 * segment, host_bytes=0)
     for n in range(9):  # 9 segments: 90 %, over the 85 % mark
@@ -313,9 +313,19 @@ def test_the_disk_mover_evicts_to_the_low_mark_and_keeps_pinned_pages(open_store
         version = store.commit(f"s{n}", toks(n), pages(toks(n)))
         if n == 0:
             store.pin("s0", version.version_id)
-    assert store.run_mover() == {"host": 0, "disk": 8}  # two segments go: 7 of 10 = 70 %
-    assert [store.resume(f"s{n}", toks(n)).matched_tokens for n in range(9)] == [16, 0, 0, 16, 16, 16, 16, 16, 16]
-    assert store.stats()["disk"]["evictions"] == 8
+    assert store.run_mover() == {"host": 0, "disk": 8}  # two segments demoted: 7 of 10 active = 70 %
+    entries = [store.index.entries[store.resume(f"s{n}", toks(n)).pages[0].page_id] for n in (1, 2)]
+    assert store.disk.inactive.names() == [entry.disk.segment for entry in entries if entry.disk is not None]
+    assert [store.resume(f"s{n}", toks(n)).matched_tokens for n in range(9)] == [16] * 9  # still readable
+    disk = store.stats()["disk"]
+    assert (disk["inactive_bytes"], disk["demotions"], disk["evictions"]) == (2 * segment, 8, 0)
+    for n in (9, 10):  # s9 fits; s10 takes s1's room (the first demoted), no more
+        store.create_session(f"s{n}", layout=LAYOUT)
+        store.commit(f"s{n}", toks(n), pages(toks(n)))
+    assert [store.resume(f"s{n}", toks(n)).matched_tokens for n in range(11)] == [16, 0] + [16] * 9
+    disk = store.stats()["disk"]
+    got = (disk["bytes"], disk["inactive_bytes"], disk["evictions"], disk["inline_evictions"])
+    assert got == (10 * segment, segment, 4, 0)
     assert store.check() == []
 
 

@@ -83,11 +83,14 @@ def test_a_page_file_deleted_under_the_mover_loses_nothing_acknowledged(open_sto
     for n in range(9):
         ref = store.resume(f"s{n}", toks(n)).pages[0]
         by_session[n] = store.index.entries[ref.page_id].disk.segment
-    for n in (0, 5):  # s0's file: the mover would evict it; s5's: it keeps it
+    for n in (0, 5):  # s0's file: the mover would demote it; s5's: it keeps it
         (store.disk.segments_dir / by_session[n]).unlink()
     store.host.discard(store.host.ids())
-    moved = store.run_mover()  # drops s0 and s1 (two segments): 70 %
+    moved = store.run_mover()  # demotes s0 and s1 (two segments): 70 % active
     assert moved == {"host": 0, "disk": 8}
+    store.create_session("s9", layout=LAYOUT)  # a write that needs their room: both go
+    store.commit("s9", toks(9, 48), pages(toks(9, 48)))
+    assert store.stats()["disk"]["evictions"] == 8
     assert store.read_pages(store.resume("s5", toks(5)).pages) == [None] * 4  # gone, quarantined: a miss
     for n in (2, 3, 4, 6, 7, 8):
         refs = store.resume(f"s{n}", toks(n)).pages

@@ -1,0 +1,89 @@
+"""What leaves the disk tier, and in which order: the policy's decisions for the last tier.
+
+The mover demotes segments in :func:`segment_order` (no I/O: they stay readable, inactive; see
+:mod:`dss.tiers.inactive`), and a write that needs room reclaims the inactive ones, first demoted
+first (:func:`reclaim`), skipping those a read made active again. Only when those do not suffice
+does a write rank every segment inline (:meth:`dss.pages.store.PageStore.room`).
+
+Pure decisions over plain values and the policy's statistics; nothing here reads files or the
+catalog.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+
+from dss.catalog.segments import SegmentRow
+from dss.core.types import PageId
+from dss.placement.stats import PageStats, Statistics, decayed
+from dss.tiers.inactive import InactiveSegment
+
+HOT_FREQUENCY = 2.0
+"""Decayed accesses from which a disk segment's pages count as hot: such segments leave the
+disk after every other, the least frequently used first (the others in the catalog's order)."""
+
+
+def segment_order(
+    stats: Statistics, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]], now: float
+) -> list[SegmentRow]:
+    """Disk segments in the order they leave (pinned ones left out), given in the catalog's order
+    (oldest newest-version first). ``dss``: segments without a hot page first, in that order, and
+    among those of one newest version (a namespace's sessionless saves are all of one: none) the
+    least frequently used first; then the hot ones, least frequently used first. LRU: the least
+    recently read first (the catalog's order among equals)."""
+    free = [s for s in segments if not s.is_pinned]
+    if not free:
+        return free
+    pages = stats.stats
+    if stats.is_lru:
+        last = [_last_read(pages, pages_of(segment.ref)) for segment in free]
+        return [free[i] for i in sorted(range(len(free)), key=lambda i: (last[i], i))]
+    best: list[float] = []
+    for segment in free:
+        worth = 0.0
+        for p in pages_of(segment.ref):
+            s = pages.get(p)
+            if s is not None and s.last != -math.inf:
+                worth = max(worth, decayed(s.freq, max(0.0, now - s.last), stats.half_life(s)))
+        best.append(worth)
+    hot = HOT_FREQUENCY
+    return [
+        free[i]
+        for i in sorted(
+            range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, free[i].newest, best[i], i)
+        )
+    ]
+
+
+def _last_read(pages: Mapping[PageId, PageStats], page_ids: Iterable[PageId]) -> float:
+    """When a page of these was last read (``-inf``: never)."""
+    return max((s.last for p in page_ids if (s := pages.get(p)) is not None), default=-math.inf)
+
+
+def is_read_since(stats: Statistics, segment: InactiveSegment) -> bool:
+    """Whether a page of the inactive ``segment`` was accessed after it was demoted (so it is
+    active again)."""
+    pages = stats.stats
+    tick = segment.tick
+    return any((s := pages.get(p)) is not None and s.tick > tick for p in segment.page_ids)
+
+
+def reclaim(
+    stats: Statistics, held: Container[PageId], inactive: Iterable[InactiveSegment], need: int
+) -> tuple[list[InactiveSegment], list[str]]:
+    """The inactive segments to drop so ``need`` bytes are freed, first demoted first (fewer
+    when they do not suffice), and the names of those passed over because they were read since
+    they were demoted (active again: to take off the list). Segments holding a held page are
+    passed over and stay inactive."""
+    chosen: list[InactiveSegment] = []
+    active: list[str] = []
+    for segment in inactive:
+        if need <= 0:
+            break
+        if is_read_since(stats, segment):
+            active.append(segment.name)
+        elif not any(p in held for p in segment.page_ids):
+            chosen.append(segment)
+            need -= segment.size
+    return chosen, active
