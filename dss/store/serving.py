@@ -184,8 +184,7 @@ class Serving(Base):
         check_flag("load", load)
         with self._reading():
             if tenant_id is not None:
-                owners = self.reader.owners(ids)
-                allowed = [o is not None and self.mirror.tenant_of(o) == tenant_id for o in owners]
+                allowed = [tenant == tenant_id for tenant in self.reader.tenants(ids)]
                 ids = [i for i, ok in zip(ids, allowed) if ok]
             read = self.reader.read(ids, load=load)
         self._wake_mover()
