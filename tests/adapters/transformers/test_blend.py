@@ -162,3 +162,13 @@ def test_aligned_runs_follow_both_sequences_in_order() -> None:
     assert aligned_runs(prompt, stored, 10) == [(13, 30, 20)]  # stored[10:20] comes before: not reused after 50
     assert aligned_runs(prompt[:5], stored, 0) == []
     assert aligned_runs(np.concatenate([stored[:20], stored[25:45]]), stored, 20) == [(20, 25, 20)]
+
+
+def test_the_blend_block(tmp_path: Path, smollm2_model: Path) -> None:
+    """docs/approximate.md's example runs as written and reuses past the time line."""
+    from tests.docblocks import blocks_run_by
+    from tests.test_docs_engines import run_python
+
+    (block,) = blocks_run_by("test_the_blend_block")
+    exact, reused, recomputed, approximate = run_python(block.text, tmp_path).split()[-4:]
+    assert approximate == "True" and int(exact) > 0 and int(reused) > int(recomputed)
