@@ -24,7 +24,9 @@ Figures, at the default settings (threshold 0.85, 128 permutations, shingles of 
   application sends next: the share for which ``store.nearest`` puts the right conversation
   first (and the very version it extends); recall at containment >= 0.9: of the (query,
   version) pairs where the query holds at least 90 % of the version's shingles (brute force
-  over every stored version), the share the index proposes; the index lookup's median time;
+  over every stored version), the share the index proposes; the index lookup's median time,
+  and its time without the prefixes (whole prompt and windows only: what a lookup was before
+  next turns were looked for), turn about in the same run;
 * memory per indexed version: Python heap of an index holding the versions (tracemalloc);
 * resume with approximate matching on but unused (the exact match covers the prompt) against
   off, in one run, call by call turn about (medians of 10,000 calls each): the ratio is the
@@ -98,14 +100,18 @@ def next_turns(
     stored = [np.unique(shingle_hashes(np.asarray(t, np.uint32), size, bucket.salt)) for t in versions]
     ref_of = {store.mirror.state(s, None).ref: s for s in {s for s, _ in keys}}
     chat_first = version_first = relevant = found = 0
-    times = []
+    times: list[float] = []
+    before: list[float] = []
+    hits: list = []
     for _ in track(range(n), "next turns"):
         i = rng.randrange(len(versions))
         query = next_turn(rng, versions[i])
         buf = np.asarray(query, np.uint32).tobytes()
-        start = time.perf_counter()
-        hits = near.lsh.query(bucket, buf, LAYOUT.page_tokens)
-        times.append(time.perf_counter() - start)
+        for with_prefixes in (False, True) if len(times) % 2 else (True, False):  # turn about
+            start = time.perf_counter()
+            found_now = near.lsh.query(bucket, buf, LAYOUT.page_tokens, prefixes=with_prefixes)
+            (times if with_prefixes else before).append(time.perf_counter() - start)
+            hits = found_now if with_prefixes else hits
         best = store.nearest(query, user_id="u", layout=LAYOUT, k=1)[0]
         chat_first += best.session_id == keys[i][0]
         version_first += (best.session_id, best.version_id) == keys[i]
@@ -121,6 +127,7 @@ def next_turns(
         "recall": found / max(relevant, 1),
         "pairs": relevant,
         "lookup": statistics.median(times),
+        "lookup_before": statistics.median(before),
     }
 
 
@@ -245,6 +252,8 @@ def main() -> None:
     print(f"| next turn: recall at containment >= 0.9 | {turns['recall']:.3f} | >= 0.95 |")
     print(f"| next turn: pairs at containment >= 0.9 | {turns['pairs']} | |")
     print(f"| next turn: index lookup median ms | {turns['lookup'] * 1e3:.3f} | < 1 |")
+    print(f"| next turn: index lookup without prefixes median ms | {turns['lookup_before'] * 1e3:.3f} | |")
+    print(f"| next turn: lookup with / without prefixes | {turns['lookup'] / turns['lookup_before']:.2f}x | |")
     print(f"| memory per indexed version bytes | {heap / num_versions:,.0f} | |")
     print(f"| resume approximate off us | {med(off) * 1e6:.1f} | |")
     print(f"| resume approximate on, unused us | {med(on) * 1e6:.1f} | |")

@@ -280,10 +280,10 @@ class LshIndex:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def query(self, bucket: Bucket, buf: bytes | memoryview, page_tokens: int) -> list[Hit]:
+    def query(self, bucket: Bucket, buf: bytes | memoryview, page_tokens: int, *, prefixes: bool = True) -> list[Hit]:
         """Entries likely similar to the prompt (``buf``) as a whole or to one of its windows,
-        and entries likely similar to one of its prefixes (:data:`PREFIX_STEP` apart): a
-        stored version the prompt extends, however long the extension.
+        and (unless ``prefixes`` is false) entries likely similar to one of its prefixes
+        (:data:`PREFIX_STEP` apart): a stored version the prompt extends, however long the extension.
 
         Each entry once, with the first part of the prompt that found it (a prefix: ``0``).
         Changes nothing.
@@ -296,9 +296,11 @@ class LshIndex:
         starts = window_starts(len(tokens), self.settings.window_tokens, page_tokens, size)
         phv = self.signer.permuted(hashes)
         whole, parts = self.signer.reduce(phv, starts)
-        prefixes = self.signer.prefixes(phv, prefix_ends(len(hashes), PREFIX_STEP, MIN_PREFIX))
         found = dict.fromkeys(self._lookup(bucket.lsh, whole[:, None]), 0)
-        found.update(dict.fromkeys(self._lookup(bucket.containment, np.column_stack([whole, prefixes])), 0))
+        if prefixes:
+            ends = prefix_ends(len(hashes), PREFIX_STEP, MIN_PREFIX)
+            columns = np.column_stack([whole, self.signer.prefixes(phv, ends)])
+            found.update(dict.fromkeys(self._lookup(bucket.containment, columns), 0))
         if parts is not None:
             for key, column in self._lookup(bucket.lsh, parts).items():
                 found.setdefault(key, starts[column])
