@@ -13,7 +13,11 @@ reply are stored with their KV (one prefill, pages of 16 tokens), turn 4 is aske
   in the request;
 * ``dropped``: the application dropped the first exchange from the request.
 
-For each recompute share, ``blend_cache`` builds the cache of the prompt but its last token,
+First, for each request, ``store.nearest`` without a session id (the namespace holds every
+conversation's stored turn in both kinds): the share whose nearest version is of its own
+conversation, and the range of its Jaccard similarity with its own stored turn.
+
+Then, for each recompute share, ``blend_cache`` builds the cache of the prompt but its last token,
 the rest is generated from it (16 greedy tokens), and the figures are compared with a full
 prefill of the whole prompt:
 mean KL(full || blended) of the next-token distribution, top-1 agreement, the share of 16 greedy
@@ -90,7 +94,9 @@ def kinds(tok: Any, chat: chats.Chat, replies: list[str]) -> dict[str, tuple[lis
     }
 
 
-def measure(model: Any, store: dss.Store, layout: dss.Layout, session: str, prompt: list[int]) -> list[dict]:
+def measure(
+    model: Any, store: dss.Store, layout: dss.Layout, session: str, prompt: list[int], shares: list[float]
+) -> list[dict]:
     from dss_adapters.transformers.blend import blend_cache
 
     start = time.perf_counter()
@@ -99,7 +105,7 @@ def measure(model: Any, store: dss.Store, layout: dss.Layout, session: str, prom
     full_time = time.perf_counter() - start
     full_greedy, full = generate(model, prompt, 16)
     rows = []
-    for share in SHARES:
+    for share in shares:
         start = time.perf_counter()
         cache, report = blend_cache(store, model, prompt[:-1], layout, session_id=session, recompute=share)
         took = time.perf_counter() - start
@@ -117,6 +123,25 @@ def measure(model: Any, store: dss.Store, layout: dss.Layout, session: str, prom
     return rows
 
 
+def found_first(
+    store: dss.Store, layout: dss.Layout, asked: dict[str, list[int]]
+) -> dict[str, tuple[float, float, float]]:
+    """Per kind: the share of prompts whose nearest stored version (the namespace searched,
+    no session given) is of their own conversation, and the least and most Jaccard of a prompt
+    with its own stored version."""
+    out: dict[str, tuple[float, float, float]] = {}
+    for kind in ("timestamp", "dropped"):
+        right, jaccards = 0, []
+        sessions = [s for s in asked if s.startswith(kind)]
+        for session in sessions:
+            first = store.nearest(asked[session], user_id="u", layout=layout, k=1)
+            right += bool(first) and first[0].session_id.split("-")[1] == session.split("-")[1]
+            own = store.nearest(asked[session], session_id=session, k=100)
+            jaccards += [c.jaccard for c in own if c.session_id == session]
+        out[kind] = (right / len(sessions), min(jaccards), max(jaccards))
+    return out
+
+
 def main() -> None:
     from dss_adapters.models import smollm2
     from dss_adapters.transformers.cache import layout_for, save_cache
@@ -126,6 +151,7 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=20)
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="recompute shares to measure")
     args = parser.parse_args()
     folder = smollm2()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
@@ -134,19 +160,28 @@ def main() -> None:
     table: dict[tuple[str, float], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = dss.open(Path(tmp) / "store", fsync=False, encrypt=False)
+        asked: dict[str, list[int]] = {}
         for c, chat in enumerate(chats.CHATS[: args.chats]):
             replies = conversation(model, tok, chat, args.reply_tokens)
             for kind, (stored, prompt) in kinds(tok, chat, replies).items():
-                session = f"{kind}-{c}"
-                store.create_session(session, user_id="u", layout=layout)
+                asked[f"{kind}-{c}"] = prompt
+                store.create_session(f"{kind}-{c}", user_id="u", layout=layout)
                 with torch.no_grad():
                     out = model(torch.tensor([stored]), use_cache=True)
-                save_cache(store, out.past_key_values, stored, layout, session_id=session)
-                store.commit(session, stored)
-                for row in measure(model, store, layout, session, prompt):
-                    table.setdefault((kind, row["share"]), []).append(row)
-            print(f"chat {c + 1}/{args.chats} done", file=sys.stderr)
+                save_cache(store, out.past_key_values, stored, layout, session_id=f"{kind}-{c}")
+                store.commit(f"{kind}-{c}", stored)
+            print(f"chat {c + 1}/{args.chats} stored", file=sys.stderr)
+        found = found_first(store, layout, asked)
+        for session, prompt in asked.items():
+            for row in measure(model, store, layout, session, prompt, args.shares):
+                table.setdefault((session.split("-")[0], row["share"]), []).append(row)
+            print(f"{session} measured", file=sys.stderr)
         store.close()
+    print(f"\nThe next turn's nearest stored version, among {len(asked)} (no session id given)\n")
+    print("| kind | right conversation first | Jaccard with its own stored turn (min-max) |")
+    print("|---|---|---|")
+    for kind, (share, low, high) in found.items():
+        print(f"| {kind} | {share:.3f} | {low:.2f}-{high:.2f} |")
     mean = statistics.fmean
     print(f"\nblend_cache on SmolLM2-135M-Instruct ({args.dtype}), {args.chats} real conversations, turn 4 asked\n")
     print("| kind | recompute | mean KL | top-1 | greedy 16 | reused share | time / full prefill |")
@@ -157,7 +192,10 @@ def main() -> None:
             f"{mean(r['greedy'] for r in rows):.3f} | {mean(r['reused'] for r in rows):.3f} | "
             f"{statistics.median(r['time'] for r in rows):.2f}x |"
         )
-    print(f"\nrerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats {args.chats} --dtype {args.dtype}")
+    shares = " ".join(f"{x:g}" for x in args.shares)
+    print(
+        f"\nrerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats {args.chats} --dtype {args.dtype} --shares {shares}"
+    )
 
 
 if __name__ == "__main__":

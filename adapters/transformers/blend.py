@@ -183,15 +183,20 @@ def reused_positions(exact: int, runs: list[tuple[int, int, int]]) -> tuple[np.n
     return np.concatenate(pos).astype(np.int64), np.concatenate(old).astype(np.int64)
 
 
-def rerotate(model: Any, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``keys`` (``[1, heads, n, dim]``, rotated at their old positions) rotated by ``delta``
-    positions each (float32 inside, the keys' dtype out)."""
+def rotation(model: Any, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cosines and sines (float32, ``[1, 1, n, dim]``) that turn keys by ``delta`` positions each."""
+    x = torch.zeros(1, 1, dtype=torch.float32, device=model.device)
+    cos, sin = model.model.rotary_emb(x, delta[None].to(model.device))
+    return cos[:, None], sin[:, None]
+
+
+def rerotate(keys: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``keys`` (``[1, heads, n, dim]``, rotated at their old positions) turned by :func:`rotation`
+    (float32 inside, the keys' dtype out)."""
+    cos, sin = turn
     k = keys.float()
-    x = torch.zeros(1, 1, dtype=torch.float32, device=keys.device)
-    cos, sin = model.model.rotary_emb(x, delta[None].to(keys.device))
     half = k.shape[-1] // 2
-    turned = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-    return (k * cos[:, None] + turned * sin[:, None]).to(keys.dtype)
+    return (k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin).to(keys.dtype)
 
 
 def layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -205,12 +210,12 @@ def reused_kv(
     """Every layer's (or layer ``only``'s) stored keys and values at ``old``, keys moved to ``pos``."""
     index = torch.as_tensor(old, device=model.device)
     delta = torch.as_tensor(pos - old, device=model.device)
-    moved = bool((delta != 0).any())
+    turn = rotation(model, delta) if bool((delta != 0).any()) else None
     layers = layers_of(src)
     out = []
     for keys, values in layers if only is None else layers[only : only + 1]:
         keys, values = keys[:, :, index], values[:, :, index]
-        out.append((rerotate(model, keys, delta) if moved else keys, values))
+        out.append((rerotate(keys, turn) if turn is not None else keys, values))
     return out
 
 
