@@ -33,7 +33,6 @@ from dss_adapters.transformers.cache import load_cache
 
 import dss
 from dss import InvalidInput
-from dss.approx.explanation import common_prefix
 
 DEFAULT_RECOMPUTE = 0.15
 """The share of reused tokens recomputed by default (chosen from the table in the docs)."""
@@ -101,7 +100,7 @@ def blend_cache(
     else:
         src, stored, name, version = source
     n_src = 0 if src is None else src.get_seq_length()
-    exact = min(common_prefix(prompt, stored), n_src)
+    exact = min(_common_prefix(prompt, stored), n_src)
     runs = aligned_runs(prompt, stored[:n_src], exact)
     pos, old = reused_positions(exact, runs)
     selected = select(model, src, prompt, pos, old, exact, recompute, select_layer)
@@ -170,7 +169,7 @@ def aligned_runs(prompt: np.ndarray, stored: np.ndarray, start: int) -> list[tup
         if j < low:
             i += 1
             continue
-        n = common_prefix(prompt[i:], stored[j:])
+        n = _common_prefix(prompt[i:], stored[j:])
         runs.append((i, j, n))
         i, low = i + n, j + n
     return runs
@@ -300,3 +299,10 @@ def count(report: BlendReport) -> None:
     _TOTALS["reused_tokens"] += report.reused_tokens
     _TOTALS["recomputed_tokens"] += report.recomputed_tokens
     _TOTALS["exact_tokens"] += report.exact_prefix_tokens
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
