@@ -112,8 +112,9 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._step = 0
         self._settled: dict[int, bool] = {}
-        self._num_running = 0
-        """Requests the last step computed: a synchronous load would stall them."""
+        self._running: set[str] = set()
+        """Requests the last step computed that have not finished since: a synchronous load
+        would stall them (one that finished in that step stalls nobody)."""
         self.device = DeviceResidency(store, engine_id, layouts[0], num_groups)
 
     # -- vLLM hooks ------------------------------------------------------------------------
@@ -151,7 +152,7 @@ class SchedulerSide:
             for is_held, ref in zip(held, results[0].pages[first:end])
         ]
         if self.settings.load_mode == "auto":
-            is_async = not self.can_load_sync or (not all(held) and self._num_running > 0)
+            is_async = not self.can_load_sync or (not all(held) and bool(self._running))
         else:
             is_async = self.settings.load_mode == "async"
         self._plans[request.request_id] = _Plan(first, page_ids, is_async, tiers)
@@ -211,7 +212,7 @@ class SchedulerSide:
         """This step's jobs: the pending loads, and a save for every block that becomes full."""
         self._step += 1
         self.device.step()
-        self._num_running = len(scheduler_output.num_scheduled_tokens)
+        self._running = set(scheduler_output.num_scheduled_tokens)
         has_sync_loads = any(not job.is_async for job in self._loads)
         meta = DssConnectorMetadata(
             loads=self._loads,
@@ -319,6 +320,7 @@ class SchedulerSide:
         """Commit a finished request's tokens to its session and count it in the metrics (its
         result, the tokens it loaded by tier); its output ``kv_transfer_params``."""
         self._plans.pop(request.request_id, None)
+        self._running.discard(request.request_id)
         tracked = self.book.live.get(request.request_id)
         out = self.book.finish(request)
         if tracked is not None:
