@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from dss_adapters.vllm.copy import BlockCopier
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer
 from dss_adapters.vllm.cuda import LayerwiseCopier
 from dss_adapters.vllm.layout import PageLayer
 from dss_adapters.vllm.loader import LoadOutcome, PageLoader, load_pages
@@ -78,6 +78,8 @@ class WorkerSide:
         self.page_tokens = layout.page_tokens
         self.num_pages_loaded = 0
         self.copier: BlockCopier | None = None
+        self.staging: RowBuffer | None = None
+        """The rows synchronous loads read their pages into (made by :meth:`register`)."""
         self.layerwise: LayerwiseCopier | None = None
         self.loader: PageLoader | None = None
         self.stats = DssConnectorStats()
@@ -112,6 +114,7 @@ class WorkerSide:
         )
         if self.copier.device.type == "cuda" and self.copier.uniform:  # state-space layers: whole pages
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
+        self.staging = RowBuffer(self.layout.page_bytes)
         self.loader = PageLoader(PageReader(self.settings.store, self.settings.reader_options), self.copier, self.shard)
 
     # -- loads -----------------------------------------------------------------------------
@@ -135,7 +138,9 @@ class WorkerSide:
         if self.layerwise is not None:
             outcome = self.layerwise.load(self.store, page_ids, block_ids)
         else:
-            outcome = load_pages(self.store, copier, page_ids, block_ids, ",".join(job.req_id for job in sync))
+            outcome = load_pages(
+                self.store, copier, page_ids, block_ids, ",".join(job.req_id for job in sync), self.staging
+            )
         failed = {block_ids[0][k] for k in outcome.failed_pages}
         self._load_errors |= failed
         self._step_failed = bool(failed)
