@@ -9,7 +9,10 @@ per finished request (:mod:`dss_adapters.vllm.requests`). For every request it
    match in the namespace) for the other shards and for a request without a session —
    and offers vLLM the pages past what vLLM already holds that **every** shard has, at most
    ``(num_tokens - 1) // block_size`` blocks (a synchronous load must leave a token to
-   compute), and nothing when ``resume`` estimates that recomputing beats loading
+   compute), and nothing when recomputing them is estimated faster than loading them from
+   the tiers planned (:meth:`dss.ResumeResult.decision` at the engine's prefill speed,
+   measured on its own steps, :mod:`dss_adapters.vllm.prefill`; the request's output
+   ``kv_transfer_params`` carry the decision, and such a request counts as ``recompute``)
    (:meth:`SchedulerSide.num_new_matched_tokens`, side-effect free);
 2. chooses how to load (``load_mode``): synchronously when the workers hold every page in
    their host tiers (:mod:`dss_adapters.vllm.hosts`) or when no other request is running
@@ -48,6 +51,7 @@ from dss_adapters.vllm.hosts import WorkerHosts
 from dss_adapters.vllm.layout import Shards
 from dss_adapters.vllm.meta import NO_BLOCK, DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob, ShardHandshake
 from dss_adapters.vllm.metrics import DssConnectorStats
+from dss_adapters.vllm.prefill import PrefillSpeed
 from dss_adapters.vllm.requests import RequestBook, Tracked
 from dss_adapters.vllm.settings import Settings
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -116,6 +120,8 @@ class SchedulerSide:
         """Requests the last step computed that have not finished since: a synchronous load
         would stall them (one that finished in that step stalls nobody)."""
         self.device = DeviceResidency(store, engine_id, layouts[0], num_groups)
+        self.prefill = PrefillSpeed(settings.recompute_tokens_per_s)
+        """The engine's prefill speed (measured, or the setting) the load decision uses."""
 
     # -- vLLM hooks ------------------------------------------------------------------------
 
@@ -141,8 +147,9 @@ class SchedulerSide:
         tracked.num_stored_pages = max(tracked.num_stored_pages, stored // self.page_tokens)
         matched = min(stored, (request.num_tokens - 1) // self.page_tokens * self.page_tokens)
         tracked.stored_tokens = matched
-        if matched <= num_computed_tokens or not results[0].should_load:
-            self._plans.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+        tracked.decision = None
+        if matched <= num_computed_tokens:
             return 0, False
         first, end = num_computed_tokens // self.page_tokens, matched // self.page_tokens
         page_ids = [[bytes(p.page_id) for p in r.pages[first:end]] for r in results]
@@ -151,6 +158,9 @@ class SchedulerSide:
             "host" if is_held else "remote" if ref.tier == "remote" else "disk"
             for is_held, ref in zip(held, results[0].pages[first:end])
         ]
+        tracked.decision = results[0].decision(self.prefill.tokens_per_s, tiers=self._tokens_by_tier(tiers))
+        if not tracked.decision.load:
+            return 0, False
         if self.settings.load_mode == "auto":
             is_async = not self.can_load_sync or (not all(held) and bool(self._running))
         else:
@@ -214,6 +224,7 @@ class SchedulerSide:
         self.device.step()
         self._running = set(scheduler_output.num_scheduled_tokens)
         has_sync_loads = any(not job.is_async for job in self._loads)
+        self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, has_sync_loads)
         meta = DssConnectorMetadata(
             loads=self._loads,
             step=self._step,
@@ -298,6 +309,7 @@ class SchedulerSide:
         for a failed asynchronous load of a model with several KV cache groups); the pages
         from there on are saved again once recomputed, and are not counted as loaded.
         """
+        self.prefill.step_over()
         if output.invalid_block_ids:
             self._on_failed_blocks(output.invalid_block_ids)
         for req_id in getattr(output, "failed_recving", None) or ():
@@ -321,6 +333,7 @@ class SchedulerSide:
         result, the tokens it loaded by tier); its output ``kv_transfer_params``."""
         self._plans.pop(request.request_id, None)
         self._running.discard(request.request_id)
+        self.prefill.step_over()
         tracked = self.book.live.get(request.request_id)
         out = self.book.finish(request)
         if tracked is not None:
@@ -384,6 +397,13 @@ class SchedulerSide:
         for layout in self.layouts[1:]:
             results.append(self.store.lookup(prefix, layout=layout, user_id=scope.user_id, tenant_id=scope.tenant_id))
         return results
+
+    def _tokens_by_tier(self, tiers: list[str]) -> dict[str, int]:
+        """Tokens per tier of pages planned from ``tiers`` (one tier name per page)."""
+        counts: dict[str, int] = {}
+        for tier in tiers:
+            counts[tier] = counts.get(tier, 0) + self.page_tokens
+        return counts
 
     def _on_failed_blocks(self, block_ids: set[int]) -> None:
         for tracked in self.book.live.values():

@@ -1,0 +1,55 @@
+"""The engine's prefill speed, measured on its own steps, for the connector's load-or-recompute
+decision (:meth:`dss.ResumeResult.decision`).
+
+The scheduler side times each step from the moment it built the step's metadata to the first
+sign the step is over (the workers' output, a request finishing, or the next step); a step
+that computes at least :data:`MIN_TOKENS` tokens and loads nothing synchronously (whose time
+would count the load) is a prefill sample, and the speed is an exponential moving average of
+their tokens per second. Until a step was measured the store's ``recompute_tokens_per_s`` is
+used; the ``recompute_tokens_per_s`` setting fixes the speed instead (tests, or an engine
+whose speed is known).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+MIN_TOKENS = 256
+"""Tokens a step must compute to count as a prefill sample (decode steps say nothing of prefill)."""
+WEIGHT = 0.3
+"""Weight of the newest sample in the moving average."""
+
+
+class PrefillSpeed:
+    """Tokens per second of the engine's prefill steps (see the module docstring)."""
+
+    def __init__(self, fixed: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.fixed = fixed
+        self.measured: float | None = None
+        self.samples = 0
+        self._clock = clock
+        self._step: tuple[int, float] | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The speed to decide with: the fixed one, else the measured one (``None``: neither yet)."""
+        return self.fixed if self.fixed is not None else self.measured
+
+    def step_started(self, num_tokens: int, loads_sync: bool) -> None:
+        """A step was scheduled: ``num_tokens`` to compute; ``loads_sync``: it loads pages first."""
+        self.step_over()
+        self._step = (num_tokens, self._clock()) if num_tokens >= MIN_TOKENS and not loads_sync else None
+
+    def step_over(self) -> None:
+        """The step in flight is over (the first call after it was started counts)."""
+        if self._step is None:
+            return
+        tokens, start = self._step
+        self._step = None
+        seconds = self._clock() - start
+        if seconds <= 0:
+            return
+        speed = tokens / seconds
+        self.measured = speed if self.measured is None else WEIGHT * speed + (1 - WEIGHT) * self.measured
+        self.samples += 1

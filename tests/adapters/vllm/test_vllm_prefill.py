@@ -1,0 +1,51 @@
+"""The engine's prefill speed as the connector measures it: prefill steps only (enough tokens,
+no synchronous load), timed to the first sign the step is over, averaged; a set speed wins."""
+
+from __future__ import annotations
+
+import pytest
+from dss_adapters.vllm.prefill import MIN_TOKENS, PrefillSpeed
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_prefill_steps_are_measured_and_averaged() -> None:
+    clock = Clock()
+    speed = PrefillSpeed(clock=clock)
+    assert speed.tokens_per_s is None
+    speed.step_started(4096, loads_sync=False)
+    clock.now = 2.0
+    speed.step_over()
+    speed.step_over()  # the first sign counts; later ones find no step in flight
+    assert (speed.tokens_per_s, speed.samples) == (2048.0, 1)
+    speed.step_started(1024, loads_sync=False)
+    clock.now = 2.25
+    speed.step_started(1, loads_sync=False)  # the next step also ends the one before
+    assert speed.tokens_per_s == pytest.approx(0.3 * 4096 + 0.7 * 2048)
+    assert speed.samples == 2
+
+
+def test_decode_steps_and_steps_that_load_are_not_samples() -> None:
+    clock = Clock()
+    speed = PrefillSpeed(clock=clock)
+    speed.step_started(MIN_TOKENS - 1, loads_sync=False)
+    clock.now = 1.0
+    speed.step_started(4096, loads_sync=True)
+    clock.now = 5.0
+    speed.step_over()
+    assert (speed.tokens_per_s, speed.samples) == (None, 0)
+
+
+def test_a_set_speed_is_used_whatever_is_measured() -> None:
+    clock = Clock()
+    speed = PrefillSpeed(400_000.0, clock=clock)
+    speed.step_started(4096, loads_sync=False)
+    clock.now = 1.0
+    speed.step_over()
+    assert (speed.tokens_per_s, speed.measured) == (400_000.0, 4096.0)
