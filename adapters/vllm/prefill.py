@@ -1,5 +1,5 @@
-"""The engine's prefill speed, measured on its own steps, for the connector's load-or-recompute
-decision (:meth:`dss.ResumeResult.decision`).
+"""The engine's prefill speed, measured on its own steps, and the connector's load-or-recompute
+decision at that speed (:meth:`PrefillSpeed.decide`, :meth:`dss.ResumeResult.decision`).
 
 The scheduler side times each step from the moment it built the step's metadata to the first
 sign the step is over (the workers' output, a request finishing, or the next step); a step
@@ -13,7 +13,9 @@ whose speed is known).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import dss
 
 MIN_TOKENS = 256
 """Tokens a step must compute to count as a prefill sample (decode steps say nothing of prefill)."""
@@ -35,6 +37,14 @@ class PrefillSpeed:
     def tokens_per_s(self) -> float | None:
         """The speed to decide with: the fixed one, else the measured one (``None``: neither yet)."""
         return self.fixed if self.fixed is not None else self.measured
+
+    def decide(self, result: dss.ResumeResult, tiers: Sequence[str], page_tokens: int) -> dss.LoadDecision:
+        """Load or recompute the pages planned from ``tiers`` (one tier name per page, of
+        ``page_tokens`` tokens each), at this speed (the store's until one is known)."""
+        counts: dict[str, int] = {}
+        for tier in tiers:
+            counts[tier] = counts.get(tier, 0) + page_tokens
+        return result.decision(self.tokens_per_s, tiers=counts)
 
     def step_started(self, num_tokens: int, loads_sync: bool) -> None:
         """A step was scheduled: ``num_tokens`` to compute; ``loads_sync``: it loads pages first."""

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dss_adapters.vllm.device import DeviceResidency
 from dss_adapters.vllm.hosts import WorkerHosts
-from dss_adapters.vllm.layout import Shards
+from dss_adapters.vllm.layout import Shards, shard_layouts
 from dss_adapters.vllm.meta import NO_BLOCK, DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob, ShardHandshake
 from dss_adapters.vllm.metrics import DssConnectorStats
 from dss_adapters.vllm.prefill import PrefillSpeed
@@ -117,8 +117,7 @@ class SchedulerSide:
         self._step = 0
         self._settled: dict[int, bool] = {}
         self._running: set[str] = set()
-        """Requests the last step computed that have not finished since: a synchronous load
-        would stall them (one that finished in that step stalls nobody)."""
+        """Requests the last step computed, less those finished since: a synchronous load stalls them."""
         self.device = DeviceResidency(store, engine_id, layouts[0], num_groups)
         self.prefill = PrefillSpeed(settings.recompute_tokens_per_s)
         """The engine's prefill speed (measured, or the setting) the load decision uses."""
@@ -158,7 +157,7 @@ class SchedulerSide:
             "host" if is_held else "remote" if ref.tier == "remote" else "disk"
             for is_held, ref in zip(held, results[0].pages[first:end])
         ]
-        tracked.decision = results[0].decision(self.prefill.tokens_per_s, tiers=self._tokens_by_tier(tiers))
+        tracked.decision = self.prefill.decide(results[0], tiers, self.page_tokens)
         if not tracked.decision.load:
             return 0, False
         if self.settings.load_mode == "auto":
@@ -350,20 +349,7 @@ class SchedulerSide:
     def take_handshakes(self, handshakes: Iterable[ShardHandshake]) -> None:
         """Learn every shard's layout from its workers (at start); ``ConfigError`` when a shard is
         missing, its workers disagree, or one differs from the layout the scheduler computed."""
-        layouts: dict[int, dss.Layout] = {}
-        for handshake in handshakes:
-            layout = dss.Layout.from_dict(handshake.layout)
-            if layouts.setdefault(handshake.shard, layout) != layout:
-                raise ConfigError(f"the workers of dss shard {handshake.shard} disagree on its page layout")
-        missing = sorted(set(range(self.num_shards)) - set(layouts))
-        if missing:
-            raise ConfigError(f"no worker reported the page layout of dss shard(s) {missing}")
-        for shard, layout in enumerate(self.layouts):
-            if layouts[shard] != layout:
-                raise ConfigError(
-                    f"the worker of dss shard {shard} has page layout {layouts[shard]}, the scheduler expects {layout}"
-                )
-        self.layouts = [layouts[shard] for shard in range(self.num_shards)]
+        self.layouts = shard_layouts(handshakes, self.layouts, self.num_shards)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -397,13 +383,6 @@ class SchedulerSide:
         for layout in self.layouts[1:]:
             results.append(self.store.lookup(prefix, layout=layout, user_id=scope.user_id, tenant_id=scope.tenant_id))
         return results
-
-    def _tokens_by_tier(self, tiers: list[str]) -> dict[str, int]:
-        """Tokens per tier of pages planned from ``tiers`` (one tier name per page)."""
-        counts: dict[str, int] = {}
-        for tier in tiers:
-            counts[tier] = counts.get(tier, 0) + self.page_tokens
-        return counts
 
     def _on_failed_blocks(self, block_ids: set[int]) -> None:
         for tracked in self.book.live.values():

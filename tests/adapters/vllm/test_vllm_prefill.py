@@ -49,3 +49,17 @@ def test_a_set_speed_is_used_whatever_is_measured() -> None:
     clock.now = 1.0
     speed.step_over()
     assert (speed.tokens_per_s, speed.measured) == (400_000.0, 4096.0)
+
+
+def test_the_decision_weighs_the_planned_tiers_at_this_speed() -> None:
+    from dss.core.types import PageId, PageRef, VersionId
+    from dss.sessions.resume import Rates, ResumeResult
+
+    pages = [PageRef(i, PageId(bytes([i]) * 16), "disk") for i in range(4)]
+    result = ResumeResult(
+        "s", VersionId(1), 128, 129, 128, 32, 32 * 23040, pages=pages, rates=Rates({"host": 8e9, "disk": 1e9}, 4000.0)
+    )
+    planned = ["host", "host", "disk", "disk"]
+    assert PrefillSpeed().decide(result, planned, 32) == result.decision(4000.0, tiers={"host": 64, "disk": 64})
+    assert PrefillSpeed().decide(result, planned, 32).load is True
+    assert PrefillSpeed(400_000.0).decide(result, planned, 32).load is False
