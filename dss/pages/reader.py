@@ -173,8 +173,10 @@ class PageReader:
 
     def _promoted(self, entry: PageEntry, data: bytes | memoryview, *, load: bool, prefetch: bool, now: float) -> None:
         """Put a page read from disk in host when it is prefetched or the policy says so (a
-        copy of it, when it lies in the caller's buffer)."""
+        copy of it, when it lies in the caller's buffer; none when it cannot fit)."""
         placement = self.placement
+        if len(data) > self.host.capacity_bytes:
+            return
         promote = prefetch or placement.should_promote(entry.page_id, load=load, now=now)
         if promote and self.hosted.put(entry.page_id, bytes(data), entry.namespace, compete=not prefetch):
             placement.count("host", "promotions")
