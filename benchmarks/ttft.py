@@ -36,6 +36,10 @@ commits, is not timed); the table shows medians:
 * ``dss disk unsealed`` (``--sealing-cost``) — the same in a second store opened with
   ``encrypt=False`` (its pages are saved by an engine of its own first); ``sealing cost`` is
   how much longer the sealed disk hit takes, each hit divided by the vLLM hit beside it.
+* ``dss load job`` — the connector's own time per load job in those rounds (its
+  ``vllm:dss_load_seconds``: reading, verifying, decrypting and copying into the KV cache), the
+  part of a hit dss controls; less sensitive to other load on the machine than the TTFT. With
+  ``--sealing-cost``, also the unsealed store's and the sealing cost of a load job.
 * ``vLLM hit (dss engine)`` — in the dss host and dss disk engines, every dss request is
   followed by the same prompt again, which vLLM's own prefix cache serves. The ratios
   compare each dss hit with these, measured alternately in the same engine, so that other
@@ -89,6 +93,9 @@ COLUMNS = (
     "disk-read",
     "dss-plain",
     "vllm-hit/dss-plain",
+    "load/dss-host",
+    "load/dss-disk",
+    "load/dss-plain",
 )
 
 
@@ -366,6 +373,7 @@ def dss_rounds(
         ttft(llm, tokens, session)  # computes and saves the pages
         llm.reset_prefix_cache()
         ttft(llm, tokens, session)  # the first hit waits until the pages are written
+    before = load_jobs(llm)
     for _ in track(range(args.hit_reps), f"{condition} {n}"):
         llm.reset_prefix_cache()
         if args.cold_disk and condition != "dss-host":
@@ -374,6 +382,16 @@ def dss_rounds(
             drop_page_cache(folder)
         res[condition][n].append(timed(f"{condition} {n}", llm, tokens, session, hit, hit))
         res[f"vllm-hit/{condition}"][n].append(timed(f"vllm-hit beside {condition} {n}", llm, tokens, session, hit, 0))
+    jobs, seconds = (after - first for after, first in zip(load_jobs(llm), before))
+    res[f"load/{condition}"][n].append(seconds / max(jobs, 1))
+
+
+def load_jobs(llm: Any) -> tuple[float, float]:
+    """The connector's load jobs so far and their seconds (its ``vllm:dss_load_seconds``)."""
+    from dss_adapters.vllm.metrics import read_metrics
+
+    metrics = read_metrics(llm)
+    return metrics.get("load_jobs", 0.0), metrics.get("load_seconds", 0.0)
 
 
 def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argparse.Namespace) -> None:
@@ -386,10 +404,14 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
     )
     head = (
         "| tokens | recompute | vLLM hit | vLLM hit (dss engine) | dss host | dss disk | host / vLLM hit "
-        "| disk / vLLM hit | recompute / host | recompute / disk |"
+        "| disk / vLLM hit | recompute / host | recompute / disk | dss load job: host / disk |"
     )
     head += " disk read | (disk - read) / vLLM hit |" if args.cold_disk else ""
-    head += " dss disk unsealed | sealing cost |" if args.sealing_cost else ""
+    head += (
+        " dss disk unsealed | sealing cost | load job unsealed | sealing cost of the load job |"
+        if args.sealing_cost
+        else ""
+    )
     print(head)
     print("|" + "|".join("-" * (len(cell) + 2) for cell in head.strip("|").split(" | ")) + "|")
     for n in sizes:
@@ -398,7 +420,8 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
         row = (
             f"| {n} | {med['recompute'][n]:.0f} | {med['vllm-hit'][n]:.0f} | "
             f"{beside_host:.0f} / {beside_disk:.0f} | {host:.0f} | {disk:.0f} | {host / beside_host:.2f}x | "
-            f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x |"
+            f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x | "
+            f"{med['load/dss-host'][n]:.0f} / {med['load/dss-disk'][n]:.0f} |"
         )
         if args.cold_disk:
             read = med["disk-read"][n]
@@ -406,7 +429,8 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
         if args.sealing_cost:
             plain = med["dss-plain"][n]
             cost = (disk / beside_disk) / (plain / med["vllm-hit/dss-plain"][n]) - 1
-            row += f" {plain:.0f} | {cost * 100:+.0f} % |"
+            load_cost = med["load/dss-disk"][n] / med["load/dss-plain"][n] - 1
+            row += f" {plain:.0f} | {cost * 100:+.0f} % | {med['load/dss-plain'][n]:.0f} | {load_cost * 100:+.0f} % |"
         print(row)
     sys.stdout.flush()
 
