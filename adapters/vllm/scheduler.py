@@ -332,7 +332,6 @@ class SchedulerSide:
         result, the tokens it loaded by tier); its output ``kv_transfer_params``."""
         self._plans.pop(request.request_id, None)
         self._running.discard(request.request_id)
-        self.prefill.step_over()
         tracked = self.book.live.get(request.request_id)
         out = self.book.finish(request)
         if tracked is not None:

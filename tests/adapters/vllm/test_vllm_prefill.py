@@ -1,5 +1,5 @@
 """The engine's prefill speed as the connector measures it: prefill steps only (enough tokens,
-no synchronous load), timed to the first sign the step is over, averaged; a set speed wins."""
+no synchronous load), each timed until its own output came back, averaged; a set speed wins."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ def test_prefill_steps_are_measured_and_averaged() -> None:
     speed.step_started(4096, loads_sync=False)
     clock.now = 2.0
     speed.step_over()
-    speed.step_over()  # the first sign counts; later ones find no step in flight
+    speed.step_over()  # no step in flight: nothing
     assert (speed.tokens_per_s, speed.samples) == (2048.0, 1)
     speed.step_started(1024, loads_sync=False)
+    clock.now = 2.1
+    speed.step_started(1, loads_sync=False)  # scheduled before the previous step is done
     clock.now = 2.25
-    speed.step_started(1, loads_sync=False)  # the next step also ends the one before
+    speed.step_over()  # the 1024-token step's output: 0.25 s
     assert speed.tokens_per_s == pytest.approx(0.3 * 4096 + 0.7 * 2048)
+    clock.now = 3.0
+    speed.step_over()  # the 1-token step's output: a decode step, not a sample
     assert speed.samples == 2
 
 
