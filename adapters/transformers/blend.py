@@ -104,8 +104,8 @@ def blend_cache(
     exact = min(common_prefix(prompt, stored), n_src)
     runs = aligned_runs(prompt, stored[:n_src], exact)
     pos, old = reused_positions(exact, runs)
-    selected = select(model, src, prompt, pos, old, exact, recompute, select_layer)
-    cache = blended(model, src, prompt, pos, old, selected)
+    selected, fresh = select(model, src, prompt, pos, old, exact, recompute, select_layer)
+    cache = blended(model, src, prompt, pos, old, selected, fresh)
     report = BlendReport(
         len(tokens),
         exact,
@@ -232,16 +232,17 @@ def select(
     exact: int,
     share: float,
     layer: int,
-) -> np.ndarray:
+) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The ``share`` of reused positions after the exact prefix whose reused KV deviates most,
-    at ``layer``, from what a prefill computes there (layers ``0..layer`` run over the
-    prompt after the exact prefix, attending to it)."""
+    at ``layer``, from what a prefill computes there, and that prefill's KV of layers
+    ``0..layer`` for every position (they run over the prompt after the exact prefix,
+    attending to it; a share of 0 or 1 runs nothing)."""
     free = pos[pos >= exact]
     want = math.ceil(share * len(free))
     if not want or src is None:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), []
     if want >= len(free):
-        return free
+        return free, []
     from transformers import DynamicCache
 
     prefix = DynamicCache([(k[:, :, :exact], v[:, :, :exact]) for k, v in layers_of(src)]) if exact else DynamicCache()
@@ -258,24 +259,37 @@ def select(
         pass
     finally:
         hook.remove()
-    fresh_k, fresh_v = layers_of(prefix)[layer]
+    fresh = layers_of(prefix)[: layer + 1]
+    fresh_k, fresh_v = fresh[layer]
     ((keys, values),) = reused_kv(model, src, free, old[pos >= exact], only=layer)
     at = torch.as_tensor(free, device=model.device)
     k_dev = (fresh_k[:, :, at].float() - keys.float()).pow(2).sum(dim=(0, 1, 3))
     v_dev = (fresh_v[:, :, at].float() - values.float()).pow(2).sum(dim=(0, 1, 3))
     top = torch.topk(k_dev + v_dev, want).indices.cpu().numpy()
-    return np.sort(free[top])
+    return np.sort(free[top]), fresh
 
 
-def blended(model: Any, src: Any, prompt: np.ndarray, pos: np.ndarray, old: np.ndarray, selected: np.ndarray) -> Any:
-    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected``, the
-    rest computed in one forward attending to the reused KV (a mask by position)."""
+def blended(
+    model: Any,
+    src: Any,
+    prompt: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    selected: np.ndarray,
+    fresh: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Any:
+    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected`` (in the
+    layers ``fresh`` has, its KV instead: exact), the rest computed in one forward attending to
+    the kept KV (a mask by position)."""
     from transformers import DynamicCache
 
     keep = ~np.isin(pos, selected)
     kept, kept_old = pos[keep], old[keep]
     todo = np.setdiff1d(np.arange(len(prompt)), kept)
     layers = reused_kv(model, src, kept, kept_old) if len(kept) else None
+    if layers is not None:
+        at = torch.as_tensor(kept, device=model.device)
+        layers[: len(fresh)] = [(k[:, :, at], v[:, :, at]) for k, v in fresh]
     cache = DynamicCache(layers) if layers is not None else DynamicCache()
     if len(todo):
         key_pos = torch.as_tensor(np.concatenate([kept, todo]), device=model.device)
