@@ -83,18 +83,21 @@ def blend_cache(
     *,
     session_id: str | None,
     tenant_id: str | None = None,
+    user_id: str | None = None,
     recompute: float = DEFAULT_RECOMPUTE,
     select_layer: int = 1,
 ) -> tuple[Any, BlendReport]:
     """A ``DynamicCache`` with KV for every position of ``tokens`` (ready for the next forward),
     built from the stored version nearest ``tokens`` in ``session_id``'s namespace (its own
-    versions first) and ``layout``, and its :class:`BlendReport`. See the module docstring.
+    versions first; without a session, the namespace ``(tenant_id, user_id)``) and ``layout``,
+    and its :class:`BlendReport`. See the module docstring.
 
-    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]`` or a model whose
-    RoPE is scaled. Needs datasketch (``ConfigError``). Changes nothing in the store.
+    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]``, a ``layout`` that is
+    not the session's or a model whose RoPE is scaled. Needs datasketch (``ConfigError``).
+    Changes nothing in the store.
     """
     check(model, tokens, recompute, select_layer)
-    source = nearest(store, tokens, session_id, tenant_id)
+    source = nearest(store, tokens, layout, session_id, tenant_id, user_id)
     prompt = np.asarray(tokens, np.int64)
     if source is None:
         src, stored, name, version = None, np.zeros(0, np.int64), None, None
@@ -135,19 +138,28 @@ def check(model: Any, tokens: list[int], recompute: float, select_layer: int) ->
 
 
 def nearest(
-    store: dss.Store, tokens: list[int], session_id: str | None, tenant_id: str | None
+    store: dss.Store,
+    tokens: list[int],
+    layout: dss.Layout,
+    session_id: str | None,
+    tenant_id: str | None,
+    user_id: str | None,
 ) -> tuple[Any, np.ndarray, str, int] | None:
     """The stored KV (a ``DynamicCache`` of the version's stored pages), tokens, session and
     version of the stored version nearest ``tokens`` (``None``: nothing stored is near)."""
-    found = store.nearest(tokens, session_id=session_id, tenant_id=tenant_id, k=1)
+    if session_id is None:
+        found = store.nearest(tokens, tenant_id=tenant_id, user_id=user_id, layout=layout, k=1)
+    elif store.session(session_id, tenant_id=tenant_id).layout.digest != layout.digest:
+        raise InvalidInput(f"layout is not the layout of session {session_id!r}")
+    else:
+        found = store.nearest(tokens, session_id=session_id, tenant_id=tenant_id, k=1)
     if not found:
         return None
     near = found[0]
     stored = store.tokens(near.session_id, near.version_id, tenant_id=tenant_id)
-    result = store.resume(near.session_id, stored, tenant_id=tenant_id)
+    result = store.resume(near.session_id, stored, tenant_id=tenant_id, approximate=False)
     if not result.matched_tokens:
         return None
-    layout = store.session(near.session_id, tenant_id=tenant_id).layout
     src, _ = load_cache(store, result, layout)
     return src, np.asarray(stored, np.int64), near.session_id, int(near.version_id)
 

@@ -97,6 +97,8 @@ def test_a_rerendered_timestamp_reuses_the_rest_and_the_default_keeps_the_next_t
     assert logits.argmax() == full.logits[0, -1].argmax()
     assert kl(full.logits[0, -1], logits) < 0.02
     after = blend_metrics()
+    _, alone = blend_cache(sqlite_store, model, prompt[:-1], layout, session_id=None, user_id="u")
+    assert alone == report  # without the session: the namespace's nearest, the same one
     assert after["blends"] == before["blends"] + 1 and after["approximate_blends"] == before["approximate_blends"] + 1
     assert after["reused_tokens"] == before["reused_tokens"] + report.reused_tokens
 
@@ -152,6 +154,8 @@ def test_with_nothing_stored_it_is_a_prefill_and_nonsense_is_refused(chat, sqlit
     ):
         with pytest.raises(InvalidInput, match=message):
             blend_cache(sqlite_store, model, prompt, layout, session_id="empty", **kwargs)
+    with pytest.raises(InvalidInput, match="layout is not the layout of session 'empty'"):
+        blend_cache(sqlite_store, model, prompt, layout_for(model, page_tokens=32), session_id="empty")
     with pytest.raises(InvalidInput, match="at least one token"):
         blend_cache(sqlite_store, model, [], layout, session_id="empty")
 
