@@ -35,7 +35,6 @@ from dss_adapters.transformers.cache import load_cache
 
 import dss
 from dss import InvalidInput
-from dss.approx.explanation import common_prefix
 
 DEFAULT_RECOMPUTE = 0.3
 """The most of the reused tokens recomputed by default (chosen from the table in the docs)."""
@@ -131,6 +130,13 @@ def blend_cache(
     )
     count(report)
     return cache, report
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def check(model: Any, tokens: list[int], recompute: float, select_layer: int) -> None:
