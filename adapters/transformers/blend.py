@@ -36,7 +36,7 @@ from dss_adapters.transformers.cache import load_cache
 import dss
 from dss import InvalidInput
 
-DEFAULT_RECOMPUTE = 0.3
+DEFAULT_RECOMPUTE = 0.5
 """The most of the reused tokens recomputed by default (chosen from the table in the docs)."""
 DEFAULT_SELECT_LAYER = 6
 """The layer whose KV deviation chooses the tokens to recompute (chosen from the table in the docs)."""
