@@ -111,7 +111,7 @@ def blend_cache(
     else:
         src, stored, name, version = source
     n_src = 0 if src is None else src.get_seq_length()
-    exact = min(common_prefix(prompt, stored), n_src)
+    exact = min(_common_prefix(prompt, stored), n_src)
     runs = aligned_runs(prompt, stored[:n_src], exact)
     pos, old = reused_positions(exact, runs)
     selected, fresh = select(model, src, prompt, pos, old, exact, recompute, select_layer)
@@ -130,13 +130,6 @@ def blend_cache(
     )
     count(report)
     return cache, report
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens two token arrays share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def check(model: Any, tokens: list[int], recompute: float, select_layer: int) -> None:
@@ -196,7 +189,7 @@ def aligned_runs(prompt: np.ndarray, stored: np.ndarray, start: int) -> list[tup
         if j < low:
             i += 1
             continue
-        n = common_prefix(prompt[i:], stored[j:])
+        n = _common_prefix(prompt[i:], stored[j:])
         runs.append((i, j, n))
         i, low = i + n, j + n
     return runs
@@ -343,3 +336,10 @@ def count(report: BlendReport) -> None:
     _TOTALS["reused_tokens"] += report.reused_tokens
     _TOTALS["recomputed_tokens"] += report.recomputed_tokens
     _TOTALS["exact_tokens"] += report.exact_prefix_tokens
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
