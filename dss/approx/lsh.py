@@ -313,12 +313,14 @@ class LshIndex:
         a band value the next column repeats is looked up once)."""
         assert lsh.hashfunc is None, "band keys are datasketch's byte-swapped values"
         found: dict[Any, int] = {}
-        for (start, end), table in zip(lsh.hashranges, lsh.hashtables):
-            band = np.ascontiguousarray(columns[start:end].T)
-            changed = np.flatnonzero(np.any(band[1:] != band[:-1], axis=1)) + 1
-            raw, width = band.byteswap().tobytes(), band.shape[1] * band.itemsize  # datasketch's band key
-            for column in (0, *changed.tolist()):
-                for key in table.get(raw[column * width : (column + 1) * width]):
+        ranges = lsh.hashranges
+        rows = np.ascontiguousarray(columns.T)  # one signature a row
+        raw, size = rows.byteswap().tobytes(), rows.shape[1] * rows.itemsize  # datasketch's band keys: byte-swapped
+        changed = np.logical_or.reduceat(rows[1:] != rows[:-1], [start for start, _ in ranges], axis=1)
+        for b, ((start, end), table) in enumerate(zip(ranges, lsh.hashtables)):
+            low, high = start * rows.itemsize, end * rows.itemsize
+            for column in (0, *(np.flatnonzero(changed[:, b]) + 1).tolist()):
+                for key in table.get(raw[column * size + low : column * size + high]):
                     if found.get(key, column) >= column:
                         found[key] = column
         if lsh.prepickle:
