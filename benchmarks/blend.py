@@ -43,7 +43,7 @@ import chats
 
 import dss
 
-SHARES = (0.0, 0.05, 0.15, 0.3, 1.0)
+SHARES = (0.0, 0.15, 0.3, 0.5, 1.0)
 
 
 def render(tok: Any, messages: list[dict[str, str]], *, prompt: bool) -> list[int]:
@@ -95,7 +95,7 @@ def kinds(tok: Any, chat: chats.Chat, replies: list[str]) -> dict[str, tuple[lis
 
 
 def measure(
-    model: Any, store: dss.Store, layout: dss.Layout, session: str, prompt: list[int], shares: list[float]
+    model: Any, store: dss.Store, layout: dss.Layout, session: str, prompt: list[int], args: argparse.Namespace
 ) -> list[dict]:
     from dss_adapters.transformers.blend import blend_cache
 
@@ -105,9 +105,11 @@ def measure(
     full_time = time.perf_counter() - start
     full_greedy, full = generate(model, prompt, 16)
     rows = []
-    for share in shares:
+    for share in args.shares:
         start = time.perf_counter()
-        cache, report = blend_cache(store, model, prompt[:-1], layout, session_id=session, recompute=share)
+        cache, report = blend_cache(
+            store, model, prompt[:-1], layout, session_id=session, recompute=share, select_layer=args.select_layer
+        )
         took = time.perf_counter() - start
         greedy, out = generate(model, prompt, 16, cache)  # feeds the last token: ``out`` is the prompt's end
         rows.append(
@@ -152,6 +154,7 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="recompute shares to measure")
+    parser.add_argument("--select-layer", type=int, default=6, help="the layer whose deviation selects")
     args = parser.parse_args()
     folder = smollm2()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
@@ -173,7 +176,7 @@ def main() -> None:
             print(f"chat {c + 1}/{args.chats} stored", file=sys.stderr)
         found = found_first(store, layout, asked)
         for session, prompt in asked.items():
-            for row in measure(model, store, layout, session, prompt, args.shares):
+            for row in measure(model, store, layout, session, prompt, args):
                 table.setdefault((session.split("-")[0], row["share"]), []).append(row)
             print(f"{session} measured", file=sys.stderr)
         store.close()
@@ -183,7 +186,10 @@ def main() -> None:
     for kind, (share, low, high) in found.items():
         print(f"| {kind} | {share:.3f} | {low:.2f}-{high:.2f} |")
     mean = statistics.fmean
-    print(f"\nblend_cache on SmolLM2-135M-Instruct ({args.dtype}), {args.chats} real conversations, turn 4 asked\n")
+    print(
+        f"\nblend_cache on SmolLM2-135M-Instruct ({args.dtype}), {args.chats} real conversations, turn 4 asked, "
+        f"selecting at layer {args.select_layer}\n"
+    )
     print("| kind | recompute | mean KL | top-1 | greedy 16 | reused share | time / full prefill |")
     print("|---|---|---|---|---|---|---|")
     for (kind, share), rows in table.items():
@@ -194,7 +200,8 @@ def main() -> None:
         )
     shares = " ".join(f"{x:g}" for x in args.shares)
     print(
-        f"\nrerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats {args.chats} --dtype {args.dtype} --shares {shares}"
+        f"\nrerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats {args.chats} --dtype {args.dtype} "
+        f"--shares {shares} --select-layer {args.select_layer}"
     )
 
 

@@ -2,7 +2,8 @@
 (``benchmarks/multiturn.py``), and tiny runs of ``benchmarks/multiturn.py`` and
 ``benchmarks/ttft.py`` on the real model (slow: each starts vLLM engines), of
 ``benchmarks/tiers.py`` on a published trace and without sessions, and of
-``benchmarks/commit_processes.py`` on PostgreSQL (slow: it starts processes).
+``benchmarks/commit_processes.py`` on PostgreSQL (slow: it starts processes), of
+``benchmarks/lsh.py`` (next turns) and of ``benchmarks/blend.py`` on the real model (slow).
 
 The tiny runs only show that the benchmarks run end to end and print their tables; their
 timings mean nothing at these sizes.
@@ -191,3 +192,29 @@ def test_commits_of_one_and_two_processes_on_one_catalog() -> None:
     assert lines[1].split() == ["processes", "commits", "commits/s", "per", "process", "x", "1", "proc", "p50", "ms", "p99", "ms", "SQL", "Python", "fsync"]  # fmt: skip
     assert [line.split()[0] for line in lines[2:4]] == ["1", "2"]
     assert all("missing or different after reopening: 0; check(): []" in line for line in lines[4:6])
+
+
+def test_the_lsh_benchmark_prints_the_next_turn_figures() -> None:
+    out = run_benchmark("benchmarks/lsh.py", "--chats", "20", "--turns", "4", "--queries", "10", timeout=600)
+    rows = table_rows(out)
+    assert rows["next turn: right conversation first"] == ["1.000", ">= 0.95"]
+    assert rows["next turn: recall at containment >= 0.9"][1] == ">= 0.95"
+    assert "next turn: lookup with / without prefixes" in rows
+
+
+@pytest.mark.slow
+def test_the_blend_benchmark_runs_on_the_real_model(smollm2_model: Path) -> None:
+    out = run_benchmark(
+        "benchmarks/blend.py", "--chats", "1", "--reply-tokens", "8", "--shares", "0", "1", timeout=1200
+    )
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| timestamp", "| dropped"))]
+    assert [(r[0].strip(), r[1].strip()) for r in rows[2:]] == [
+        ("timestamp", "0.00"),
+        ("timestamp", "1.00"),
+        ("dropped", "0.00"),
+        ("dropped", "1.00"),
+    ]
+    assert all(
+        r[3].strip() == "1.000" for r in rows[2:] if r[1].strip() == "1.00"
+    )  # recomputing all: the same first token
+    assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats 1" in out

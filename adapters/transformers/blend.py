@@ -9,10 +9,12 @@ builds a ``DynamicCache`` for every position of the prompt:
 * the exact prefix: the stored KV as is (exact);
 * an aligned run after the divergence: the stored KV, keys re-rotated when the run moved
   (RoPE: ``R(p_new) k = R(p_new - p_old) R(p_old) k``), values as they are;
-* everything else (the divergent and new tokens) and a share ``recompute`` of the reused
-  tokens after the exact prefix: recomputed in one forward over just those tokens, attending
-  to the reused KV. The share is chosen by CacheBlend's rule: the tokens whose reused KV
-  deviates most, at layer ``select_layer``, from the KV a prefill computes there.
+* layers ``0..select_layer``: computed now for every token after the exact prefix (exact);
+* everything else (the divergent and new tokens) and at most a share ``recompute`` of the
+  reused tokens after the exact prefix: recomputed in one forward over just those tokens,
+  attending to the kept KV. The share is chosen by CacheBlend's rule: the tokens whose reused
+  KV deviates most, at layer ``select_layer``, from the KV computed there (none that deviates
+  less than :data:`MIN_DEVIATION`).
 
 Reused KV past the exact prefix was computed after *other* tokens, so the result is
 approximate: :class:`BlendReport` says how much was reused, and :func:`blend_metrics` counts
@@ -34,8 +36,14 @@ from dss_adapters.transformers.cache import load_cache
 import dss
 from dss import InvalidInput
 
-DEFAULT_RECOMPUTE = 0.15
-"""The share of reused tokens recomputed by default (chosen from the table in the docs)."""
+DEFAULT_RECOMPUTE = 0.5
+"""The most of the reused tokens recomputed by default (chosen from the table in the docs)."""
+DEFAULT_SELECT_LAYER = 6
+"""The layer whose KV deviation chooses the tokens to recompute (chosen from the table in the docs)."""
+MIN_DEVIATION = 1e-4
+"""A reused token whose KV deviates less than this (squared error over the squared norm, keys
+and values, at the selecting layer) is not recomputed: a re-rendered line leaves most tokens
+after it under 1e-4, a dropped exchange most over 3e-4 (SmolLM2, layer 4)."""
 RUN_TOKENS = 8
 """Fewest tokens of an aligned run worth reusing."""
 
@@ -82,18 +90,21 @@ def blend_cache(
     *,
     session_id: str | None,
     tenant_id: str | None = None,
+    user_id: str | None = None,
     recompute: float = DEFAULT_RECOMPUTE,
-    select_layer: int = 1,
+    select_layer: int = DEFAULT_SELECT_LAYER,
 ) -> tuple[Any, BlendReport]:
     """A ``DynamicCache`` with KV for every position of ``tokens`` (ready for the next forward),
     built from the stored version nearest ``tokens`` in ``session_id``'s namespace (its own
-    versions first) and ``layout``, and its :class:`BlendReport`. See the module docstring.
+    versions first; without a session, the namespace ``(tenant_id, user_id)``) and ``layout``,
+    and its :class:`BlendReport`. See the module docstring.
 
-    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]`` or a model whose
-    RoPE is scaled. Needs datasketch (``ConfigError``). Changes nothing in the store.
+    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]``, a ``layout`` that is
+    not the session's or a model whose RoPE is scaled. Needs datasketch (``ConfigError``).
+    Changes nothing in the store.
     """
     check(model, tokens, recompute, select_layer)
-    source = nearest(store, tokens, session_id, tenant_id)
+    source = nearest(store, tokens, layout, session_id, tenant_id, user_id)
     prompt = np.asarray(tokens, np.int64)
     if source is None:
         src, stored, name, version = None, np.zeros(0, np.int64), None, None
@@ -103,8 +114,8 @@ def blend_cache(
     exact = min(_common_prefix(prompt, stored), n_src)
     runs = aligned_runs(prompt, stored[:n_src], exact)
     pos, old = reused_positions(exact, runs)
-    selected = select(model, src, prompt, pos, old, exact, recompute, select_layer)
-    cache = blended(model, src, prompt, pos, old, selected)
+    selected, fresh = select(model, src, prompt, pos, old, exact, recompute, select_layer)
+    cache = blended(model, src, prompt, pos, old, selected, fresh)
     report = BlendReport(
         len(tokens),
         exact,
@@ -134,19 +145,28 @@ def check(model: Any, tokens: list[int], recompute: float, select_layer: int) ->
 
 
 def nearest(
-    store: dss.Store, tokens: list[int], session_id: str | None, tenant_id: str | None
+    store: dss.Store,
+    tokens: list[int],
+    layout: dss.Layout,
+    session_id: str | None,
+    tenant_id: str | None,
+    user_id: str | None,
 ) -> tuple[Any, np.ndarray, str, int] | None:
     """The stored KV (a ``DynamicCache`` of the version's stored pages), tokens, session and
     version of the stored version nearest ``tokens`` (``None``: nothing stored is near)."""
-    found = store.nearest(tokens, session_id=session_id, tenant_id=tenant_id, k=1)
+    if session_id is None:
+        found = store.nearest(tokens, tenant_id=tenant_id, user_id=user_id, layout=layout, k=1)
+    elif store.session(session_id, tenant_id=tenant_id).layout.digest != layout.digest:
+        raise InvalidInput(f"layout is not the layout of session {session_id!r}")
+    else:
+        found = store.nearest(tokens, session_id=session_id, tenant_id=tenant_id, k=1)
     if not found:
         return None
     near = found[0]
     stored = store.tokens(near.session_id, near.version_id, tenant_id=tenant_id)
-    result = store.resume(near.session_id, stored, tenant_id=tenant_id)
+    result = store.resume(near.session_id, stored, tenant_id=tenant_id, approximate=False)
     if not result.matched_tokens:
         return None
-    layout = store.session(near.session_id, tenant_id=tenant_id).layout
     src, _ = load_cache(store, result, layout)
     return src, np.asarray(stored, np.int64), near.session_id, int(near.version_id)
 
@@ -231,16 +251,18 @@ def select(
     exact: int,
     share: float,
     layer: int,
-) -> np.ndarray:
+) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The ``share`` of reused positions after the exact prefix whose reused KV deviates most,
-    at ``layer``, from what a prefill computes there (layers ``0..layer`` run over the
-    prompt after the exact prefix, attending to it)."""
+    at ``layer``, from what a prefill computes there (relative squared error of keys and
+    values; none under :data:`MIN_DEVIATION`), and that prefill's KV of layers ``0..layer``
+    for every position (they run over the prompt after the exact prefix, attending to it; a
+    share of 0 or 1 runs nothing)."""
     free = pos[pos >= exact]
     want = math.ceil(share * len(free))
     if not want or src is None:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), []
     if want >= len(free):
-        return free
+        return free, []
     from transformers import DynamicCache
 
     prefix = DynamicCache([(k[:, :, :exact], v[:, :, :exact]) for k, v in layers_of(src)]) if exact else DynamicCache()
@@ -257,24 +279,39 @@ def select(
         pass
     finally:
         hook.remove()
-    fresh_k, fresh_v = layers_of(prefix)[layer]
+    fresh = layers_of(prefix)[: layer + 1]
+    fresh_k, fresh_v = fresh[layer]
     ((keys, values),) = reused_kv(model, src, free, old[pos >= exact], only=layer)
     at = torch.as_tensor(free, device=model.device)
-    k_dev = (fresh_k[:, :, at].float() - keys.float()).pow(2).sum(dim=(0, 1, 3))
-    v_dev = (fresh_v[:, :, at].float() - values.float()).pow(2).sum(dim=(0, 1, 3))
-    top = torch.topk(k_dev + v_dev, want).indices.cpu().numpy()
-    return np.sort(free[top])
+    fk, fv = fresh_k[:, :, at].float(), fresh_v[:, :, at].float()
+    dev = (fk - keys.float()).pow(2).sum(dim=(0, 1, 3)) + (fv - values.float()).pow(2).sum(dim=(0, 1, 3))
+    dev = dev / (fk.pow(2).sum(dim=(0, 1, 3)) + fv.pow(2).sum(dim=(0, 1, 3))).clamp_min(1e-12)
+    top = torch.topk(dev, want)
+    chosen = top.indices[top.values >= MIN_DEVIATION].cpu().numpy()
+    return np.sort(free[chosen]), fresh
 
 
-def blended(model: Any, src: Any, prompt: np.ndarray, pos: np.ndarray, old: np.ndarray, selected: np.ndarray) -> Any:
-    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected``, the
-    rest computed in one forward attending to the reused KV (a mask by position)."""
+def blended(
+    model: Any,
+    src: Any,
+    prompt: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    selected: np.ndarray,
+    fresh: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Any:
+    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected`` (in the
+    layers ``fresh`` has, its KV instead: exact), the rest computed in one forward attending to
+    the kept KV (a mask by position)."""
     from transformers import DynamicCache
 
     keep = ~np.isin(pos, selected)
     kept, kept_old = pos[keep], old[keep]
     todo = np.setdiff1d(np.arange(len(prompt)), kept)
     layers = reused_kv(model, src, kept, kept_old) if len(kept) else None
+    if layers is not None:
+        at = torch.as_tensor(kept, device=model.device)
+        layers[: len(fresh)] = [(k[:, :, at], v[:, :, at]) for k, v in fresh]
     cache = DynamicCache(layers) if layers is not None else DynamicCache()
     if len(todo):
         key_pos = torch.as_tensor(np.concatenate([kept, todo]), device=model.device)

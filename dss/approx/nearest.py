@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from dss.approx.explanation import Explanation, common_prefix, realign
-from dss.approx.lsh import Bucket
+from dss.approx.lsh import Bucket, Hit
 from dss.approx.minhash import shingle_hashes
 from dss.approx.upkeep import Upkeep
 from dss.catalog import sessions
@@ -136,18 +136,7 @@ class Nearest:
         if not len(prompt):
             return [], 0  # nothing is near an empty prompt
         bucket = self.bucket(user_ref, layout)
-        hits = self.lsh.query(bucket, buf, layout.page_tokens)
-        wanted: dict[tuple[int, int], int] = {}
-        for hit in sorted(hits, key=lambda h: (h.entry.is_window, -h.entry.num_tokens)):
-            entry = hit.entry
-            wanted.setdefault((entry.session_ref, entry.version_id), 0)
-            if entry.is_window:
-                wanted.setdefault((entry.session_ref, -1), 0)  # the session's head, which holds the window too
-        if extra is not None:
-            for version_id in extra.versions:
-                wanted.setdefault((extra.ref, version_id), 0)
-        for pair in also:
-            wanted.setdefault(pair, 0)
+        wanted = self._wanted(self.lsh.query(bucket, buf, layout.page_tokens), extra, also)
         salt = bucket.salt
         prompt_hashes = shingle_hashes(prompt, self.lsh.settings.shingle_tokens, salt)
         prompt_sig, _ = self.lsh.signer.values(prompt_hashes)
@@ -173,6 +162,25 @@ class Nearest:
             key=lambda cs: (-cs[1], -cs[0].jaccard, -cs[0].common_prefix, cs[0].session_id, cs[0].version_id),
         )
         return [c for c, _ in ranked[:k]], verified
+
+    @staticmethod
+    def _wanted(
+        hits: list[Hit], extra: SessionState | None, also: tuple[tuple[int, int], ...]
+    ) -> list[tuple[int, int]]:
+        """The versions to compare, ``(session_ref, version_id)`` (``-1``: the session's head),
+        in order: whole-version hits (longest first), window hits, ``extra``'s, ``also``."""
+        wanted: dict[tuple[int, int], None] = {}
+        for hit in sorted(hits, key=lambda h: (h.entry.is_window, -h.entry.num_tokens)):
+            entry = hit.entry
+            wanted.setdefault((entry.session_ref, entry.version_id))
+            if entry.is_window:
+                wanted.setdefault((entry.session_ref, -1))  # the session's head, which holds the window too
+        if extra is not None:
+            for version_id in extra.versions:
+                wanted.setdefault((extra.ref, version_id))
+        for pair in also:
+            wanted.setdefault(pair)
+        return list(wanted)
 
     def _verify(
         self,
