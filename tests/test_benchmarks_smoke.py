@@ -191,3 +191,11 @@ def test_commits_of_one_and_two_processes_on_one_catalog() -> None:
     assert lines[1].split() == ["processes", "commits", "commits/s", "per", "process", "x", "1", "proc", "p50", "ms", "p99", "ms", "SQL", "Python", "fsync"]  # fmt: skip
     assert [line.split()[0] for line in lines[2:4]] == ["1", "2"]
     assert all("missing or different after reopening: 0; check(): []" in line for line in lines[4:6])
+
+
+def test_the_load_path_benchmark_runs_both_stores() -> None:
+    out = run_benchmark("benchmarks/loadpath.py", "--tokens", "64", "--rounds", "1", timeout=600)
+    rows = table_rows(out)
+    assert sorted(rows) == ["plain", "sealed", "store"], out  # "store": the header row
+    assert "sealing cost on the read path: staged" in out
+    assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens 64 --rounds 1" in out
