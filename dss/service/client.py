@@ -31,7 +31,7 @@ from dss.approx.explanation import Explanation
 from dss.approx.nearest import Decode
 from dss.core.tokens import TokenInput
 from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Version
-from dss.core.validate import check_callback, check_flag, check_page_ids, check_version_id
+from dss.core.validate import check_buffers, check_callback, check_flag, check_page_ids, check_version_id
 from dss.erasure.documents import AuditEntry, Plan, Receipt
 from dss.service import codec
 from dss.service.codec import load
@@ -259,13 +259,16 @@ class Client(Transport):
         return why
 
     def read_pages(
-        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True
-    ) -> list[bytes | None]:
-        """:meth:`dss.Store.read_pages`; ``None`` also for a page the key may not read (another tenant's)."""
+        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True, into: Any = None
+    ) -> list[Any]:
+        """:meth:`dss.Store.read_pages`; ``None`` also for a page the key may not read (another
+        tenant's); ``into``: the payloads are copied into the buffers once they arrived."""
         ids = [page_id.hex() for page_id in check_page_ids(pages)]
+        buffers = check_buffers(into, len(ids))
         check_flag("load", load)
         out = self._call("POST", "/v1/pages/read", json={"page_ids": ids, "tenant_id": tenant_id, "load": load})
-        return [codec.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
+        payloads = [codec.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
+        return payloads if buffers is None else codec.pages_into(payloads, buffers)
 
     def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:
         """:meth:`dss.Store.page_sizes` of the pages the key may read (a non-admin key: its tenant's)."""

@@ -609,3 +609,14 @@ def test_compact_count_sessions_and_the_mover(api: Any, tenant: str) -> None:
     assert api.is_closed is False
     api.close()
     assert api.is_closed is True
+
+
+def test_read_pages_into_the_callers_buffers(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    r = api.resume("s", T)
+    buffers = [bytearray(LAYOUT.page_bytes) for _ in r.pages]
+    got = api.read_pages(r.pages, into=buffers)
+    assert [bytes(view) for view in got] == [page(1), page(2)] == [bytes(b) for b in buffers]
+    with pytest.raises(dss.InvalidInput, match="into must be a list of 2 writable buffers"):
+        api.read_pages(r.pages, into=buffers[:1])
