@@ -61,10 +61,12 @@ def build(folder: Path, keys: Path, encrypt: bool, pages: int) -> list[bytes]:
         return [bytes(p.page_id) for p in store.resume("s", tokens).pages]
 
 
-def hardware(folder: Path, sealed: list[bytes], aead: AESGCM, rows: np.ndarray, caches: list[np.ndarray]) -> None:
-    """Read the segment files, decrypt ``sealed`` (pages sealed under ``aead`` with a zero nonce;
-    none for a plain store) into ``rows``, copy all the rows in by layer."""
-    buffer = memoryview(bytearray(sum(f.stat().st_size for f in (folder / "segments").iterdir())))
+def hardware(
+    folder: Path, buffer: memoryview, sealed: list[bytes], aead: AESGCM, rows: np.ndarray, caches: list[np.ndarray]
+) -> None:
+    """Read the segment files into ``buffer`` (reused, as dss reuses its read buffers), decrypt
+    ``sealed`` (pages sealed under ``aead`` with a zero nonce; none for a plain store) into
+    ``rows``, copy all the rows in by layer."""
     at = 0
     for path in sorted((folder / "segments").iterdir()):
         fd = os.open(path, os.O_RDONLY)
@@ -101,7 +103,13 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
             "staged": partial(load_pages, store, copier, ids, block_ids, "bench", staging),
             "per page": partial(load_pages, store, copier, ids, block_ids, "bench"),
             "hardware": partial(
-                hardware, root / name, sealed if encrypt else [], aead, staging.rows(pages), copier.host_views
+                hardware,
+                root / name,
+                memoryview(bytearray(sum(f.stat().st_size for f in (root / name / "segments").iterdir()))),
+                sealed if encrypt else [],
+                aead,
+                staging.rows(pages),
+                copier.host_views,
             ),
         }
         for label, job in jobs.items():
