@@ -204,13 +204,15 @@ class PageReader:
                 self.placement.count("host", "moved_bytes", len(data))
             entry.namespace.bump()
 
-    def owners(self, ids: Sequence[PageId]) -> list[int | None]:
-        """For each page id, the namespace holding it as far as this process knows (``None``: unknown)."""
+    def tenants(self, ids: Sequence[PageId]) -> list[str | None]:
+        """For each page id, the tenant of the namespace holding it as far as this process
+        knows (``None``: an unknown page)."""
         entries = self.index.entries
         unknown = [page_id for page_id in ids if page_id not in entries]
         if unknown:
             self._learn(unknown)
-        return [entries[page_id].namespace.user_ref if page_id in entries else None for page_id in ids]
+        owner = self.hosted.owner
+        return [owner(entries[page_id].namespace)[0] if page_id in entries else None for page_id in ids]
 
     def _learn(self, page_ids: list[PageId]) -> None:
         """Load catalog rows of pages this process has not seen (another process wrote them)."""

@@ -40,7 +40,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, model_validator
 
-from dss.core.errors import InvalidInput, InvalidPage
+from dss.core.errors import InvalidPage
 from dss.core.types import Layout, PageId, PageRef, SavedPages, SqlResult, VersionId
 from dss.sessions.resume import Candidate, Rates, ResumeResult
 from dss.writes.compaction import Compaction
@@ -319,15 +319,3 @@ def _cell_from(value: Any) -> Any:
     if isinstance(value, dict):
         return _CELL_DECODERS[value["type"]](value["value"])
     return value
-
-
-def pages_into(payloads: list[bytes | None], buffers: list[memoryview]) -> list[memoryview | None]:
-    """Copy the payloads a client received into the caller's buffers (``read_pages(into=...)``);
-    ``InvalidInput``, no buffer written, when a size differs from its page's."""
-    for i, (data, buffer) in enumerate(zip(payloads, buffers)):
-        if data is not None and len(data) != len(buffer):
-            raise InvalidInput(f"buffer {i} has {len(buffer)} bytes; its page has {len(data)}")
-    for data, buffer in zip(payloads, buffers):
-        if data is not None:
-            buffer[:] = data
-    return [buffer if data is not None else None for data, buffer in zip(payloads, buffers)]

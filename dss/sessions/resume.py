@@ -42,7 +42,9 @@ class Candidate(NamedTuple):
     the two token-shingle sets; ``common_prefix`` the exact number of leading tokens the
     prompt and the version share; ``divergence`` the first position where they differ
     (``None`` when one is a prefix of the other); ``matched_tokens`` the page-aligned tokens
-    of that common prefix whose pages some tier holds — what a resume could reuse from it.
+    of that common prefix whose pages some tier holds — what a resume could reuse from it;
+    ``containment`` the share of the version's distinct shingles the prompt holds (``1.0``
+    for a version the prompt extends unchanged).
     """
 
     session_id: str
@@ -53,6 +55,7 @@ class Candidate(NamedTuple):
     common_prefix: int
     divergence: int | None
     matched_tokens: int
+    containment: float = 0.0
 
 
 class ResumeResult:

@@ -92,9 +92,10 @@ class Serving(Base):
         layout: Layout | None = None,
         k: int = 5,
     ) -> list[Candidate]:
-        """The ``k`` stored versions nearest ``tokens`` (exact Jaccard of token shingles, highest
-        first), each verified token by token: estimated and exact Jaccard, exact common prefix,
-        first divergence, reusable tokens.
+        """The ``k`` stored versions nearest ``tokens``, each verified token by token: estimated
+        and exact Jaccard, exact common prefix, first divergence, reusable tokens, containment.
+        Nearest first: the version of which ``tokens`` hold the most distinct shingles (the
+        version a next turn extends, however long the new turn), then exact Jaccard.
 
         The search covers the namespace and layout of ``session_id`` (its own versions always
         compared), or, without a session, the namespace ``(tenant_id or "default", user_id or
@@ -209,8 +210,7 @@ class Serving(Base):
         check_flag("load", load)
         with self._reading():
             if tenant_id is not None:
-                owners = self.reader.owners(ids)
-                allowed = [o is not None and self.mirror.tenant_of(o) == tenant_id for o in owners]
+                allowed = [tenant == tenant_id for tenant in self.reader.tenants(ids)]
                 ids = [i for i, ok in zip(ids, allowed) if ok]
                 if buffers is not None:
                     buffers = [b for b, ok in zip(buffers, allowed) if ok]
