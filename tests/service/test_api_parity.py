@@ -628,4 +628,3 @@ def test_compact_count_sessions_and_the_mover(api: Any, tenant: str) -> None:
     assert api.is_closed is False
     api.close()
     assert api.is_closed is True
-
