@@ -218,3 +218,11 @@ def test_the_blend_benchmark_runs_on_the_real_model(smollm2_model: Path) -> None
         r[3].strip() == "1.000" for r in rows[2:] if r[1].strip() == "1.00"
     )  # recomputing all: the same first token
     assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats 1" in out
+
+
+def test_the_load_path_benchmark_runs_both_stores() -> None:
+    out = run_benchmark("benchmarks/loadpath.py", "--tokens", "64", "--rounds", "1", timeout=600)
+    rows = table_rows(out)
+    assert sorted(rows) == ["plain", "sealed", "store"], out  # "store": the header row
+    assert "sealing cost on the read path: staged" in out
+    assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens 64 --rounds 1" in out

@@ -145,11 +145,6 @@ class Settings:
         wait = extra.get("session_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
             raise ConfigError("'session_wait_s' must be a number of seconds >= 0")
-        speed = extra.get("recompute_tokens_per_s")
-        if speed is not None and (
-            isinstance(speed, bool) or not isinstance(speed, int | float) or not 0 < speed < float("inf")
-        ):
-            raise ConfigError("'recompute_tokens_per_s' must be a positive number of tokens per second")
         mode = extra.get("load_mode", "auto")
         if mode not in ("auto", "sync", "async"):
             raise ConfigError(f"'load_mode' must be 'auto', 'sync' or 'async', not {mode!r}")
@@ -166,8 +161,15 @@ class Settings:
             max_pending_bytes=extra.get("max_pending_bytes", 1 << 30),
             session_wait_s=float(wait),
             load_mode=mode,
-            recompute_tokens_per_s=None if speed is None else float(speed),
+            recompute_tokens_per_s=_speed(extra.get("recompute_tokens_per_s")),
         )
+
+
+def _speed(value: Any) -> float | None:
+    """The ``recompute_tokens_per_s`` setting: ``None`` or a positive, finite number."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300):
+        raise ConfigError("'recompute_tokens_per_s' must be a positive number of tokens per second")
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True, slots=True)
