@@ -20,6 +20,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from dss.core.errors import ConfigError
+from dss.core.precision import lossier
 
 _UNITS = {
     "": 1,
@@ -244,6 +245,15 @@ class StoreConfig(BaseModel):
     host_tenant_quota: int = Field(0, description="Most host bytes one tenant's pages may take (0: no quota).")
     disk_user_quota: int = Field(0, description="Most disk bytes one user's pages may take (0: no quota).")
     disk_tenant_quota: int = Field(0, description="Most disk bytes one tenant's pages may take (0: no quota).")
+    host_precision: Literal["exact", "int8", "fp8", "k8v4"] = Field(
+        "exact", description="Encoding of host copies of pages (lossy unless exact; see docs/tiers.md)."
+    )
+    disk_precision: Literal["exact", "int8", "fp8", "k8v4"] = Field(
+        "exact", description="Encoding of disk copies of pages (lossy unless exact)."
+    )
+    remote_precision: Literal["exact", "int8", "fp8", "k8v4"] = Field(
+        "exact", description="Encoding of remote copies: the disk copy's; may not be lossier than disk_precision."
+    )
     mover: bool = Field(True, description="Run the mover (thread, or stepped on clock=; off: store.run_mover()).")
     mover_interval_s: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="Seconds between mover passes (of clock= if given)."
@@ -287,6 +297,15 @@ class StoreConfig(BaseModel):
                     raise ValueError(
                         f"{tier}_{kind}_quota ({quota} bytes) is over the tier's size {tier}_bytes ({size} bytes)"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _remote_holds_the_disk_copy(self) -> StoreConfig:
+        if lossier(self.disk_precision, self.remote_precision) != self.disk_precision:
+            raise ValueError(
+                f"remote_precision ({self.remote_precision}) is lossier than disk_precision "
+                f"({self.disk_precision}): the remote tier holds the disk copy's bytes"
+            )
         return self
 
     @model_validator(mode="after")
@@ -369,6 +388,9 @@ _ENV = {
     "DSS_HOST_TENANT_QUOTA": "host_tenant_quota",
     "DSS_DISK_USER_QUOTA": "disk_user_quota",
     "DSS_DISK_TENANT_QUOTA": "disk_tenant_quota",
+    "DSS_HOST_PRECISION": "host_precision",
+    "DSS_DISK_PRECISION": "disk_precision",
+    "DSS_REMOTE_PRECISION": "remote_precision",
 }
 
 DEFAULT_HOME = "dss-data"

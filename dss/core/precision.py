@@ -18,6 +18,8 @@ The order is measured (KL divergence against the exact KV on SmolLM2, see
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from dss.core.errors import ConfigError
 
 ENCODINGS: tuple[str, ...] = ("exact", "int8", "fp8", "k8v4")
@@ -48,3 +50,20 @@ def lossier(a: str, b: str) -> str:
     """The lossier of two encodings (what a copy becomes when a copy in ``a`` moves to a tier
     set to ``b``: it never gains precision)."""
     return a if CODE[a] >= CODE[b] else b
+
+
+class Precision(NamedTuple):
+    """The encoding each tier keeps its copies in (every one ``exact`` by default)."""
+
+    host: str = EXACT
+    disk: str = EXACT
+    remote: str = EXACT
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether every tier keeps the saved bytes."""
+        return self.host == self.disk == self.remote == EXACT
+
+
+EXACT_TIERS = Precision()
+"""Every tier exact: the default."""
