@@ -113,11 +113,9 @@ def cache_from_pages(
     count = len(payloads)
     dtype = getattr(torch, layout.dtype)
     heads, dim, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
-    for i, payload in enumerate(payloads):
-        if len(payload) != layout.page_bytes:
-            raise InvalidInput(f"page {i} has {len(payload)} bytes; the layout's pages have {layout.page_bytes}")
+    exact = _exact_pages(payloads, layout)
     part = layout.page_bytes // (2 * layout.num_layers)
-    staged = pool.stage(payloads, [(j * part, part) for j in range(2 * layout.num_layers)])
+    staged = pool.stage(exact, [(j * part, part) for j in range(2 * layout.num_layers)])
     moved: list[torch.Tensor] = []
 
     def copy(staged: Staged) -> None:  # [pages, heads, page_tokens, dim] -> [1, heads, tokens, dim]
@@ -166,6 +164,8 @@ def load_cache(
     Reads at most ``limit`` tokens' pages (pass ``len(tokens) - 1`` so the model still has
     a token to compute); stops at the first page the store cannot return. Returns
     ``(None, 0)`` when nothing could be loaded. ``device``, ``staging``: see :func:`cache_from_pages`.
+    Pages a tier keeps at a lower precision are dequantized into the layout's dtype (the
+    result's ``encodings`` says how many tokens are approximate).
     """
     if result.page_bytes != layout.page_bytes or result.page_tokens != layout.page_tokens:
         raise InvalidInput("the resume result has another page size than the layout")
@@ -181,6 +181,20 @@ def load_cache(
     if not good:
         return None, 0
     return cache_from_pages(good, layout, device=device, staging=staging), len(good) * layout.page_tokens
+
+
+def _exact_pages(payloads: Sequence[bytes], layout: dss.Layout) -> list[bytes | memoryview | np.ndarray]:
+    """Each payload as the layout's own bytes: exact ones as they are, lower-precision copies
+    (a tier's precision setting) dequantized into the layout's dtype on their way to staging."""
+    out = []
+    for i, payload in enumerate(payloads):
+        try:
+            out.append(dss.decode_page(payload, layout))
+        except dss.InvalidPage:
+            raise InvalidInput(
+                f"page {i} has {len(payload)} bytes; the layout's pages have {layout.page_bytes}"
+            ) from None
+    return out
 
 
 def _tensors(cache: Any, layout: dss.Layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -205,3 +205,16 @@ def _decode_k8v4(body: np.ndarray, shape: PageShape, out: np.ndarray) -> None:
     q[..., 1::2] = (packed >> 4).astype(np.int8) - 8
     grouped = q.reshape(layers, rows, d // group, group).astype(np.float32) * scales.astype(np.float32)
     out[1::2] = grouped.reshape(layers, rows, d)
+
+
+def decode_page(payload: bytes | memoryview, layout: Any) -> bytes | memoryview | np.ndarray:
+    """A stored page of ``layout`` as the engine's own bytes: the payload itself when it is
+    exact, else its copy dequantized into the layout's dtype (a ``uint8`` array of
+    ``layout.page_bytes``). Raises ``InvalidPage`` when the payload is neither an exact page
+    of the layout nor an encoded one of its shape."""
+    if len(payload) == layout.page_bytes:
+        return payload
+    shape = shape_of(layout)
+    if shape is None:
+        raise InvalidPage(f"page has {len(payload)} bytes; layout {layout.name!r} pages have {layout.page_bytes}")
+    return decode(payload, shape).view(np.uint8).reshape(-1)

@@ -16,9 +16,7 @@ import dss
 from dss.core import packing
 
 FORMAT = "[layers][k,v]x[kv_heads,page_tokens,head_dim]"
-LAYOUT = dss.Layout(
-    "transformers", 4, 1024, dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=32, format=FORMAT
-)
+LAYOUT = dss.Layout("transformers", 4, 1024, dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=32, format=FORMAT)
 SHAPE = packing.shape_of(LAYOUT)
 TOKENS = list(range(100, 109))  # two full pages and one token
 
@@ -48,7 +46,9 @@ def test_every_tier_exact_by_default_serves_the_saved_bytes(open_store: Callable
 def test_int8_disk_is_recorded_and_announced_once_host_lets_go(open_store: Callable[..., dss.Store]) -> None:
     store = open_store(disk_precision="int8")
     save(store)
-    assert store.sql("SELECT tier, encoding, num_pages, bytes FROM tier_encodings").rows == [("disk", "int8", 2, 2 * (32 + 564 + 28))]  # records: header, page, seal
+    assert store.sql("SELECT tier, encoding, num_pages, bytes FROM tier_encodings").rows == [
+        ("disk", "int8", 2, 2 * (32 + 564 + 28))
+    ]  # records: header, page, seal
     assert store.sql("SELECT size FROM pages").rows == [(564,), (564,)]
     hot = store.resume("s", TOKENS, tenant_id="t")
     assert hot.tiers == {"host": 8} and hot.encodings == {}  # host keeps the exact copy it was given

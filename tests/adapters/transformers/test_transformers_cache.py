@@ -105,6 +105,36 @@ def test_pages_round_trip_bit_for_bit(model: Any, dtype: torch.dtype) -> None:
     assert torch.equal(first, tensors[0][0][0, :, 32:64])
 
 
+@pytest.mark.parametrize(
+    ("encoding", "key_err", "value_err"), [("int8", 0.04, 0.04), ("fp8", 0.35, 0.35), ("k8v4", 0.04, 0.8)]
+)
+def test_pages_a_disk_keeps_at_lower_precision_are_dequantized_into_the_cache(
+    model: Any, tmp_path: Path, encoding: str, key_err: float, value_err: float
+) -> None:
+    """Disk at ``encoding``: a fresh handle (host tier empty) reads the lossy copies, the result
+    says so, and the cache holds the KV dequantized into bf16, within a quantization step of
+    the row's absmax (randn rows: absmax about 3; int8 step 3/127, e4m3 about 3/16, int4 3/7)."""
+    from transformers import DynamicCache
+
+    layout = layout_for(model, page_tokens=32, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    tensors = [tuple(torch.randn(1, 2, 64, 32, generator=generator).to(torch.bfloat16) for _ in "kv") for _ in range(2)]
+    tokens = prompt(3, 64) + [7]
+    with dss.open(tmp_path / "s", disk_precision=encoding) as store:
+        store.create_session("c", user_id="u", tenant_id="t", layout=layout)
+        assert save_cache(store, DynamicCache(tensors), tokens, layout, session_id="c", tenant_id="t") == 2
+        store.commit("c", tokens, tenant_id="t")
+    with dss.open(tmp_path / "s", disk_precision=encoding) as fresh:
+        result = fresh.resume("c", tokens, tenant_id="t")
+        assert (result.tiers, result.encodings, result.lossy_tokens) == ({"disk": 64}, {encoding: 64}, 64)
+        cache, num_cached = load_cache(fresh, result, layout)
+    assert num_cached == 64
+    for (k, v), layer in zip(tensors, cache.layers):
+        assert layer.keys.dtype == torch.bfloat16 and layer.keys.shape == k.shape
+        assert 0 < (layer.keys.float() - k.float()).abs().max() <= key_err
+        assert 0 < (layer.values.float() - v.float()).abs().max() <= value_err
+
+
 def test_layouts_of_other_precisions_page_sizes_or_revisions_never_match(model: Any, store: dss.Store) -> None:
     base = layout_for(model, page_tokens=32)
     assert base.page_bytes == 2 * 2 * 2 * 32 * 32 * 4
