@@ -46,7 +46,7 @@ from dss.core.errors import (
     UnknownSession,
     UnknownVersion,
 )
-from dss.core.packing import decode_page
+from dss.core.packing import Encoded, decode_page, page_views
 from dss.core.packing import encoding_of as page_encoding
 from dss.core.precision import ENCODINGS
 from dss.core.tokens import TokenInput
@@ -70,6 +70,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "DssError",
+    "Encoded",
     "ErasureInProgress",
     "ErasureIncomplete",
     "Explanation",
@@ -112,6 +113,7 @@ __all__ = [
     "default_store",
     "open",
     "page_encoding",
+    "page_views",
     "resume",
 ]
 

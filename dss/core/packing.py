@@ -161,50 +161,84 @@ def encoding_of(payload: bytes | memoryview) -> str:
     return EXACT if found is None else found[0]
 
 
-def decode(payload: bytes | memoryview, shape: PageShape) -> np.ndarray:
-    """The page of ``shape`` a copy holds, as a ``[parts, rows, head_dim]`` array of the
-    page's dtype: the payload itself (a view) when exact, dequantized otherwise. Raises
-    ``InvalidPage`` when the copy is not a page of ``shape``."""
-    dtype = DTYPES[shape.dtype]
-    found = None if len(payload) == shape.exact_bytes else header_of(payload)
+class Encoded(NamedTuple):
+    """The parts of an encoded copy, as views of its bytes (nothing computed): ``q`` the
+    quantized keys and values (``[parts, rows, head_dim]`` int8 or e4m3 bytes; for ``k8v4``
+    the keys only, ``[layers, rows, head_dim]`` int8), ``scales`` their float16 scales
+    (``[..., rows, 1]``); for ``k8v4`` also ``values`` (``[layers, rows, head_dim / 2]``, two
+    int4 a byte, low nibble first, stored plus 8) and ``value_scales`` (``[layers, rows,
+    head_dim / group, 1]``). An engine adapter dequantizes these with its own kernels."""
+
+    encoding: str
+    shape: PageShape
+    q: np.ndarray
+    scales: np.ndarray
+    values: np.ndarray | None = None
+    value_scales: np.ndarray | None = None
+
+
+def views(payload: bytes | memoryview, shape: PageShape) -> Encoded | None:
+    """The parts of ``payload`` when it is an encoded copy of a page of ``shape``; ``None``
+    when it is exact (its size is the exact size). Raises ``InvalidPage`` otherwise."""
+    if len(payload) == shape.exact_bytes:
+        return None
+    found = header_of(payload)
     if found is None:
-        if len(payload) != shape.exact_bytes:
-            raise InvalidPage(f"a page of this layout has {shape.exact_bytes} bytes, not {len(payload)}")
-        return np.frombuffer(payload, dtype=dtype).reshape(shape.num_parts, shape.rows, shape.head_dim)
+        raise InvalidPage(f"a page of this layout has {shape.exact_bytes} bytes, not {len(payload)}")
     encoding, held = found
     if held != shape:
         raise InvalidPage(f"an encoded page of shape {tuple(held)} is not one of {tuple(shape)}")
     body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER.size)
+    n, rows, d = shape.num_parts // 2 if encoding == "k8v4" else shape.num_parts, shape.rows, shape.head_dim
+    q = body[: n * rows * d].reshape(n, rows, d)
+    at = n * rows * d + 2 * n * rows
+    scales = body[n * rows * d : at].view(np.float16).reshape(n, rows, 1)
+    if encoding != "k8v4":
+        return Encoded(encoding, shape, q, scales)
+    group = group_of(d) or d
+    values = body[at : at + n * rows * d // 2].reshape(n, rows, d // 2)
+    value_scales = body[at + n * rows * d // 2 :].view(np.float16).reshape(n, rows, d // group, 1)
+    return Encoded(encoding, shape, q, scales, values, value_scales)
+
+
+def decode(payload: bytes | memoryview, shape: PageShape) -> np.ndarray:
+    """The page of ``shape`` a copy holds, as a ``[parts, rows, head_dim]`` array of the
+    page's dtype: the payload itself (a view) when exact, dequantized otherwise (numpy, the
+    reference; adapters may dequantize :func:`views` with their engine's kernels instead).
+    Raises ``InvalidPage`` when the copy is not a page of ``shape``."""
+    dtype = DTYPES[shape.dtype]
+    parts = views(payload, shape)
+    if parts is None:
+        return np.frombuffer(payload, dtype=dtype).reshape(shape.num_parts, shape.rows, shape.head_dim)
     out = np.empty((shape.num_parts, shape.rows, shape.head_dim), dtype=dtype)
-    if encoding == "k8v4":
-        _decode_k8v4(body, shape, out)
-    else:
-        _decode_rows(body, encoding, out)
+    kind = _F8 if parts.encoding == "fp8" else np.int8
+    rows = out if parts.values is None else out[0::2]
+    rows[...] = parts.q.view(kind).astype(np.float32) * parts.scales.astype(np.float32)
+    if parts.values is not None and parts.value_scales is not None:
+        out[1::2] = _int4_values(parts.values, parts.value_scales)
     return out
 
 
-def _decode_rows(body: np.ndarray, encoding: str, out: np.ndarray) -> np.ndarray:
-    """Dequantize per-row int8 or e4m3 ``body`` into ``out``; returns the bytes it used."""
-    n = out.size
-    kind = np.int8 if encoding == "int8" else _F8
-    q = body[:n].view(kind).reshape(out.shape)
-    scales = body[n : n + 2 * out.size // out.shape[-1]].view(np.float16).reshape(*out.shape[:-1], 1)
-    out[...] = q.astype(np.float32) * scales.astype(np.float32)
-    return body[n + scales.size * 2 :]
-
-
-def _decode_k8v4(body: np.ndarray, shape: PageShape, out: np.ndarray) -> None:
-    """Dequantize a ``k8v4`` body into ``out`` (keys, then int4 values)."""
-    rest = _decode_rows(body, "int8", out[0::2])
-    layers, rows, d = shape.num_parts // 2, shape.rows, shape.head_dim
-    group = group_of(d) or d
-    packed = rest[: layers * rows * d // 2].reshape(layers, rows, d // 2)
-    scales = rest[layers * rows * d // 2 :].view(np.float16).reshape(layers, rows, d // group, 1)
-    q = np.empty((layers, rows, d), dtype=np.int8)
+def _int4_values(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Float32 values of packed int4 groups (see :class:`Encoded`)."""
+    layers, rows, half = packed.shape
+    q = np.empty((layers, rows, 2 * half), dtype=np.int8)
     q[..., 0::2] = (packed & 0x0F).astype(np.int8) - 8
     q[..., 1::2] = (packed >> 4).astype(np.int8) - 8
-    grouped = q.reshape(layers, rows, d // group, group).astype(np.float32) * scales.astype(np.float32)
-    out[1::2] = grouped.reshape(layers, rows, d)
+    groups = scales.shape[2]
+    grouped = q.reshape(layers, rows, groups, -1).astype(np.float32) * scales.astype(np.float32)
+    return grouped.reshape(layers, rows, 2 * half)
+
+
+def page_views(payload: bytes | memoryview, layout: Any) -> Encoded | None:
+    """:func:`views` of a stored page of ``layout``: ``None`` when it is exact, its parts when
+    it is an encoded copy; ``InvalidPage`` when it is neither."""
+    if len(payload) == layout.page_bytes:
+        return None
+    shape = shape_of(layout)
+    if shape is None:
+        raise InvalidPage(f"page has {len(payload)} bytes; layout {layout.name!r} pages have {layout.page_bytes}")
+    return views(payload, shape)
 
 
 def decode_page(payload: bytes | memoryview, layout: Any) -> bytes | memoryview | np.ndarray:

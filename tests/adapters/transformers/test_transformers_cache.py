@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from dss_adapters.transformers.cache import cache_from_pages, cache_pages, layout_for, load_cache, save_cache
+from dss_adapters.transformers.cache import (
+    cache_from_pages,
+    cache_pages,
+    dequantize,
+    layout_for,
+    load_cache,
+    save_cache,
+)
 
 import dss
 from tests import real_chat
@@ -133,6 +140,23 @@ def test_pages_a_disk_keeps_at_lower_precision_are_dequantized_into_the_cache(
         assert layer.keys.dtype == torch.bfloat16 and layer.keys.shape == k.shape
         assert 0 < (layer.keys.float() - k.float()).abs().max() <= key_err
         assert 0 < (layer.values.float() - v.float()).abs().max() <= value_err
+
+
+@pytest.mark.parametrize("encoding", ["int8", "fp8", "k8v4"])
+def test_torch_dequantization_equals_the_reference(model: Any, encoding: str) -> None:
+    """The adapter's torch kernels give the bytes of dss's numpy reference decoder, bit for bit."""
+    from dss.core import packing
+
+    layout = layout_for(model, page_tokens=32, dtype=torch.bfloat16)
+    shape = packing.shape_of(layout)
+    assert shape is not None
+    exact = torch.randn(shape.num_parts, shape.rows, shape.head_dim, generator=torch.Generator().manual_seed(2))
+    blob = packing.encode(exact.to(torch.bfloat16).view(torch.uint8).numpy().tobytes(), shape, encoding)
+    assert blob is not None
+    parts = dss.page_views(blob, layout)
+    assert parts is not None and parts.encoding == encoding
+    mine = dequantize(parts, torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert mine == bytes(dss.decode_page(blob, layout))
 
 
 def test_layouts_of_other_precisions_page_sizes_or_revisions_never_match(model: Any, store: dss.Store) -> None:
