@@ -46,6 +46,7 @@ def test_every_tier_exact_by_default_serves_the_saved_bytes(open_store: Callable
 def test_int8_disk_is_recorded_and_announced_once_host_lets_go(open_store: Callable[..., dss.Store]) -> None:
     store = open_store(disk_precision="int8")
     save(store)
+    assert store.check() == []
     assert store.sql("SELECT tier, encoding, num_pages, bytes FROM tier_encodings").rows == [
         ("disk", "int8", 2, 2 * (32 + 564 + 28))
     ]  # records: header, page, seal
@@ -76,6 +77,7 @@ def test_lossy_host_is_announced_at_once(open_store: Callable[..., dss.Store]) -
     assert (r.tiers, r.encodings) == ({"host": 8}, {"k8v4": 8})
     assert [packing.encoding_of(p) for p in store.read_pages(r.pages) if p is not None] == ["k8v4", "k8v4"]
     assert store.sql("SELECT encoding FROM page_locations").rows == [("exact",), ("exact",)]
+    assert store.check() == []
 
 
 def test_pages_of_opaque_layouts_stay_exact(open_store: Callable[..., dss.Store]) -> None:
