@@ -22,10 +22,12 @@ Per encoding: mean KL divergence of the next-token distributions over the prompt
 positions, top-1 agreement there, whether 24 greedy tokens after the prompt are identical,
 bytes per page (the catalog's size of the disk copy), and the time to first token of a
 ``--ttft-tokens`` prompt whose pages are on disk: resume, read and dequantize the pages, build
-the cache, compute the last tokens, pick the first one: median of ``--reps`` with the page
-files in the OS page cache (*cached*: the read is a memory copy) and as many without (*cold*:
-dropped with ``posix_fadvise`` before each, the read goes to the device), alternating. The bars
-of the ``int8`` row are printed; the TTFT bar is the cold one (a disk hit reads the disk).
+the cache, compute the last tokens, pick the first one. *Load* is the time to the cache (resume,
+read, dequantize, build), *TTFT* to the first token; medians of ``--reps`` rounds with the page
+files in the OS page cache (*cached*: the read is a memory copy) and without (*cold*: dropped
+with ``posix_fadvise`` before each, the read goes to the device), the encodings interleaved in
+every round. The bars of the ``int8`` row are printed; the TTFT bar is the cold one (a disk hit
+reads the disk).
 Torch runs on ``--threads`` threads (1 by default: on a small shared machine torch's thread
 pool spins on its barriers, and small kernels such as the dequantization take 100x longer).
 """
@@ -33,6 +35,7 @@ pool spins on its barriers, and small kernels such as the dequantization take 10
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -167,70 +170,74 @@ def drop_page_cache(folder: Path) -> None:
                 os.close(fd)
 
 
-def ttft(model: Any, layout: dss.Layout, tokens: list[int], root: Path, reps: int) -> dict[str, tuple[float, float]]:
-    """Median seconds to the first token of ``tokens`` with its pages on disk, per encoding:
-    with the page files in the OS page cache, and out of it (cold), runs alternating."""
+def ttft(model: Any, layout: dss.Layout, tokens: list[int], root: Path, reps: int) -> dict[str, dict[str, float]]:
+    """Median seconds, per encoding, to load the pages of ``tokens`` from disk (``load``) and to
+    the first token (``ttft``), with the page files in the OS page cache (``cached``) and out
+    of it (``cold``); encodings interleaved round by round, so that drift hits each alike."""
     from dss_adapters.transformers.cache import load_cache
 
-    out = {}
     for encoding in ENCODINGS:
-        folder = root / f"ttft-{encoding}"
-        stored(folder, encoding, model, layout, tokens[: (len(tokens) - 1) // PAGE * PAGE], "long")
-        times: dict[bool, list[float]] = {False: [], True: []}
-        with dss.open(folder, disk_precision=encoding, host_bytes=0, mover=False) as store:
-            for rep in range(2 * reps + 1):  # the first is a warm-up
-                cold = rep % 2 == 0
-                if cold:
-                    drop_page_cache(folder)
-                start = time.perf_counter()
-                result = store.resume("long", tokens, tenant_id="t")
-                cache, num_cached = load_cache(store, result, layout, limit=len(tokens) - 1)
-                with torch.no_grad():
-                    model(torch.tensor([tokens[num_cached:]]), past_key_values=cache).logits[0, -1].argmax()
-                if rep:
-                    times[cold].append(time.perf_counter() - start)
-        out[encoding] = (statistics.median(times[False]), statistics.median(times[True]))
-    return out
+        stored(root / f"ttft-{encoding}", encoding, model, layout, tokens[: (len(tokens) - 1) // PAGE * PAGE], "long")
+    samples: dict[str, dict[str, list[float]]] = {e: {} for e in ENCODINGS}
+    with contextlib.ExitStack() as stack:
+        stores = {
+            e: stack.enter_context(dss.open(root / f"ttft-{e}", disk_precision=e, host_bytes=0, mover=False))
+            for e in ENCODINGS
+        }
+        for rep in range(reps + 1):  # the first round is a warm-up
+            for kind in ("cached", "cold"):
+                for encoding, store in stores.items():
+                    if kind == "cold":
+                        drop_page_cache(root / f"ttft-{encoding}")
+                    start = time.perf_counter()
+                    result = store.resume("long", tokens, tenant_id="t")
+                    cache, num_cached = load_cache(store, result, layout, limit=len(tokens) - 1)
+                    loaded = time.perf_counter()
+                    with torch.no_grad():
+                        model(torch.tensor([tokens[num_cached:]]), past_key_values=cache).logits[0, -1].argmax()
+                    if rep:
+                        mine = samples[encoding]
+                        mine.setdefault(f"load {kind}", []).append(loaded - start)
+                        mine.setdefault(f"ttft {kind}", []).append(time.perf_counter() - start)
+    return {e: {k: statistics.median(v) for k, v in samples[e].items()} for e in ENCODINGS}
 
 
 def report(
-    q: dict[str, dict[str, float]], t: dict[str, tuple[float, float]], args: argparse.Namespace, sizes: list[int]
+    q: dict[str, dict[str, float]], t: dict[str, dict[str, float]], args: argparse.Namespace, sizes: list[int]
 ) -> None:
     print(
         f"\nSmolLM2-135M-Instruct bf16, CPU; {len(sizes)} prompts of {min(sizes)}-{max(sizes)} tokens "
         f"(turn {args.turn + 1} of real conversations), last {TAIL} computed over the prefix; "
-        f"TTFT of a {args.ttft_tokens}-token prompt from disk, page files in the OS page cache (cached) "
-        f"or not (cold), median of {args.reps}; torch threads {torch.get_num_threads()}\n"
+        f"a {args.ttft_tokens}-token prompt's pages loaded from disk, page files in the OS page cache "
+        f"(cached) or not (cold), median of {args.reps}; torch threads {torch.get_num_threads()}\n"
     )
     print(
         "| prefix KV | KL, mean | top-1 agreement | greedy identical | bytes/page | x exact "
-        "| TTFT cached ms | x exact | TTFT cold ms | x exact |"
+        "| load cached ms | load cold ms | x exact | TTFT cold ms | x exact |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     floor, n = q["floor"], len(sizes)
     print(
         f"| exact split vs full forward (floor) | {floor['kl']:.4f} | {floor['top1']:.3f} | "
-        f"{floor['same']:.0f}/{n} | | | | | | |"
+        f"{floor['same']:.0f}/{n} | | | | | | | |"
     )
-    exact_bytes = q["exact"]["bytes"]
-    (cached_exact, cold_exact) = t["exact"]
+    exact_bytes, base = q["exact"]["bytes"], t["exact"]
     for encoding in ENCODINGS:
-        r = q[encoding]
+        r, m = q[encoding], t[encoding]
         versus = "(exact split)" if encoding == "exact" else f"{r['kl']:.4f}"
-        cached, cold = t[encoding]
         print(
             f"| {encoding} | {versus} | {r['top1']:.3f} | {r['same']:.0f}/{n} | {r['bytes']:.0f} | "
-            f"{r['bytes'] / exact_bytes:.2f} | {cached * 1e3:.0f} | {cached / cached_exact:.2f} | "
-            f"{cold * 1e3:.0f} | {cold / cold_exact:.2f} |"
+            f"{r['bytes'] / exact_bytes:.2f} | {m['load cached'] * 1e3:.0f} | {m['load cold'] * 1e3:.0f} | "
+            f"{m['load cold'] / base['load cold']:.2f} | {m['ttft cold'] * 1e3:.0f} | "
+            f"{m['ttft cold'] / base['ttft cold']:.2f} |"
         )
-    i8 = q["int8"]
-    cached, cold = t["int8"]
+    i8, m = q["int8"], t["int8"]
     print("\nbars (int8):")
     print(f"  KL {i8['kl']:.4f} <= 1.3 x floor {floor['kl']:.4f}: {i8['kl'] <= 1.3 * floor['kl']}")
     print(f"  top-1 {i8['top1']:.3f} >= floor {floor['top1']:.3f} - 0.005: {i8['top1'] >= floor['top1'] - 0.005}")
     print(f"  bytes {i8['bytes'] / exact_bytes:.3f} x exact <= 0.55: {i8['bytes'] <= 0.55 * exact_bytes}")
-    print(f"  disk-hit TTFT, cold {cold * 1e3:.0f} ms < exact {cold_exact * 1e3:.0f} ms: {cold < cold_exact}")
-    print(f"  (page files cached: {cached * 1e3:.0f} ms against {cached_exact * 1e3:.0f} ms: {cached < cached_exact})")
+    cold, exact_cold = m["ttft cold"], base["ttft cold"]
+    print(f"  disk-hit TTFT, cold {cold * 1e3:.0f} ms < exact {exact_cold * 1e3:.0f} ms: {cold < exact_cold}")
     print(f"\nrerun: {' '.join([sys.executable, *sys.argv])}")
 
 
