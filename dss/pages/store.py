@@ -73,24 +73,29 @@ def new_pages(
     for i, payload in payloads.items():
         page_id = ids[i]
         entry = entries.get(page_id)
-        durable, encoding, host = encode(payload)
-        if entry is not None and (entry.disk is not None or entry.is_durable):
-            out.append(NewPage(page_id, i, durable, None, 0, 0, encoding, host))
-        elif seal:
+        if entry is not None and (entry.disk is not None or entry.is_durable):  # only its host copy is new
+            out.append(NewPage(page_id, i, encode(payload, False)[2] or payload, None, 0, 0))
+            continue
+        durable, encoding, host = encode(payload, True)
+        if seal:
             out.append(NewPage(page_id, i, durable, durable, 0, SEALED_FLAG, encoding, host))
         else:
             out.append(NewPage(page_id, i, durable, durable, checksum(durable), 0, encoding, host))
     return tuple(out)
 
 
-def _encoder(layout: Layout | None, precision: Precision) -> Callable[[bytes], tuple[bytes, str, bytes | None]]:
-    """A function of a saved payload to ``(durable copy, its encoding, host copy or None: the
-    same bytes)`` for these settings; chosen once per write."""
+def _encoder(layout: Layout | None, precision: Precision) -> Callable[[bytes, bool], tuple[bytes, str, bytes | None]]:
+    """A function of a saved payload (and whether its durable copy is wanted) to ``(durable
+    copy, its encoding, host copy or None: the same bytes)`` for these settings; chosen once
+    per write."""
     shape = packing.shape_of(layout) if layout is not None and not precision.is_exact else None
     if shape is None:
-        return lambda payload: (payload, EXACT, None)
+        return lambda payload, durable: (payload, EXACT, None)
 
-    def encode(payload: bytes) -> tuple[bytes, str, bytes | None]:
+    def encode(payload: bytes, wanted: bool) -> tuple[bytes, str, bytes | None]:
+        if not wanted:
+            host = packing.encode(payload, shape, precision.host)
+            return payload, EXACT, host if host is not None and host is not payload else None
         disk = packing.encode(payload, shape, precision.disk)
         durable, encoding = (payload, EXACT) if disk is None else (disk, precision.disk)
         if precision.host == encoding:
