@@ -32,6 +32,7 @@ from dss_adapters.vllm.jobs import JobThread
 from dss_adapters.vllm.meta import NO_BLOCK, LoadJob
 from dss_adapters.vllm.reader import PageReader
 
+import dss
 from dss import DssError
 
 log = logging.getLogger("vllm.dss.loader")
@@ -67,6 +68,7 @@ def read_pages(
     except DssError as exc:
         log.error("reading %d dss pages of request %s failed: %s", len(needed), req_id, exc)
         payloads = [None] * len(needed)
+    payloads = exact_only(payloads)
     outcome.failed_pages = [needed[i] for i, payload in enumerate(payloads) if payload is None]
     if outcome.failed_pages:
         log.warning(
@@ -79,6 +81,14 @@ def read_pages(
     outcome.loaded_page_ids = [page_ids[k] for k in rows]
     outcome.seconds = time.perf_counter() - start
     return rows, [payload for payload in payloads if payload is not None], outcome
+
+
+def exact_only(payloads: Sequence[bytes | memoryview | None]) -> list[bytes | memoryview | None]:
+    """The payloads, a page some tier keeps at a lower precision (``dss.page_encoding``: not
+    ``exact``) made a miss: the connector copies pages as they are and does not dequantize,
+    so such a page is recomputed by vLLM, never loaded approximate. Its own layouts are never
+    encoded (their packing is the backend's), so this only guards against a store's mistake."""
+    return [p if p is None or dss.page_encoding(p) == "exact" else None for p in payloads]
 
 
 def load_pages(
