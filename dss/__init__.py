@@ -53,7 +53,7 @@ from dss.core.tokens import TokenInput
 from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
 from dss.core.version import VERSION
 from dss.erasure.documents import AuditEntry, Plan, Receipt
-from dss.sessions.resume import Candidate, ResumeResult
+from dss.sessions.resume import Candidate, LoadDecision, ResumeResult
 from dss.store import Store
 from dss.writes.compaction import Compaction
 
@@ -81,6 +81,7 @@ __all__ = [
     "InvalidPage",
     "InvalidTokens",
     "Layout",
+    "LoadDecision",
     "NoStore",
     "NotFound",
     "PageId",

@@ -5,7 +5,8 @@ it and ``save_kv_layer(layer, ...)`` after it. :class:`LayerwiseCopier` uses the
 page copies overlap the forward pass:
 
 * **load** (:meth:`LayerwiseCopier.load`, from ``start_load_kv`` before the forward): the
-  pages are read from the store into a pinned host buffer, then every layer's part is
+  pages are read from the store into reused page rows (decrypted straight into them),
+  rearranged in one pass into a pinned host buffer by layer, then every layer's part is
   copied to the device and scattered into its blocks on a load stream of its own, with one
   CUDA event per layer; :meth:`LayerwiseCopier.wait_layer` makes the forward's stream wait
   for that layer's event only, so layer 0 computes while the later layers still copy.
@@ -29,8 +30,8 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-from dss_adapters.vllm.copy import BlockCopier
-from dss_adapters.vllm.loader import LoadOutcome, read_pages
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer
+from dss_adapters.vllm.loader import LoadOutcome, read_staged
 from dss_adapters.vllm.meta import NO_BLOCK
 
 import dss
@@ -46,6 +47,8 @@ class LayerwiseCopier:
         self.load_stream = torch.cuda.Stream(device=copier.device) if self.is_cuda else None
         self.save_stream = torch.cuda.Stream(device=copier.device) if self.is_cuda else None
         self._buffers: dict[str, torch.Tensor] = {}
+        self.staging = RowBuffer(copier.page_bytes)
+        """The page rows a load reads into (the store decrypts straight into them)."""
         self._load_events: dict[int, torch.cuda.Event] = {}
         self._save_ids: list[list[int]] | None = None
         self._saved_layers: set[int] = set()
@@ -59,15 +62,16 @@ class LayerwiseCopier:
         cannot return are in the outcome's ``failed_pages`` and are not copied.
         """
         start = time.perf_counter()
-        rows, payloads, outcome = read_pages(store, page_ids, block_ids, "")
-        if rows:
+        staged, blocks, outcome = read_staged(store, self.staging, page_ids, block_ids, "")
+        count = len(staged)
+        if count:
             if self.load_stream is not None:
                 self.load_stream.synchronize()  # the previous step's copies out of the buffer
             layers, layer_bytes = len(self.copier.layers), self.copier.layer_bytes
-            buffer = self._buffer("load", len(rows))
-            for n, payload in enumerate(payloads):
-                buffer[:, n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(layers, layer_bytes)
-            self._start_layers(buffer, [[group[k] for k in rows] for group in block_ids])
+            buffer = self._buffer("load", count)
+            # page rows to layer-major (each layer's part contiguous, for one copy per layer): one pass
+            buffer[:, :count] = torch.from_numpy(staged).view(count, layers, layer_bytes).transpose(0, 1)
+            self._start_layers(buffer, blocks)
         outcome.seconds = time.perf_counter() - start
         return outcome
 

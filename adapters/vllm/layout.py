@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -370,3 +371,23 @@ def model_fingerprint(model: str) -> str:
 
 def _natural_key(name: str) -> tuple[Any, ...]:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def shard_layouts(handshakes: Iterable[Any], expected: list[dss.Layout], num_shards: int) -> list[dss.Layout]:
+    """Every shard's layout as its workers reported it (``handshakes``: each a ``shard`` and a
+    ``layout`` dict); ``ConfigError`` when a shard is missing, its workers disagree, or one
+    differs from the layout the scheduler computed (``expected``: the first shards')."""
+    layouts: dict[int, dss.Layout] = {}
+    for handshake in handshakes:
+        layout = dss.Layout.from_dict(handshake.layout)
+        if layouts.setdefault(handshake.shard, layout) != layout:
+            raise ConfigError(f"the workers of dss shard {handshake.shard} disagree on its page layout")
+    missing = sorted(set(range(num_shards)) - set(layouts))
+    if missing:
+        raise ConfigError(f"no worker reported the page layout of dss shard(s) {missing}")
+    for shard, layout in enumerate(expected):
+        if layouts[shard] != layout:
+            raise ConfigError(
+                f"the worker of dss shard {shard} has page layout {layouts[shard]}, the scheduler expects {layout}"
+            )
+    return [layouts[shard] for shard in range(num_shards)]

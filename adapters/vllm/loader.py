@@ -24,10 +24,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 from dss_adapters.staging import DONE, Transfer
-from dss_adapters.vllm.copy import BlockCopier
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer
 from dss_adapters.vllm.jobs import JobThread
 from dss_adapters.vllm.meta import NO_BLOCK, LoadJob
 from dss_adapters.vllm.reader import PageReader
@@ -50,9 +51,10 @@ class LoadOutcome:
 
 
 class PageSource(Protocol):
-    """Where payloads come from: a ``dss.Store`` or a :class:`PageReader` process."""
+    """Where payloads come from: a ``dss.Store`` or a :class:`PageReader` process; with ``into``
+    each payload lands in its buffer (``Store.read_pages``)."""
 
-    def read_pages(self, pages: Sequence[bytes]) -> Sequence[bytes | memoryview | None]: ...
+    def read_pages(self, pages: Sequence[bytes], *, into: Sequence[memoryview] | None = None) -> Sequence[Any]: ...
 
 
 def read_pages(
@@ -61,14 +63,50 @@ def read_pages(
     """Read the pages some KV cache group needs: (their indexes, their payloads, the outcome so
     far: failed pages and loaded ids). A ``DssError`` from the store fails every page (logged)."""
     start = time.perf_counter()
-    needed = [k for k in range(len(page_ids)) if any(group[k] != NO_BLOCK for group in block_ids)]
-    outcome = LoadOutcome(req_id)
+    needed = _needed(block_ids, len(page_ids))
+    payloads = _read(store, [page_ids[k] for k in needed], req_id, None)
+    outcome = _outcome(req_id, page_ids, needed, payloads, start)
+    rows = [needed[i] for i, payload in enumerate(payloads) if payload is not None]
+    return rows, [payload for payload in payloads if payload is not None], outcome
+
+
+def read_staged(
+    store: PageSource, staging: RowBuffer, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+) -> tuple[np.ndarray, list[list[int]], LoadOutcome]:
+    """:func:`read_pages` into the rows of ``staging`` (the store decrypts straight into them):
+    (the rows of the pages read, each group's blocks for those rows, the outcome so far)."""
+    start = time.perf_counter()
+    needed = _needed(block_ids, len(page_ids))
+    rows = staging.rows(len(needed))
+    payloads = _read(store, [page_ids[k] for k in needed], req_id, [memoryview(row) for row in rows])
+    outcome = _outcome(req_id, page_ids, needed, payloads, start)
+    got = [i for i, payload in enumerate(payloads) if payload is not None]
+    blocks = [[group[needed[i]] for i in got] for group in block_ids]
+    return (rows if len(got) == len(needed) else rows[got]), blocks, outcome
+
+
+def _needed(block_ids: Sequence[Sequence[int]], count: int) -> list[int]:
+    """The pages some KV cache group has a block for."""
+    return [k for k in range(count) if any(group[k] != NO_BLOCK for group in block_ids)]
+
+
+def _read(
+    store: PageSource, page_ids: list[bytes], req_id: str, into: list[memoryview] | None
+) -> Sequence[bytes | memoryview | None]:
+    """The store's payloads (into ``into`` if given); every page fails on a ``DssError`` (logged)."""
     try:
-        payloads = store.read_pages([page_ids[k] for k in needed])
+        payloads = store.read_pages(page_ids, into=into) if into is not None else store.read_pages(page_ids)
     except DssError as exc:
-        log.error("reading %d dss pages of request %s failed: %s", len(needed), req_id, exc)
-        payloads = [None] * len(needed)
-    payloads = exact_only(payloads)
+        log.error("reading %d dss pages of request %s failed: %s", len(page_ids), req_id, exc)
+        return [None] * len(page_ids)
+    return exact_only(payloads)
+
+
+def _outcome(
+    req_id: str, page_ids: Sequence[bytes], needed: list[int], payloads: Sequence[object], start: float
+) -> LoadOutcome:
+    """The outcome of a read: failed pages (logged), loaded ids, seconds since ``start``."""
+    outcome = LoadOutcome(req_id)
     outcome.failed_pages = [needed[i] for i, payload in enumerate(payloads) if payload is None]
     if outcome.failed_pages:
         log.warning(
@@ -77,10 +115,9 @@ def read_pages(
             len(needed),
             req_id,
         )
-    rows = [needed[i] for i, payload in enumerate(payloads) if payload is not None]
-    outcome.loaded_page_ids = [page_ids[k] for k in rows]
+    outcome.loaded_page_ids = [page_ids[needed[i]] for i, payload in enumerate(payloads) if payload is not None]
     outcome.seconds = time.perf_counter() - start
-    return rows, [payload for payload in payloads if payload is not None], outcome
+    return outcome
 
 
 def exact_only(payloads: Sequence[bytes | memoryview | None]) -> list[bytes | memoryview | None]:
@@ -92,22 +129,40 @@ def exact_only(payloads: Sequence[bytes | memoryview | None]) -> list[bytes | me
 
 
 def load_pages(
-    store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+    store: PageSource,
+    copier: BlockCopier,
+    page_ids: Sequence[bytes],
+    block_ids: Sequence[Sequence[int]],
+    req_id: str,
+    staging: RowBuffer | None = None,
 ) -> LoadOutcome:
     """Copy the pages ``page_ids[k]`` into the blocks ``block_ids[group][k]`` (see the module
-    docstring); the copies are complete when it returns."""
-    outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id)
+    docstring), read through ``staging`` if given; the copies are complete when it returns."""
+    outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id, staging)
     transfer.wait()
     return outcome
 
 
 def start_load_pages(
-    store: PageSource, copier: BlockCopier, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+    store: PageSource,
+    copier: BlockCopier,
+    page_ids: Sequence[bytes],
+    block_ids: Sequence[Sequence[int]],
+    req_id: str,
+    staging: RowBuffer | None = None,
 ) -> tuple[LoadOutcome, Transfer]:
-    """:func:`load_pages`, returning once the copies are queued, with their transfer."""
+    """:func:`load_pages`, returning once the copies are queued, with their transfer. With
+    ``staging`` the pages are read into its rows and copied one layer at a time for all of them
+    (:meth:`BlockCopier.scatter_rows`)."""
     start = time.perf_counter()
-    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
     transfer = DONE
+    if staging is not None:
+        staged, blocks, outcome = read_staged(store, staging, page_ids, block_ids, req_id)
+        if len(staged):
+            transfer = copier.scatter_rows(staged, blocks)
+        outcome.seconds = time.perf_counter() - start
+        return outcome, transfer
+    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
     if rows:
         transfer = copier.start_scatter(payloads, [[group[k] for k in rows] for group in block_ids])
     outcome.seconds = time.perf_counter() - start
@@ -124,6 +179,8 @@ class PageLoader(JobThread[LoadJob, tuple[LoadOutcome, Transfer]]):
         self.reader = reader
         self.copier = copier
         self.shard = shard
+        self.staging = RowBuffer(copier.page_bytes)
+        """This thread's rows that pages are read into."""
         self._done: list[tuple[LoadJob, LoadOutcome]] = []
         self._copying: list[tuple[LoadJob, LoadOutcome, Transfer]] = []
         """Jobs whose pages were read and whose copies are queued, oldest first."""
@@ -176,7 +233,9 @@ class PageLoader(JobThread[LoadJob, tuple[LoadOutcome, Transfer]]):
     def _do(self, job: LoadJob) -> tuple[LoadOutcome, Transfer]:
         if job.fail:
             return LoadOutcome(job.req_id, failed_pages=list(range(len(job.page_ids[self.shard])))), DONE
-        return start_load_pages(self.reader, self.copier, job.page_ids[self.shard], job.block_ids, job.req_id)
+        return start_load_pages(
+            self.reader, self.copier, job.page_ids[self.shard], job.block_ids, job.req_id, self.staging
+        )
 
     def _finish(self, job: LoadJob, result: tuple[LoadOutcome, Transfer]) -> None:
         outcome, transfer = result

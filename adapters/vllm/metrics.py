@@ -11,8 +11,11 @@ metric                                      type       meaning
 ``vllm:dss_requests_total{result}``         counter    finished requests dss was asked about:
                                                        ``hit`` (dss loaded KV), ``engine``
                                                        (vLLM's own prefix cache held at least as
-                                                       much as dss could load: nothing to add)
-                                                       or ``miss`` (neither had it)
+                                                       much as dss could load: nothing to add),
+                                                       ``recompute`` (dss held more, but
+                                                       recomputing it was estimated faster at
+                                                       the engine's prefill speed) or ``miss``
+                                                       (neither had it)
 ``vllm:dss_loaded_tokens_total{tier}``      counter    prompt tokens loaded into finished
                                                        requests, net of pages that failed, by
                                                        the tier planned (``host``: the worker's
@@ -45,7 +48,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-RESULTS = ("hit", "engine", "miss")
+RESULTS = ("hit", "engine", "recompute", "miss")
 """A finished request's ``result`` (see the module docstring)."""
 TIERS = ("host", "disk", "remote")
 """Where a page was planned to load from: the worker's host tier (RAM), its disk, the remote tier."""

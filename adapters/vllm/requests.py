@@ -59,6 +59,8 @@ class Tracked:
     """Leading tokens vLLM's own prefix cache held when it last asked."""
     stored_tokens: int = 0
     """Leading tokens dss could have loaded when it last looked (page-aligned, a token left to compute)."""
+    decision: dss.LoadDecision | None = None
+    """The last load-or-recompute decision for it (``None``: dss had nothing past vLLM's own cache)."""
     hit_sources: dict[str, int] = field(default_factory=dict)
     """Tokens of the last load by the tier planned (``host``, ``disk``, ``remote``)."""
     waiting_for: set[str] | None = None
@@ -141,8 +143,12 @@ class RequestBook:
             "version_id": None,
             "loaded_tokens": tracked.num_loaded_tokens,
             "engine_cached_tokens": tracked.engine_cached_tokens,
-            "result": request_result(tracked.num_loaded_tokens, tracked.engine_cached_tokens, tracked.stored_tokens),
+            "result": request_result(
+                tracked.num_loaded_tokens, tracked.engine_cached_tokens, tracked.stored_tokens, tracked.decision
+            ),
         }
+        if tracked.decision is not None and not tracked.decision.load:
+            out["decision"] = decision_out(tracked.decision)
         complete = request.status in (
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -219,16 +225,32 @@ class RequestBook:
         return {"version_id": int(version.version_id), "num_tokens": version.num_tokens}
 
 
-def request_result(loaded_tokens: int, engine_cached_tokens: int, stored_tokens: int) -> str:
+def request_result(
+    loaded_tokens: int, engine_cached_tokens: int, stored_tokens: int, decision: dss.LoadDecision | None = None
+) -> str:
     """Who supplied a finished request's prompt KV: ``"hit"`` when dss loaded some
     (``loaded_tokens`` after pages that failed), ``"engine"`` when vLLM's own prefix cache held
     some and at least the ``stored_tokens`` dss could have loaded (dss had nothing to add),
+    ``"recompute"`` when dss held more but recomputing it was estimated faster (``decision``),
     ``"miss"`` otherwise (neither had it; or dss had more but loaded none of it)."""
     if loaded_tokens > 0:
         return "hit"
     if engine_cached_tokens > 0 and engine_cached_tokens >= stored_tokens:
         return "engine"
+    if decision is not None and not decision.load:
+        return "recompute"
     return "miss"
+
+
+def decision_out(decision: dss.LoadDecision) -> dict[str, Any]:
+    """A load decision in a request's output ``kv_transfer_params``: ``load`` (bool), the
+    estimates ``load_ms`` and ``recompute_ms``, and the ``recompute_tokens_per_s`` used."""
+    return {
+        "load": decision.load,
+        "load_ms": round(decision.load_seconds * 1e3, 3),
+        "recompute_ms": round(decision.recompute_seconds * 1e3, 3),
+        "recompute_tokens_per_s": round(decision.recompute_tokens_per_s, 1),
+    }
 
 
 def _session_key(scope: Scope) -> tuple[str, str, str] | None:

@@ -9,7 +9,10 @@ per finished request (:mod:`dss_adapters.vllm.requests`). For every request it
    match in the namespace) for the other shards and for a request without a session —
    and offers vLLM the pages past what vLLM already holds that **every** shard has, at most
    ``(num_tokens - 1) // block_size`` blocks (a synchronous load must leave a token to
-   compute), and nothing when ``resume`` estimates that recomputing beats loading
+   compute), and nothing when recomputing them is estimated faster than loading them from
+   the tiers planned (:meth:`dss.ResumeResult.decision` at the engine's prefill speed,
+   measured on its own steps, :mod:`dss_adapters.vllm.prefill`; the request's output
+   ``kv_transfer_params`` carry the decision, and such a request counts as ``recompute``)
    (:meth:`SchedulerSide.num_new_matched_tokens`, side-effect free);
 2. chooses how to load (``load_mode``): synchronously when the workers hold every page in
    their host tiers (:mod:`dss_adapters.vllm.hosts`) or when no other request is running
@@ -45,9 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from dss_adapters.vllm.device import DeviceResidency
 from dss_adapters.vllm.hosts import WorkerHosts
-from dss_adapters.vllm.layout import Shards
+from dss_adapters.vllm.layout import Shards, shard_layouts
 from dss_adapters.vllm.meta import NO_BLOCK, DssConnectorMetadata, DssWorkerMetadata, LoadJob, SaveJob, ShardHandshake
 from dss_adapters.vllm.metrics import DssConnectorStats
+from dss_adapters.vllm.prefill import PrefillSpeed
 from dss_adapters.vllm.requests import RequestBook, Tracked
 from dss_adapters.vllm.settings import Settings
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -112,9 +116,11 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._step = 0
         self._settled: dict[int, bool] = {}
-        self._num_running = 0
-        """Requests the last step computed: a synchronous load would stall them."""
+        self._running: set[str] = set()
+        """Requests the last step computed, less those finished since: a synchronous load stalls them."""
         self.device = DeviceResidency(store, engine_id, layouts[0], num_groups)
+        self.prefill = PrefillSpeed(settings.recompute_tokens_per_s)
+        """The engine's prefill speed (measured, or the setting) the load decision uses."""
 
     # -- vLLM hooks ------------------------------------------------------------------------
 
@@ -140,8 +146,9 @@ class SchedulerSide:
         tracked.num_stored_pages = max(tracked.num_stored_pages, stored // self.page_tokens)
         matched = min(stored, (request.num_tokens - 1) // self.page_tokens * self.page_tokens)
         tracked.stored_tokens = matched
-        if matched <= num_computed_tokens or not results[0].should_load:
-            self._plans.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+        tracked.decision = None
+        if matched <= num_computed_tokens:
             return 0, False
         first, end = num_computed_tokens // self.page_tokens, matched // self.page_tokens
         page_ids = [[bytes(p.page_id) for p in r.pages[first:end]] for r in results]
@@ -150,8 +157,11 @@ class SchedulerSide:
             "host" if is_held else "remote" if ref.tier == "remote" else "disk"
             for is_held, ref in zip(held, results[0].pages[first:end])
         ]
+        tracked.decision = self.prefill.decide(results[0], tiers, self.page_tokens)
+        if not tracked.decision.load:
+            return 0, False
         if self.settings.load_mode == "auto":
-            is_async = not self.can_load_sync or (not all(held) and self._num_running > 0)
+            is_async = not self.can_load_sync or (not all(held) and bool(self._running))
         else:
             is_async = self.settings.load_mode == "async"
         self._plans[request.request_id] = _Plan(first, page_ids, is_async, tiers)
@@ -211,8 +221,9 @@ class SchedulerSide:
         """This step's jobs: the pending loads, and a save for every block that becomes full."""
         self._step += 1
         self.device.step()
-        self._num_running = len(scheduler_output.num_scheduled_tokens)
+        self._running = set(scheduler_output.num_scheduled_tokens)
         has_sync_loads = any(not job.is_async for job in self._loads)
+        self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, has_sync_loads)
         meta = DssConnectorMetadata(
             loads=self._loads,
             step=self._step,
@@ -297,6 +308,7 @@ class SchedulerSide:
         for a failed asynchronous load of a model with several KV cache groups); the pages
         from there on are saved again once recomputed, and are not counted as loaded.
         """
+        self.prefill.step_over()
         if output.invalid_block_ids:
             self._on_failed_blocks(output.invalid_block_ids)
         for req_id in getattr(output, "failed_recving", None) or ():
@@ -319,6 +331,7 @@ class SchedulerSide:
         """Commit a finished request's tokens to its session and count it in the metrics (its
         result, the tokens it loaded by tier); its output ``kv_transfer_params``."""
         self._plans.pop(request.request_id, None)
+        self._running.discard(request.request_id)
         tracked = self.book.live.get(request.request_id)
         out = self.book.finish(request)
         if tracked is not None:
@@ -335,20 +348,7 @@ class SchedulerSide:
     def take_handshakes(self, handshakes: Iterable[ShardHandshake]) -> None:
         """Learn every shard's layout from its workers (at start); ``ConfigError`` when a shard is
         missing, its workers disagree, or one differs from the layout the scheduler computed."""
-        layouts: dict[int, dss.Layout] = {}
-        for handshake in handshakes:
-            layout = dss.Layout.from_dict(handshake.layout)
-            if layouts.setdefault(handshake.shard, layout) != layout:
-                raise ConfigError(f"the workers of dss shard {handshake.shard} disagree on its page layout")
-        missing = sorted(set(range(self.num_shards)) - set(layouts))
-        if missing:
-            raise ConfigError(f"no worker reported the page layout of dss shard(s) {missing}")
-        for shard, layout in enumerate(self.layouts):
-            if layouts[shard] != layout:
-                raise ConfigError(
-                    f"the worker of dss shard {shard} has page layout {layouts[shard]}, the scheduler expects {layout}"
-                )
-        self.layouts = [layouts[shard] for shard in range(self.num_shards)]
+        self.layouts = shard_layouts(handshakes, self.layouts, self.num_shards)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ _KEYS = {
     "max_pending_bytes",
     "session_wait_s",
     "load_mode",
+    "recompute_tokens_per_s",
 }
 _REQUEST_KEYS = {"session_id", "tenant_id", "user_id", "label", "commit"}
 
@@ -102,6 +103,14 @@ class Settings:
         },
     )
 
+    recompute_tokens_per_s: float | None = field(
+        default=None,
+        metadata={
+            "description": "Prefill speed (tokens/s) to weigh loading against recomputing; default: measured on "
+            "the engine's own prefill steps (the store's `recompute_tokens_per_s` until then)."
+        },
+    )
+
     @property
     def reader_options(self) -> dict[str, Any]:
         """``store_options`` for the processes that only move pages (workers, the reader): they
@@ -136,6 +145,11 @@ class Settings:
         wait = extra.get("session_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
             raise ConfigError("'session_wait_s' must be a number of seconds >= 0")
+        speed = extra.get("recompute_tokens_per_s")
+        if speed is not None and (
+            isinstance(speed, bool) or not isinstance(speed, int | float) or not 0 < speed < float("inf")
+        ):
+            raise ConfigError("'recompute_tokens_per_s' must be a positive number of tokens per second")
         mode = extra.get("load_mode", "auto")
         if mode not in ("auto", "sync", "async"):
             raise ConfigError(f"'load_mode' must be 'auto', 'sync' or 'async', not {mode!r}")
@@ -152,6 +166,7 @@ class Settings:
             max_pending_bytes=extra.get("max_pending_bytes", 1 << 30),
             session_wait_s=float(wait),
             load_mode=mode,
+            recompute_tokens_per_s=None if speed is None else float(speed),
         )
 
 

@@ -8,8 +8,10 @@ one layer (the block dimension is found in each layer's tensor, so any backend p
 copied as is).
 
 * :meth:`WorkerSide.start_load` reads the pages of the step's synchronous load jobs in one
-  batched ``read_pages`` and copies them into their blocks before the forward (on CUDA,
-  layer by layer on a stream of their own, :mod:`dss_adapters.vllm.cuda`); asynchronous
+  batched ``read_pages`` and copies them into their blocks before the forward: from disk
+  into one reused buffer of page rows, then one copy per layer for all the pages; from this
+  process's host tier straight from its bytes (on CUDA, layer by layer on a stream of their
+  own, :mod:`dss_adapters.vllm.cuda`); asynchronous
   jobs go to the :class:`PageLoader` thread, which reads through a child process
   (:mod:`dss_adapters.vllm.reader`), and are reported done by
   :meth:`WorkerSide.transfer_results`. A page the store cannot return (gone, or corrupt
@@ -31,7 +33,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from dss_adapters.vllm.copy import BlockCopier
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer
 from dss_adapters.vllm.cuda import LayerwiseCopier
 from dss_adapters.vllm.layout import PageLayer
 from dss_adapters.vllm.loader import LoadOutcome, PageLoader, load_pages
@@ -78,6 +80,8 @@ class WorkerSide:
         self.page_tokens = layout.page_tokens
         self.num_pages_loaded = 0
         self.copier: BlockCopier | None = None
+        self.staging: RowBuffer | None = None
+        """The rows synchronous loads read their pages into (made by :meth:`register`)."""
         self.layerwise: LayerwiseCopier | None = None
         self.loader: PageLoader | None = None
         self.stats = DssConnectorStats()
@@ -112,6 +116,7 @@ class WorkerSide:
         )
         if self.copier.device.type == "cuda" and self.copier.uniform:  # state-space layers: whole pages
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
+        self.staging = RowBuffer(self.layout.page_bytes)
         self.loader = PageLoader(PageReader(self.settings.store, self.settings.reader_options), self.copier, self.shard)
 
     # -- loads -----------------------------------------------------------------------------
@@ -135,7 +140,10 @@ class WorkerSide:
         if self.layerwise is not None:
             outcome = self.layerwise.load(self.store, page_ids, block_ids)
         else:
-            outcome = load_pages(self.store, copier, page_ids, block_ids, ",".join(job.req_id for job in sync))
+            # pages from this process's RAM are copied straight from it (staging them costs a copy);
+            # pages read from disk are decrypted into the staging rows, then copied a layer at a time
+            staging = None if all(tier == "host" for tier in tiers) else self.staging
+            outcome = load_pages(self.store, copier, page_ids, block_ids, ",".join(job.req_id for job in sync), staging)
         failed = {block_ids[0][k] for k in outcome.failed_pages}
         self._load_errors |= failed
         self._step_failed = bool(failed)

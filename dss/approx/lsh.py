@@ -22,12 +22,13 @@ This module knows nothing of the catalog: :mod:`dss.approx.nearest` loads versio
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from dss.approx.minhash import Signer, datasketch_module, shingle_hashes, window_starts
+from dss.approx.minhash import Signer, datasketch_module, prefix_ends, shingle_hashes, window_starts
 from dss.core.tokens import TOKEN_BYTES
 
 WEIGHTS = (0.1, 0.9)
@@ -35,6 +36,19 @@ WEIGHTS = (0.1, 0.9)
 for the threshold: a false positive costs one exact comparison, a false negative loses reuse
 (at the defaults, 11 bands of 11 rows: a version at Jaccard 0.9 is proposed with probability
 0.984, at 0.85 with 0.867, at 0.5 with 0.005)."""
+
+PREFIX_STEP = 1.08
+"""Ratio of the lengths of consecutive prompt prefixes queried. A stored version of ``m``
+shingles lies between two queried prefixes at most 8 % apart, one of them within 4 % of ``m``;
+when the prompt holds the version but for a few shingles (a re-rendered line) that prefix's
+Jaccard with it is still about 0.9 or more."""
+MIN_PREFIX = 16
+"""Fewest shingles of a queried prefix."""
+CONTAINMENT_THRESHOLD = 0.7
+"""The Jaccard threshold of the bands the prefixes are looked up in (20 bands of 6 rows: a
+version at Jaccard 0.8 is proposed with probability 0.998, at 0.7 with 0.92, at 0.5 with 0.27).
+A version the prompt holds but for 10 % of its shingles is within Jaccard 0.8 of the prefix
+nearest its length; at the main threshold it would be missed one time in four."""
 
 
 class Settings(NamedTuple):
@@ -77,13 +91,15 @@ class Hit(NamedTuple):
 class Bucket:
     """The index of one namespace and layout."""
 
-    __slots__ = ("by_session", "entries", "lsh", "name", "salt", "user_ref", "windows")
+    __slots__ = ("by_session", "containment", "entries", "lsh", "name", "salt", "user_ref", "windows")
 
-    def __init__(self, user_ref: int, name: bytes, salt: int, lsh: Any) -> None:
+    def __init__(self, user_ref: int, name: bytes, salt: int, lsh: Any, containment: Any) -> None:
         self.user_ref = user_ref
         self.name = name
         self.salt = salt
         self.lsh = lsh
+        self.containment = containment
+        """The whole-version entries again, banded for :data:`CONTAINMENT_THRESHOLD` (queried by prefixes)."""
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.by_session: dict[int, set[str]] = {}
         """The keys of ``entries`` of each session."""
@@ -150,15 +166,19 @@ class LshIndex:
         if self._redis is not None:
             config = {"type": "redis", "basename": name, "redis": self._redis_config}
             built = bool(self._redis.exists(name + b"built"))
-        lsh = self._ds.MinHashLSH(
-            threshold=self.settings.threshold,
-            num_perm=self.settings.permutations,
-            weights=WEIGHTS,
-            storage_config=config,
-        )
-        bucket = Bucket(user_ref, name, salt, lsh)
+        bucket = Bucket(user_ref, name, salt, self._band(name, config), self._band(name + b"c:", config))
         self.buckets[(user_ref, layout_digest)] = bucket
         return bucket, built
+
+    def _band(self, basename: bytes, config: dict[str, Any] | None) -> Any:
+        """A ``MinHashLSH`` for ``basename`` (in Redis when ``config`` says so): the containment
+        bands for a basename ending ``c:``, the main ones otherwise."""
+        if config is not None:
+            config = {**config, "basename": basename}
+        threshold = CONTAINMENT_THRESHOLD if basename.endswith(b":c:") else self.settings.threshold
+        return self._ds.MinHashLSH(
+            threshold=threshold, num_perm=self.settings.permutations, weights=WEIGHTS, storage_config=config
+        )
 
     def close_bucket(self, user_ref: int, layout_digest: bytes) -> None:
         """Let go of an index this process opened (Redis keeps a shared one)."""
@@ -201,7 +221,10 @@ class LshIndex:
             key = entry.key()
             if key in bucket.entries:
                 continue
-            bucket.lsh.insert(key, self.signer.minhash(values), check_duplication=False)
+            signature = self.signer.minhash(values)
+            bucket.lsh.insert(key, signature, check_duplication=False)
+            if not entry.is_window:
+                bucket.containment.insert(key, signature, check_duplication=False)
             bucket.entries[key] = entry
             bucket.by_session.setdefault(session_ref, set()).add(key)
             self.num_entries += 1
@@ -221,18 +244,11 @@ class LshIndex:
     def _drop_shared(self, user_ref: int, session_ref: int) -> None:
         """Remove a session's entries from every shared index of its namespace in Redis, whether
         this process opened them or not (another process may have indexed the session)."""
-        import pickle
-
         prefix = f"{session_ref}:"
         pattern = f"{self._prefix}:u{user_ref}:*:_keys".encode()
         for name in self._redis.scan_iter(match=pattern, count=1000):
             basename = name[: -len(b"_keys")]
-            lsh = self._ds.MinHashLSH(
-                threshold=self.settings.threshold,
-                num_perm=self.settings.permutations,
-                weights=WEIGHTS,
-                storage_config={"type": "redis", "basename": basename, "redis": self._redis_config},
-            )
+            lsh = self._band(basename, {"type": "redis", "redis": self._redis_config})
             for raw in self._redis.hkeys(name):
                 key = pickle.loads(raw)
                 if isinstance(key, str) and key.startswith(prefix) and key in lsh:
@@ -264,10 +280,13 @@ class LshIndex:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def query(self, bucket: Bucket, buf: bytes | memoryview, page_tokens: int) -> list[Hit]:
-        """Entries likely similar to the prompt (``buf``) as a whole or to one of its windows.
+    def query(self, bucket: Bucket, buf: bytes | memoryview, page_tokens: int, *, prefixes: bool = True) -> list[Hit]:
+        """Entries likely similar to the prompt (``buf``) as a whole or to one of its windows,
+        and (unless ``prefixes`` is false) entries likely similar to one of its prefixes
+        (:data:`PREFIX_STEP` apart): a stored version the prompt extends, however long the extension.
 
-        Each entry once, with the first part of the prompt that found it. Changes nothing.
+        Each entry once, with the first part of the prompt that found it (a prefix: ``0``).
+        Changes nothing.
         """
         tokens = np.frombuffer(buf, dtype=np.uint32)
         if not len(tokens):
@@ -275,15 +294,36 @@ class LshIndex:
         size = self.settings.shingle_tokens
         hashes = shingle_hashes(tokens, size, bucket.salt)
         starts = window_starts(len(tokens), self.settings.window_tokens, page_tokens, size)
-        whole, parts = self.signer.values(hashes, starts)
-        found: dict[str, int] = {}
-        for key in bucket.lsh.query(self.signer.minhash(whole)):
-            found.setdefault(key, 0)
+        phv = self.signer.permuted(hashes)
+        whole, parts = self.signer.reduce(phv, starts)
+        found = dict.fromkeys(self._lookup(bucket.lsh, whole[:, None]), 0)
+        if prefixes:
+            ends = prefix_ends(len(hashes), PREFIX_STEP, MIN_PREFIX)
+            columns = np.column_stack([whole, self.signer.prefixes(phv, ends)])
+            found.update(dict.fromkeys(self._lookup(bucket.containment, columns), 0))
         if parts is not None:
-            for i, start in enumerate(starts):
-                for key in bucket.lsh.query(self.signer.minhash(parts[:, i])):
-                    found.setdefault(key, start)
+            for key, column in self._lookup(bucket.lsh, parts).items():
+                found.setdefault(key, starts[column])
         return [Hit(Entry.parse(key), start) for key, start in found.items()]
+
+    @staticmethod
+    def _lookup(lsh: Any, columns: np.ndarray) -> dict[str, int]:
+        """The key of every entry that shares a band with one of the signatures ``columns``,
+        and the first column that found it (``MinHashLSH.query`` for many signatures at once:
+        a band value the next column repeats is looked up once)."""
+        assert lsh.hashfunc is None, "band keys are datasketch's byte-swapped values"
+        found: dict[Any, int] = {}
+        for (start, end), table in zip(lsh.hashranges, lsh.hashtables):
+            band = np.ascontiguousarray(columns[start:end].T)
+            changed = np.flatnonzero(np.any(band[1:] != band[:-1], axis=1)) + 1
+            raw, width = band.byteswap().tobytes(), band.shape[1] * band.itemsize  # datasketch's band key
+            for column in (0, *changed.tolist()):
+                for key in table.get(raw[column * width : (column + 1) * width]):
+                    if found.get(key, column) >= column:
+                        found[key] = column
+        if lsh.prepickle:
+            return {pickle.loads(key): column for key, column in found.items()}
+        return found
 
     def stats(self) -> dict[str, Any]:
         """Sizes, for ``Store.stats()``."""
@@ -321,5 +361,6 @@ class LshIndex:
                 keys.discard(key)
                 if not keys:
                     del bucket.by_session[entry.session_ref]
-        if key in bucket.lsh:
-            bucket.lsh.remove(key)
+        for lsh in (bucket.lsh, bucket.containment):
+            if key in lsh:
+                lsh.remove(key)

@@ -79,24 +79,56 @@ class Signer:
         self._a = np.asarray(a, np.uint32)[:, None]
         self._b = np.asarray(b, np.uint32)[:, None]
 
-    def values(self, hashes: np.ndarray, bounds: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray | None]:
-        """The signature of all ``hashes`` and, when ``bounds`` (slice starts, first 0) are
-        given, one signature per slice (columns)."""
+    def permuted(self, hashes: np.ndarray) -> np.ndarray:
+        """Every permutation of every hash: ``permutations`` rows, one column per hash (the
+        signature of any run of hashes is the minimum of its columns)."""
         with np.errstate(over="ignore"):
             hv = hashes ^ (hashes >> np.uint32(16))
             hv = hv * _M1
             hv = hv ^ (hv >> np.uint32(13))
             hv = hv * _M2
             hv = hv ^ (hv >> np.uint32(16))
-            phv = self._a * hv[None, :] + self._b
+            return self._a * hv[None, :] + self._b
+
+    def values(self, hashes: np.ndarray, bounds: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+        """The signature of all ``hashes`` and, when ``bounds`` (slice starts, first 0) are
+        given, one signature per slice (columns)."""
+        return self.reduce(self.permuted(hashes), bounds)
+
+    @staticmethod
+    def reduce(phv: np.ndarray, bounds: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`values` of hashes already :meth:`permuted`."""
         starts = list(bounds)
         if starts and len(starts) > 1:
             parts = np.minimum.reduceat(phv, starts, axis=1)
             return parts.min(axis=1), parts
         return phv.min(axis=1), None
 
+    @staticmethod
+    def prefixes(phv: np.ndarray, ends: list[int]) -> np.ndarray:
+        """The signatures of the first ``e`` hashes for each ``e`` of ``ends`` (ascending, each
+        at least 1), as columns, from hashes already :meth:`permuted`."""
+        if not ends:
+            return np.zeros((phv.shape[0], 0), phv.dtype)
+        parts = np.minimum.reduceat(phv[:, : ends[-1]], [0, *ends[:-1]], axis=1)
+        return np.minimum.accumulate(parts, axis=1)
+
     def minhash(self, values: np.ndarray) -> Any:
         return self._ds.MinHash(hashvalues=values, permutations=self.permutations, scheme="affine32")
+
+
+def prefix_ends(num_shingles: int, step: float, least: int) -> list[int]:
+    """The shingle counts of the prompt prefixes a containment query asks for, ascending: the
+    whole prompt's count divided by ``step``, ``step**2``, ... while at least ``least`` (the
+    whole prompt is not among them)."""
+    out: list[int] = []
+    size = num_shingles / step
+    while size >= least:
+        end = int(size)
+        if not out or end < out[-1]:
+            out.append(end)
+        size /= step
+    return out[::-1]
 
 
 def window_starts(num_tokens: int, window_tokens: int, page_tokens: int, shingle_tokens: int) -> list[int]:

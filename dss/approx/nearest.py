@@ -23,7 +23,7 @@ import numpy as np
 
 from dss.approx.explanation import Explanation, common_prefix, realign
 from dss.approx.lsh import Bucket
-from dss.approx.minhash import jaccard, shingle_hashes
+from dss.approx.minhash import shingle_hashes
 from dss.approx.upkeep import Upkeep
 from dss.catalog import sessions
 from dss.core.errors import ErasureInProgress
@@ -124,8 +124,10 @@ class Nearest:
         extra: SessionState | None = None,
         also: tuple[tuple[int, int], ...] = (),
     ) -> tuple[list[Candidate], int]:
-        """The ``k`` stored versions nearest the prompt (exact Jaccard, then common prefix), all
-        of namespace ``user_ref`` and ``layout``, each verified; also how many were verified.
+        """The ``k`` stored versions nearest the prompt, all of namespace ``user_ref`` and
+        ``layout``, each verified; also how many were verified. Nearest first: the version of
+        which the prompt holds the most distinct shingles (a next turn's nearest is the version
+        it extends, not a shorter earlier turn), then exact Jaccard, then common prefix.
 
         ``extra``'s versions (the request's own session) and the ``also`` versions
         (``(session_ref, version_id)``) are compared too, proposed or not.
@@ -146,16 +148,16 @@ class Nearest:
                 wanted.setdefault((extra.ref, version_id), 0)
         for pair in also:
             wanted.setdefault(pair, 0)
-        size = self.lsh.settings.shingle_tokens
         salt = bucket.salt
-        prompt_hashes = shingle_hashes(prompt, size, salt)
+        prompt_hashes = shingle_hashes(prompt, self.lsh.settings.shingle_tokens, salt)
         prompt_sig, _ = self.lsh.signer.values(prompt_hashes)
-        out: dict[tuple[int, int], Candidate] = {}
+        prompt_set = np.unique(prompt_hashes)
+        out: dict[tuple[int, int], tuple[Candidate, int]] = {}
         verified = 0
         with self.mirror.catalog.read() as conn:
             for session_ref, version_id in wanted:
                 if verified >= MAX_VERIFIED and (extra is None or session_ref != extra.ref):
-                    break
+                    continue
                 state = (
                     extra if extra is not None and extra.ref == session_ref else self.mirror.loaded(session_ref, conn)
                 )
@@ -165,29 +167,44 @@ class Nearest:
                 if vid is None or vid not in state.versions or (session_ref, vid) in out:
                     continue
                 verified += 1
-                out[(session_ref, vid)] = self._verify(prompt, prompt_sig, state, vid, salt)
-        ranked = sorted(out.values(), key=lambda c: (-c.jaccard, -c.common_prefix, c.session_id, c.version_id))
-        return ranked[:k], verified
+                out[(session_ref, vid)] = self._verify(prompt, prompt_sig, prompt_set, state, vid, salt)
+        ranked = sorted(
+            out.values(),
+            key=lambda cs: (-cs[1], -cs[0].jaccard, -cs[0].common_prefix, cs[0].session_id, cs[0].version_id),
+        )
+        return [c for c, _ in ranked[:k]], verified
 
     def _verify(
-        self, prompt: np.ndarray, prompt_sig: np.ndarray, state: SessionState, version_id: int, salt: int
-    ) -> Candidate:
+        self,
+        prompt: np.ndarray,
+        prompt_sig: np.ndarray,
+        prompt_set: np.ndarray,
+        state: SessionState,
+        version_id: int,
+        salt: int,
+    ) -> tuple[Candidate, int]:
+        """The version compared with the prompt, and how many of its distinct shingles the
+        prompt holds (what ranks it: the version the prompt holds most of comes first)."""
         stored = np.frombuffer(state.tokens(version_id), dtype=np.uint32)
-        size = self.lsh.settings.shingle_tokens
+        hashes = shingle_hashes(stored, self.lsh.settings.shingle_tokens, salt)
+        sig, _ = self.lsh.signer.values(hashes)
+        mine = np.unique(hashes)
+        shared = len(np.intersect1d(prompt_set, mine, assume_unique=True))
+        union = len(prompt_set) + len(mine) - shared
         common = common_prefix(prompt, stored)
-        shorter = min(len(prompt), len(stored))
-        sig, _ = self.lsh.signer.values(shingle_hashes(stored, size, salt))
         page_tokens = state.layout.page_tokens
-        return Candidate(
+        candidate = Candidate(
             state.session_id,
             VersionId(version_id),
             len(stored),
             float(np.mean(sig == prompt_sig)),
-            jaccard(prompt, stored, size, salt),
+            shared / union if union else 1.0,
             common,
-            common if common < shorter else None,
+            common if common < min(len(prompt), len(stored)) else None,
             len(self._available(state, version_id, common // page_tokens)) * page_tokens,
+            shared / len(mine) if len(mine) else 1.0,
         )
+        return candidate, shared
 
     def _available(self, state: SessionState, version_id: int, num_pages: int) -> list[tuple[PageId, int]]:
         """The version's first pages, up to ``num_pages``, that some tier holds, as ``(id, code)``."""

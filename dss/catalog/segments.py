@@ -21,6 +21,7 @@ from dss.catalog.schema import (
     tier_totals,
     users,
 )
+from dss.core.types import PageId
 
 _TIER_BYTES = select(tier_totals.c.bytes).where(
     tier_totals.c.tier == bindparam("tier"), tier_totals.c.node_ref == bindparam("node_ref")
@@ -193,13 +194,13 @@ def segment_owners(conn: Connection, tier: str) -> dict[int, tuple[int, int]]:
     }
 
 
-def segment_page_ids(conn: Connection, tier: str) -> dict[int, list[bytes]]:
+def segment_page_ids(conn: Connection, tier: str) -> dict[int, list[PageId]]:
     """``segment_ref -> [page_id, ...]`` of every page located on a tier."""
-    out: dict[int, list[bytes]] = {}
+    out: dict[int, list[PageId]] = {}
     for ref, page_id in conn.execute(
         select(locations.c.segment_ref, locations.c.page_id).where(locations.c.tier == tier)
     ):
-        out.setdefault(ref, []).append(bytes(page_id))
+        out.setdefault(ref, []).append(PageId(bytes(page_id)))
     return out
 
 

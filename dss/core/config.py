@@ -13,10 +13,9 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
 
 from dss.core.errors import ConfigError
 from dss.core.precision import lossier
@@ -306,20 +305,10 @@ class StoreConfig(BaseModel):
 
 def sqlite_url(path: Path) -> str:
     """The SQLAlchemy URL of the SQLite database file at ``path``, built from the path rather
-    than pasted into a URL, so ``?``, ``#`` and ``%`` in folder names stay part of the path."""
-    return URL.create("sqlite", database=str(path)).render_as_string(hide_password=False)
-
-
-def sqlite_file(url: str) -> Path | None:
-    """The database file a SQLite catalog URL names; ``None`` for another database, an in-memory
-    one, or a URL SQLAlchemy cannot read (opening its catalog says why)."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
-        return None
-    return Path(parsed.database)
+    than pasted into a URL, so ``?``, ``#`` and ``%`` in folder names stay part of the path
+    (quoted as SQLAlchemy quotes a URL's database; :func:`dss.catalog.urls.sqlite_file` reads
+    it back)."""
+    return "sqlite:///" + quote(str(path), safe=" +/")
 
 
 _ENV = {

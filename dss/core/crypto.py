@@ -74,6 +74,22 @@ class Sealer:
         except InvalidTag:
             raise SealError("sealed blob does not authenticate") from None
 
+    def open_into(self, blob: bytes | memoryview, aad: bytes, into: memoryview) -> memoryview:
+        """:meth:`open` for large payloads: the plaintext decrypted straight into ``into``
+        (exactly the plaintext's size; ``ValueError`` otherwise), no copy after; returns
+        ``into``. Raises :class:`SealError` if the blob does not authenticate (``into`` then
+        holds garbage, never a plaintext that failed)."""
+        view = memoryview(blob)
+        if len(view) < OVERHEAD:
+            raise SealError("sealed blob is too short")
+        if len(into) != len(view) - OVERHEAD:
+            raise ValueError(f"the plaintext has {len(view) - OVERHEAD} bytes; the buffer {len(into)}")
+        try:
+            self._aead.decrypt_into(bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], aad, into)
+        except InvalidTag:
+            raise SealError("sealed blob does not authenticate") from None
+        return into
+
 
 def new_data_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)

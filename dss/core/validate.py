@@ -21,6 +21,25 @@ def check_name(label: str, value: Any, *, optional: bool = False) -> None:
         raise InvalidInput(f"{label} must be a printable string of 1 to {MAX_NAME} characters, got {_shown(value)}")
 
 
+def check_buffers(into: Any, count: int) -> list[memoryview] | None:
+    """``read_pages``' ``into``: ``None``, or one writable, contiguous buffer per page (as flat
+    byte views)."""
+    if into is None:
+        return None
+    if isinstance(into, (str, bytes, bytearray, memoryview)) or not isinstance(into, Sequence) or len(into) != count:
+        raise InvalidInput(f"into must be a list of {count} writable buffers, one per page")
+    views = []
+    for i, item in enumerate(into):
+        try:
+            view = memoryview(item)
+        except TypeError:
+            raise InvalidInput(f"into[{i}] must be a writable buffer, not {type(item).__name__}") from None
+        if view.readonly or not view.contiguous:
+            raise InvalidInput(f"into[{i}] must be a writable, contiguous buffer")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return views
+
+
 def check_flag(label: str, value: Any) -> None:
     if type(value) is not bool:
         raise InvalidInput(f"{label} must be True or False, not {type(value).__name__}")

@@ -71,7 +71,9 @@ class RemoteCopies:
         except ErasureInProgress:
             return None
 
-    def fetch(self, ids: Sequence[PageId], out: Sequence[bytes | None]) -> list[tuple[int, PageEntry, bytes]]:
+    def fetch(
+        self, ids: Sequence[PageId], out: Sequence[bytes | memoryview | None]
+    ) -> list[tuple[int, PageEntry, bytes]]:
         """``(i, entry, payload)`` of the pages ``ids[i]`` that ``out`` misses and the catalog
         holds on another node's disk only, as the remote tier has them, verified: one round trip."""
         entries = self.index.entries

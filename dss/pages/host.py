@@ -70,8 +70,9 @@ class HostPages:
         return self.host.active_bytes > high
 
     def owner(self, namespace: NamespacePages) -> Owner:
-        """``(tenant_id, user_ref)`` of a namespace, for the host tier's quotas (its tenant
-        read from the catalog once per namespace object)."""
+        """``(tenant_id, user_ref)`` of a namespace, for the host tier's quotas and the tenant
+        filter of ``read_pages`` (its tenant read from the catalog once per namespace object;
+        ``""`` for a namespace the catalog no longer has)."""
         if namespace.tenant_id is None:
             with self.catalog.read() as conn:
                 namespace.tenant_id = namespaces.tenant_of(conn, namespace.user_ref) or ""

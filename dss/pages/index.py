@@ -41,7 +41,7 @@ class NamespacePages:
         self.gen = next(_generations)
         self.loaded = False
         self.tenant_id: str | None = None
-        """The namespace's tenant, once the page store looked it up (for the host tier's quotas)."""
+        """The namespace's tenant, once looked up (:meth:`dss.pages.host.HostPages.owner`)."""
 
     def bump(self) -> None:
         """Something about one of the namespace's pages changed."""

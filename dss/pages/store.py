@@ -291,7 +291,7 @@ class PageStore:
                 return False
         return True
 
-    def segment_order(self, conn: Any) -> tuple[list[segments.SegmentRow], dict[int, list[bytes]]]:
+    def segment_order(self, conn: Any) -> tuple[list[segments.SegmentRow], dict[int, list[PageId]]]:
         """The disk's unpinned segments that hold no held page, in the order they leave, and
         the pages of every segment."""
         rows = segments.tier_segments(conn, "disk", self.node_ref)
@@ -299,8 +299,8 @@ class PageStore:
         page_ids = segments.segment_page_ids(conn, "disk")
         held = placement.held
         if held:
-            rows = [seg for seg in rows if not any(PageId(p) in held for p in page_ids.get(seg.ref, ()))]
-        return placement.segment_order(rows, lambda ref: [PageId(p) for p in page_ids.get(ref, ())]), page_ids
+            rows = [seg for seg in rows if not any(p in held for p in page_ids.get(seg.ref, ()))]
+        return placement.segment_order(rows, page_ids), page_ids
 
     def settle(
         self,

@@ -12,7 +12,7 @@ catalog.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from dss.catalog.segments import SegmentRow
 from dss.core.types import PageId
@@ -25,25 +25,25 @@ disk after every other, the least frequently used first (the others in the catal
 
 
 def segment_order(
-    stats: Statistics, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]], now: float
+    stats: Statistics, segments: Sequence[SegmentRow], pages: Mapping[int, Sequence[PageId]], now: float
 ) -> list[SegmentRow]:
     """Disk segments in the order they leave (pinned ones left out), given in the catalog's order
     (oldest newest-version first). ``dss``: segments without a hot page first, in that order, and
     among those of one newest version (a namespace's sessionless saves are all of one: none) the
     least frequently used first; then the hot ones, least frequently used first. LRU: the least
-    recently read first (the catalog's order among equals)."""
+    recently read first (the catalog's order among equals). ``pages``: each segment's page ids."""
     free = [s for s in segments if not s.is_pinned]
     if not free:
         return free
-    pages = stats.stats
+    page_stats = stats.stats
     if stats.is_lru:
-        last = [_last_read(pages, pages_of(segment.ref)) for segment in free]
+        last = [_last_read(page_stats, pages.get(segment.ref, ())) for segment in free]
         return [free[i] for i in sorted(range(len(free)), key=lambda i: (last[i], i))]
     best: list[float] = []
     for segment in free:
         worth = 0.0
-        for p in pages_of(segment.ref):
-            s = pages.get(p)
+        for p in pages.get(segment.ref, ()):
+            s = page_stats.get(p)
             if s is not None and s.last != -math.inf:
                 worth = max(worth, decayed(s.freq, max(0.0, now - s.last), stats.half_life(s)))
         best.append(worth)

@@ -86,7 +86,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
@@ -371,10 +371,10 @@ class Placement(Statistics):
         return chosen
 
     def segment_order(
-        self, segments: Sequence[SegmentRow], pages_of: Callable[[int], Sequence[PageId]], now: float | None = None
+        self, segments: Sequence[SegmentRow], pages: Mapping[int, Sequence[PageId]], now: float | None = None
     ) -> list[SegmentRow]:
         """Disk segments in the order they leave (:func:`dss.placement.disk.segment_order`)."""
-        return disk.segment_order(self, segments, pages_of, self.now() if now is None else now)
+        return disk.segment_order(self, segments, pages, self.now() if now is None else now)
 
     def disk_reclaim(self, inactive: Iterable[InactiveSegment], need: int) -> tuple[list[InactiveSegment], list[str]]:
         """The inactive disk segments a write drops for ``need`` bytes, and those read since

@@ -9,7 +9,7 @@ injected clock. Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import NamedTuple
 
 from dss.core.types import PageId
@@ -272,10 +272,10 @@ class Statistics:
         for page_id in page_ids:
             self.stats.pop(page_id, None)
 
-    def prune(self, known: Callable[[PageId], bool]) -> int:
-        """Forget the statistics of pages ``known`` says no tier holds any more (deleted,
-        evicted from disk, erased); returns how many went."""
-        gone = [p for p in self.stats if not known(p)]
+    def prune(self, *held: Container[PageId]) -> int:
+        """Forget the statistics of pages none of ``held`` (what the tiers hold) contains any
+        more (deleted, evicted from disk, erased); returns how many went."""
+        gone = [p for p in self.stats if not any(p in kept for kept in held)]
         self.forget(gone)
         t = self.now()
         for user in [k for k in self.users if self.activity(k, t) < IDLE_ACTIVITY]:

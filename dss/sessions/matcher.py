@@ -8,6 +8,7 @@ lookup of further pages in the namespace. Nothing here writes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from dss.core.hashing import chain_ids, chain_root
 from dss.core.tokens import TOKEN_BYTES
@@ -28,6 +29,19 @@ SHARED_USER = "~shared"
 def shared_session_id(layout: Layout) -> str:
     """The id of the session holding a tenant's shared prefixes of one layout."""
     return f"{SHARED_PREFIX}{layout.digest.hex()[:16]}"
+
+
+class _Found(NamedTuple):
+    """What a match found so far: its spans and pages, where the last came from, the
+    session's history along the prompt, the trie's match, and the session trie's page ids of
+    the prompt (``None``: no shared prefix was consulted)."""
+
+    spans: list[Span]
+    num_pages: int
+    source: str
+    history: int
+    match: Match | None
+    own_ids: Sequence[PageId] | None
 
 
 class Matcher:
@@ -74,45 +88,51 @@ class Matcher:
         """The resume answer for ``buf``: session trie, shared prefixes, then chain lookup."""
         self._catch_up_residency()
         page_tokens = layout.page_tokens
+        found = self._from_tries(buf, layout, tenant_id, state)
+        version_id = _version_of(state, found.match, min(found.num_pages * page_tokens, found.history))
         total = len(buf) // TOKEN_BYTES // page_tokens
-        code_of = self.index.code_of
+        if user_ref is not None and found.history < (found.num_pages + 1) * page_tokens and found.num_pages < total:
+            if state is None:
+                self.mirror.namespace(user_ref)
+            extra = self._namespace_span(buf, layout, user_ref, found.own_ids, found.spans, found.num_pages)
+            if extra is not None:
+                found = found._replace(
+                    spans=[*found.spans, extra], num_pages=found.num_pages + extra.count, source="namespace"
+                )
+        return ResumeResult(
+            state.session_id if state is not None else None,
+            version_id,
+            found.num_pages * page_tokens,
+            len(buf) // TOKEN_BYTES,
+            found.history,
+            page_tokens,
+            layout.page_bytes,
+            spans=found.spans,
+            rates=self.rates,
+            source=found.source,
+        )
+
+    def _from_tries(
+        self, buf: bytes | memoryview, layout: Layout, tenant_id: str, state: SessionState | None
+    ) -> _Found:
+        """The pages of ``buf`` the session's trie holds, then those the tenant's shared
+        prefixes hold past them."""
         spans: list[Span] = []
-        source = "session"
         history = 0
-        own_ids: Sequence[PageId] | None = None
         match = None
         if state is not None:
             match = state.trie.walk(buf)
             history = match.num_tokens
-            spans = state.trie.available(match, state.namespace.gen, code_of)
-        num_pages = sum(span.count for span in spans)
+            spans = state.trie.available(match, state.namespace.gen, self.index.code_of)
+        found = _Found(spans, sum(span.count for span in spans), "session", history, match, None)
         shared = self.mirror.shared(tenant_id, layout, shared_session_id(layout))
-        if shared is not None:
-            extra, own_ids = self._fill_from_shared(buf, state, match, shared, num_pages)
-            if extra is not None:
-                spans = [*spans, extra]
-                num_pages += extra.count
-                source = "shared"
-        version_id = _version_of(state, match, min(num_pages * page_tokens, history))
-        if user_ref is not None and history < (num_pages + 1) * page_tokens and num_pages < total:
-            if state is None:
-                self.mirror.namespace(user_ref)
-            extra = self._namespace_span(buf, layout, user_ref, own_ids, spans, num_pages)
-            if extra is not None:
-                spans = [*spans, extra]
-                num_pages += extra.count
-                source = "namespace"
-        return ResumeResult(
-            state.session_id if state is not None else None,
-            version_id,
-            num_pages * page_tokens,
-            len(buf) // TOKEN_BYTES,
-            history,
-            page_tokens,
-            layout.page_bytes,
-            spans=spans,
-            rates=self.rates,
-            source=source,
+        if shared is None:
+            return found
+        extra, own_ids = self._fill_from_shared(buf, state, match, shared, found.num_pages)
+        if extra is None:
+            return found._replace(own_ids=own_ids)
+        return found._replace(
+            spans=[*spans, extra], num_pages=found.num_pages + extra.count, source="shared", own_ids=own_ids
         )
 
     def _fill_from_shared(

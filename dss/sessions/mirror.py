@@ -46,7 +46,6 @@ class Mirror:
         self.sessions: dict[int, SessionState] = {}
         self._names: dict[tuple[str, str | None], int] = {}
         self._no_shared: set[tuple[str, bytes]] = set()
-        self._tenants: dict[int, str] = {}
         self._users: dict[tuple[str, str], int] = {}
         self._own: set[int] = set()
         with catalog.read() as conn:
@@ -180,7 +179,6 @@ class Mirror:
         self._names.clear()
         self.keys.clear()
         self._users.clear()
-        self._tenants.clear()
         self._no_shared.clear()
         for user_ref in list(self.index.namespaces):
             self.index.drop_namespace(user_ref)
@@ -308,21 +306,10 @@ class Mirror:
     def drop_namespace(self, user_ref: int) -> None:
         """Drop every cached trace of a namespace: keys, sessions, page entries, host copies."""
         self.keys.forget(user_ref)
-        self._tenants.pop(user_ref, None)
         self._users = {k: v for k, v in self._users.items() if v != user_ref}
         for ref in [ref for ref, state in self.sessions.items() if state.user_ref == user_ref]:
             self.drop_session(ref)
         self.index.drop_namespace(user_ref)
-
-    def tenant_of(self, user_ref: int) -> str | None:
-        """The tenant a namespace belongs to (``None`` for an unknown one)."""
-        tenant = self._tenants.get(user_ref)
-        if tenant is None:
-            with self.catalog.read() as conn:
-                tenant = namespaces.tenant_of(conn, user_ref)
-            if tenant is not None:
-                self._tenants[user_ref] = tenant
-        return tenant
 
     def user_ref(self, tenant_id: str, user_id: str) -> int | None:
         """The namespace's row number, or ``None`` if it has none (found ones are remembered

@@ -7,7 +7,7 @@ lazily where it is not (one :class:`PageRef` per page), from a snapshot taken wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from dss.core.types import TIER_CODE, TIERS, PageId, PageRef, VersionId
@@ -21,6 +21,20 @@ class Rates(NamedTuple):
     recompute_tokens_per_s: float
 
 
+class LoadDecision(NamedTuple):
+    """Load the matched pages or recompute them: the estimates it was made from.
+
+    ``load_seconds``: the matched pages' bytes over each tier's read speed;
+    ``recompute_seconds``: their tokens over ``recompute_tokens_per_s`` (the store's
+    ``recompute_tokens_per_s``, or an engine's measured prefill speed); ``load``: whether
+    loading is estimated faster (never for nothing matched)."""
+
+    load: bool
+    load_seconds: float
+    recompute_seconds: float
+    recompute_tokens_per_s: float
+
+
 class Candidate(NamedTuple):
     """A stored version near a prompt, verified token by token (what ``nearest`` returns).
 
@@ -28,7 +42,9 @@ class Candidate(NamedTuple):
     the two token-shingle sets; ``common_prefix`` the exact number of leading tokens the
     prompt and the version share; ``divergence`` the first position where they differ
     (``None`` when one is a prefix of the other); ``matched_tokens`` the page-aligned tokens
-    of that common prefix whose pages some tier holds — what a resume could reuse from it.
+    of that common prefix whose pages some tier holds — what a resume could reuse from it;
+    ``containment`` the share of the version's distinct shingles the prompt holds (``1.0``
+    for a version the prompt extends unchanged).
     """
 
     session_id: str
@@ -39,6 +55,7 @@ class Candidate(NamedTuple):
     common_prefix: int
     divergence: int | None
     matched_tokens: int
+    containment: float = 0.0
 
 
 class ResumeResult:
@@ -177,26 +194,38 @@ class ResumeResult:
     def load_seconds(self) -> float:
         """Estimated time to load the matched pages from their tiers (none for pages on ``device``:
         the engine holding them needs no load)."""
-        if self._rates is None:
-            return 0.0
-        per_page = self.page_bytes / self.page_tokens
-        return sum(
-            tokens * per_page / self._rates.tier_bytes_per_s.get(tier, 1e9)
-            for tier, tokens in self.tiers.items()
-            if tier != "device"
-        )
+        return self.decision().load_seconds
 
     @property
     def recompute_seconds(self) -> float:
         """Estimated time to recompute the matched tokens instead."""
-        if self._rates is None:
-            return 0.0
-        return self.matched_tokens / self._rates.recompute_tokens_per_s
+        return self.decision().recompute_seconds
 
     @property
     def should_load(self) -> bool:
         """Whether loading the matched pages is estimated to beat recomputing them."""
-        return self.matched_tokens > 0 and self.load_seconds < self.recompute_seconds
+        return self.decision().load
+
+    def decision(
+        self, recompute_tokens_per_s: float | None = None, *, tiers: Mapping[str, int] | None = None
+    ) -> LoadDecision:
+        """Load or recompute, estimated with the store's speeds — or, given
+        ``recompute_tokens_per_s`` (> 0), with that prefill speed (an engine's measured one) —
+        for the matched tokens, or for ``tiers`` (tier name -> tokens: a part of the match, from
+        where the engine plans to load it). Without speeds (a result built without them):
+        load whatever matched, estimates 0."""
+        counts = self.tiers if tiers is None else dict(tiers)
+        if self._rates is None:
+            return LoadDecision(sum(counts.values()) > 0, 0.0, 0.0, recompute_tokens_per_s or 0.0)
+        speed = recompute_tokens_per_s or self._rates.recompute_tokens_per_s
+        per_token = self.page_bytes / self.page_tokens
+        load = sum(
+            tokens * per_token / self._rates.tier_bytes_per_s.get(tier, 1e9)
+            for tier, tokens in counts.items()
+            if tier != "device"
+        )
+        recompute = sum(counts.values()) / speed
+        return LoadDecision(sum(counts.values()) > 0 and load < recompute, load, recompute, speed)
 
     def __repr__(self) -> str:
         return (

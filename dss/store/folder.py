@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from dss.catalog import nodes
 from dss.catalog.database import Catalog, DuplicateRow
-from dss.core.config import sqlite_file
+from dss.catalog.urls import sqlite_file
 from dss.core.errors import ConfigError, StoreFolderError
 
 ID_FILE = "store-id"

@@ -4,6 +4,7 @@ shared prefixes, page reads and prefetch."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, overload
 
 from dss.approx.explanation import Explanation
 from dss.approx.nearest import Decode
@@ -13,6 +14,7 @@ from dss.core.errors import InvalidInput
 from dss.core.tokens import TokenInput, view
 from dss.core.types import Layout, PageRef
 from dss.core.validate import (
+    check_buffers,
     check_callback,
     check_flag,
     check_layout,
@@ -99,9 +101,10 @@ class Serving(Base):
         layout: Layout | None = None,
         k: int = 5,
     ) -> list[Candidate]:
-        """The ``k`` stored versions nearest ``tokens`` (exact Jaccard of token shingles, highest
-        first), each verified token by token: estimated and exact Jaccard, exact common prefix,
-        first divergence, reusable tokens.
+        """The ``k`` stored versions nearest ``tokens``, each verified token by token: estimated
+        and exact Jaccard, exact common prefix, first divergence, reusable tokens, containment.
+        Nearest first: the version of which ``tokens`` hold the most distinct shingles (the
+        version a next turn extends, however long the new turn), then exact Jaccard.
 
         The search covers the namespace and layout of ``session_id`` (its own versions always
         compared), or, without a session, the namespace ``(tenant_id or "default", user_id or
@@ -176,9 +179,24 @@ class Serving(Base):
             self.read_pages(ids)
         return ids
 
+    @overload
     def read_pages(
-        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True
-    ) -> list[bytes | None]:
+        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True, into: None = None
+    ) -> list[bytes | None]: ...
+
+    @overload
+    def read_pages(
+        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True, into: Sequence[Any]
+    ) -> list[memoryview | None]: ...
+
+    def read_pages(
+        self,
+        pages: Sequence[PageRef | bytes],
+        *,
+        tenant_id: str | None = None,
+        load: bool = True,
+        into: Sequence[Any] | None = None,
+    ) -> list[bytes | None] | list[memoryview | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
 
         ``None`` for a page no tier holds any more or whose bytes fail verification (that
@@ -187,24 +205,34 @@ class Serving(Base):
         ``load=True`` (an engine waits for these pages) they are promoted to host; with
         ``load=False`` (inspection, export) only as the policy allows: after repeated access
         within ``promote_interval_s``, never during a demoted page's cool-down.
+
+        ``into``: one writable buffer per page (a ``bytearray``, a row of a numpy array, a
+        pinned staging tensor's memory), each exactly its page's size; each payload is put in
+        its buffer (a sealed page decrypted straight into it) and a flat byte ``memoryview``
+        of the buffer returned in its place, with no ``bytes`` made per page. ``InvalidInput``
+        (nothing read) when their number or a size is wrong or one is read-only. The buffer of
+        a page returned as ``None`` holds unspecified bytes.
         """
         ids = check_page_ids(pages)
+        buffers = check_buffers(into, len(ids))
         check_name("tenant_id", tenant_id, optional=True)
         check_flag("load", load)
         with self._reading():
             if tenant_id is not None:
-                owners = self.reader.owners(ids)
-                allowed = [o is not None and self.mirror.tenant_of(o) == tenant_id for o in owners]
+                allowed = [tenant == tenant_id for tenant in self.reader.tenants(ids)]
                 ids = [i for i, ok in zip(ids, allowed) if ok]
-            read = self.reader.read(ids, load=load)
+                if buffers is not None:
+                    buffers = [b for b, ok in zip(buffers, allowed) if ok]
+            read = self.reader.read(ids, load=load, into=buffers)
         self._wake_mover()
         if read.bad:
             applied = self.writer.apply(Change(quarantine=tuple(read.bad)))
             if applied.thinned:
                 self.writer.compact_sparse(applied.thinned)
+        payloads: list[Any] = read.payloads
         if tenant_id is None:
-            return read.payloads
-        found = iter(read.payloads)
+            return payloads
+        found = iter(payloads)
         return [next(found) if ok else None for ok in allowed]
 
     def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:

@@ -183,7 +183,7 @@ class Mover:
         host = self.pages.host
         with self.guard.reading():
             entries, host_ = self.pages.index.entries, self.pages.host
-            placement.prune(lambda p: p in entries or p in host_)
+            placement.prune(entries, host_)
             with self.catalog.read() as conn:
                 disk_used = segments.tier_bytes(conn, "disk", self.pages.node_ref)
             rows = []

@@ -150,7 +150,7 @@ class Writer:
                     _check_fence(tx, change)
                     applied = transaction.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
                 committed = True
-                self.pages.disk.settled(w.name for w in written)
+                self.pages.disk.settled([w.name for w in written])
                 return self.taken(change, applied, written)
         except BaseException:
             if not committed:
@@ -227,7 +227,7 @@ class Writer:
     def _settle_group(self, group: list[Member], seq: int) -> None:
         """After a group's transaction committed: this process's caches take its changes, in order."""
         committed = [member for member in group if member.applied is not None]
-        self.pages.disk.settled(w.name for member in committed for w in member.written)
+        self.pages.disk.settled([w.name for member in committed for w in member.written])
         if committed:
             self.mirror.wrote(seq)
         for member in committed:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import dss
-from dss.approx.lsh import LshIndex, Settings
-from dss.approx.minhash import jaccard, shingle_hashes, shingles, window_starts
+from dss.approx.lsh import Entry, LshIndex, Settings
+from dss.approx.minhash import Signer, jaccard, prefix_ends, shingle_hashes, shingles, window_starts
 from dss.core.errors import ConfigError
 
 DIGEST = b"L" * 32
@@ -92,6 +92,42 @@ def test_windows_find_a_long_stretch_after_an_early_divergence() -> None:
     hits = index.query(bucket, packed(prompt), 16)
     assert {(h.entry.session_ref, h.entry.version_id) for h in hits} == {(5, 9)}
     assert all(h.entry.is_window and h.prompt_start >= 1024 for h in hits)
+
+
+def test_prefix_ends_and_prefix_signatures() -> None:
+    """The prefixes a containment query asks for are 8 % apart, at least 16 shingles, the whole
+    left out; each prefix's signature is the signature of its hashes alone."""
+    assert prefix_ends(40, 1.08, 16) == [17, 18, 20, 21, 23, 25, 27, 29, 31, 34, 37]  # 40 / 1.08**k, floored
+    assert prefix_ends(15, 1.08, 16) == []
+    assert prefix_ends(1000, 2.0, 100) == [125, 250, 500]
+    signer = Signer(128)
+    hashes = shingle_hashes(np.arange(300, dtype=np.uint32), 4)
+    columns = signer.prefixes(signer.permuted(hashes), [20, 100, 297])
+    for i, end in enumerate([20, 100, 297]):
+        assert np.array_equal(columns[:, i], signer.values(hashes[:end])[0])
+    assert signer.prefixes(signer.permuted(hashes), []).shape == (128, 0)
+
+
+def test_a_next_turn_finds_the_version_it_extends() -> None:
+    """A stored turn re-rendered (6 tokens of a line changed) and extended by a new message as
+    long as a third of it: its Jaccard with the stored version is about 0.7, far under the
+    threshold, and the whole prompt does not find it; one of the prompt's prefixes does. The
+    bands several prefixes share are looked up once, and find what ``MinHashLSH.query`` finds."""
+    rng = np.random.default_rng(4)
+    stored = rng.integers(0, 30000, 180).tolist()
+    prompt = stored[:8] + [60000 + i for i in range(6)] + stored[14:] + rng.integers(0, 30000, 60).tolist()
+    assert 0.6 < jaccard(np.asarray(prompt, np.uint32), np.asarray(stored, np.uint32), 4) < 0.75
+    index = LshIndex(Settings())
+    bucket, _ = index.open_bucket(1, DIGEST, KEY)
+    index.add(bucket, 5, 9, packed(stored), 16)
+    index.add(bucket, 6, 1, packed(rng.integers(0, 30000, 180).tolist()), 16)
+    assert not bucket.lsh.query(
+        index.signer.minhash(index.signer.values(shingle_hashes(np.asarray(prompt, np.uint32), 4, bucket.salt))[0])
+    )
+    assert [(h.entry, h.prompt_start) for h in index.query(bucket, packed(prompt), 16)] == [(Entry(5, 9, 0, 180), 0)]
+    signer = index.signer
+    sigs = signer.permuted(shingle_hashes(np.asarray(stored, np.uint32), 4, bucket.salt)).min(axis=1)
+    assert index._lookup(bucket.containment, np.column_stack([sigs, sigs])) == {Entry(5, 9, 0, 180).key(): 0}
 
 
 def test_windows_already_indexed_for_the_session_are_not_indexed_again() -> None:

@@ -123,6 +123,36 @@ def test_nearest_is_verified_exactly_and_ranked(open_store) -> None:
         store.nearest(base, session_id="same", layout=L)
 
 
+def test_a_rerendered_next_turn_finds_the_version_it_extends_in_its_namespace_only(open_store) -> None:
+    """Three conversations of one namespace (and the first one again in another), one version
+    per turn, sessions dropped; the next turn of the first, re-rendered (its line changed) with
+    a long new message: its Jaccard with the turn it extends is under the threshold, yet that
+    version comes first, its earlier turns after it (held whole, but less of them), then the
+    other conversations if at all; the other namespace's copy never."""
+    store = open_store()
+    chats = {name: rerender.turns(4, seed=seed, length=32) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+    for user, names in (("u", ("a", "b", "c")), ("v", ("a",))):
+        for name in names:
+            store.create_session(f"{user}-{name}", user_id=user, layout=L)
+            for i in range(3):
+                full = rerender.prompt(i, chats[name]) + chats[name][i][1]
+                store.commit(f"{user}-{name}", full, kv_pages(full))
+    long_message = list(range(9000, 9090))
+    prompt = rerender.prompt(3, [*chats["a"][:3], (long_message, [])])
+    stored = store.tokens("u-a")
+    found = store.nearest(prompt, user_id="u", layout=L, k=5)
+    assert found[0].jaccard < 0.85
+    assert [(c.session_id, c.num_tokens) for c in found[:3]] == [("u-a", 238), ("u-a", 174), ("u-a", 110)]
+    assert {c.session_id for c in found} <= {"u-a", "u-b", "u-c"}
+    assert len(stored) == 238 and found[0].containment == 226 / 235  # 9 of its 235 shingles hold the line
+    assert (found[0].divergence, found[0].common_prefix) == (8, 8)
+    assert store.explain(None, prompt, user_id="u", layout=L).nearest == found[0]
+    assert [c.session_id for c in store.nearest(prompt, user_id="v", layout=L, k=5)] == ["v-a"] * 3
+    store.forget_user("v", tenant_id="default")
+    assert store.nearest(prompt, user_id="v", layout=L) == []
+    assert store.nearest(prompt, user_id="u", layout=L, k=5) == found
+
+
 def test_approximate_off_or_exact_enough_leaves_the_exact_answer(open_store) -> None:
     store = open_store()
     tokens = list(range(1000, 1200))

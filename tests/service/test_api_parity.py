@@ -457,7 +457,7 @@ def test_nearest_explain_and_approximate_resume(api: Any, tenant: str) -> None:
     result = api.resume("fresh", prompt, approximate=True)
     assert (result.matched_tokens, result.source, result.num_candidates) == (40, "namespace", 1)
     assert result.near == dss.Candidate(
-        "s", result.near.version_id, 300, result.near.estimated_jaccard, 293 / 301, 40, 40, 40
+        "s", result.near.version_id, 300, result.near.estimated_jaccard, 293 / 301, 40, 40, 40, 293 / 297
     )
     found = api.nearest(prompt, user_id="u", layout=LAYOUT, tenant_id=tenant, k=3)
     assert found == [result.near]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from dss_adapters.vllm.metrics import METRICS, RESULTS, TIERS, DssConnectorStats, DssPromMetrics, read_metrics
-from dss_adapters.vllm.requests import request_result
+from dss_adapters.vllm.requests import decision_out, request_result
 
 import dss
 from tests.engines import corrupt_page, engine, generate, make_tiny_llama, prompt, tokens_out
@@ -140,6 +140,20 @@ def test_a_request_result_says_who_supplied_the_prompts_kv(
     assert request_result(loaded, engine_cached, stored) == expected
 
 
+def test_a_request_whose_pages_were_cheaper_to_recompute_counts_as_recompute() -> None:
+    slower = dss.LoadDecision(False, 0.094, 0.010, 400_000.0)
+    faster = dss.LoadDecision(True, 0.094, 1.0, 4000.0)
+    assert request_result(0, 0, 4096, slower) == "recompute"
+    assert request_result(0, 0, 4096, faster) == "miss"  # it was to load, and the load failed
+    assert request_result(0, 4096, 4096, slower) == "engine"
+    assert decision_out(slower) == {
+        "load": False,
+        "load_ms": 94.0,
+        "recompute_ms": 10.0,
+        "recompute_tokens_per_s": 400_000.0,
+    }
+
+
 def test_metrics_names_every_family_the_prometheus_side_registers() -> None:
     """``METRICS`` (what the Grafana dashboard must show, tests/test_deploy.py) is exactly the
     families :class:`DssPromMetrics` makes, and each result and tier has its labelled series."""
@@ -170,3 +184,21 @@ def test_metrics_names_every_family_the_prometheus_side_registers() -> None:
     assert made["vllm:dss_late_miss_pages_total"] == made["vllm:dss_loaded_tokens_total"] == ["engine", "tier"]
     assert {v for n, v in series if n == "vllm:dss_requests_total"} == {("0", r) for r in RESULTS}
     assert {v for n, v in series if n == "vllm:dss_late_miss_pages_total"} == {("0", t) for t in TIERS}
+
+
+def test_a_prefill_faster_than_the_load_recomputes_and_says_so(model: Path, store_path: Path) -> None:
+    """With a prefill speed set far above what any tier reads at, the second request's stored
+    pages are recomputed, not loaded: its result is ``recompute``, its output carries the
+    decision, the metrics count it."""
+    with engine(model, store=store_path, log_stats=True, recompute_tokens_per_s=1e12) as llm:
+        (first,) = generate(llm, [Q], params=[{"dss": SESSION}])
+        llm.reset_prefix_cache()
+        (second,) = generate(llm, [Q], params=[{"dss": {**SESSION, "commit": False}}])
+        metrics = read_metrics(llm)
+    assert tokens_out(first) == tokens_out(second)
+    assert second.num_cached_tokens == 0
+    params = second.kv_transfer_params["dss"]
+    assert (params["loaded_tokens"], params["result"]) == (0, "recompute")
+    assert params["decision"]["load"] is False and params["decision"]["recompute_tokens_per_s"] == 1e12
+    assert params["decision"]["load_ms"] > params["decision"]["recompute_ms"]
+    assert (metrics["requests_miss"], metrics["requests_recompute"], metrics.get("load_jobs", 0)) == (1, 1, 0)

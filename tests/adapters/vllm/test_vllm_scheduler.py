@@ -90,3 +90,21 @@ def test_context_parallelism_is_refused_at_start() -> None:
     parallel.decode_context_parallel_size = 1
     parallel.tensor_parallel_size = 4
     assert engine_shards(SimpleNamespace(parallel_config=parallel), config) == Shards(4, 4, 1)  # type: ignore[arg-type]
+
+
+def test_a_request_that_finished_in_the_last_step_no_longer_counts_as_running(store: dss.Store) -> None:
+    """A load admitted after the only running request finished stalls nobody (so ``auto`` may load
+    synchronously); one admitted beside a request still running would stall it."""
+    side = scheduler(store, Shards(1, 1, 1), [dss.Layout("vllm", 32, 1024, model="m")])
+    step = SimpleNamespace(
+        num_scheduled_tokens={"a": 1, "b": 1},
+        total_num_scheduled_tokens=2,
+        kv_connector_block_state=None,
+        scheduled_spec_decode_tokens={},
+    )
+    side.build_meta(step)  # type: ignore[arg-type]
+    assert side._running == {"a", "b"}
+    assert side.finished(SimpleNamespace(request_id="a")) is None  # type: ignore[arg-type]
+    assert side._running == {"b"}
+    side.finished(SimpleNamespace(request_id="b"))  # type: ignore[arg-type]
+    assert side._running == set()

@@ -23,6 +23,7 @@ def test_defaults_need_only_the_store() -> None:
         max_pending_bytes=1 << 30,
         session_wait_s=5.0,
         load_mode="auto",
+        recompute_tokens_per_s=None,
     )
 
 
@@ -41,10 +42,11 @@ def test_every_option_is_read() -> None:
             "max_pending_bytes": 1024,
             "session_wait_s": 0,
             "load_mode": "async",
+            "recompute_tokens_per_s": 400_000,
         }
     )
     assert settings == Settings(
-        "/s", {"host_bytes": "1GiB"}, "config", "acme", "svc", "r7", 4096, False, False, 1024, 0.0, "async"
+        "/s", {"host_bytes": "1GiB"}, "config", "acme", "svc", "r7", 4096, False, False, 1024, 0.0, "async", 400_000.0
     )
 
 
@@ -62,6 +64,9 @@ def test_every_option_is_read() -> None:
         ({"store": "/s", "default_user_id": ""}, "'default_user_id' must be a non-empty string"),
         ({"store": "/s", "store_options": [1]}, "'store_options' must be a mapping"),
         ({"store": "/s", "load_mode": "lazy"}, "'load_mode' must be 'auto', 'sync' or 'async', not 'lazy'"),
+        ({"store": "/s", "recompute_tokens_per_s": 0}, "'recompute_tokens_per_s' must be a positive number"),
+        ({"store": "/s", "recompute_tokens_per_s": True}, "'recompute_tokens_per_s' must be a positive number"),
+        ({"store": "/s", "recompute_tokens_per_s": float("inf")}, "'recompute_tokens_per_s' must be a positive"),
     ],
 )
 def test_bad_options_are_config_errors(extra: dict | None, message: str) -> None:

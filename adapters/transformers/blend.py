@@ -1,0 +1,308 @@
+"""Reuse past a divergence (opt-in, lossy): the KV of a prompt blended from its nearest stored
+version, the way CacheBlend (EuroSys'25) does it, for Hugging Face transformers models.
+
+Exact reuse stops at the first changed token. :func:`blend_cache` goes on: it takes the
+stored version nearest the prompt (``Store.nearest``: the one the prompt holds most of), lines
+the two up (the exact common prefix, then runs of equal tokens after the divergence), and
+builds a ``DynamicCache`` for every position of the prompt:
+
+* the exact prefix: the stored KV as is (exact);
+* an aligned run after the divergence: the stored KV, keys re-rotated when the run moved
+  (RoPE: ``R(p_new) k = R(p_new - p_old) R(p_old) k``), values as they are;
+* everything else (the divergent and new tokens) and a share ``recompute`` of the reused
+  tokens after the exact prefix: recomputed in one forward over just those tokens, attending
+  to the reused KV. The share is chosen by CacheBlend's rule: the tokens whose reused KV
+  deviates most, at layer ``select_layer``, from the KV a prefill computes there.
+
+Reused KV past the exact prefix was computed after *other* tokens, so the result is
+approximate: :class:`BlendReport` says how much was reused, and :func:`blend_metrics` counts
+it for the process. Nothing is reused approximately unless this function is called;
+``recompute=1.0`` recomputes everything after the exact prefix (exact). For Llama-style models
+with plain RoPE (no attention scaling), one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from dss_adapters.transformers.cache import load_cache
+
+import dss
+from dss import InvalidInput
+
+DEFAULT_RECOMPUTE = 0.15
+"""The share of reused tokens recomputed by default (chosen from the table in the docs)."""
+RUN_TOKENS = 8
+"""Fewest tokens of an aligned run worth reusing."""
+
+_TOTALS = {"blends": 0, "approximate_blends": 0, "reused_tokens": 0, "recomputed_tokens": 0, "exact_tokens": 0}
+
+
+@dataclass(frozen=True)
+class BlendReport:
+    """What :func:`blend_cache` reused and recomputed for one prompt of ``num_tokens`` tokens."""
+
+    num_tokens: int
+    exact_prefix_tokens: int
+    """Leading tokens whose stored KV is exact (same tokens at the same positions)."""
+    reused_tokens: int
+    """Tokens after the exact prefix whose stored KV was reused (approximate KV)."""
+    recomputed_tokens: int
+    """Tokens computed now: the divergent and new ones and the selected reused ones."""
+    selected_tokens: int
+    """Of ``recomputed_tokens``, those that could have been reused (the deviation rule's share)."""
+    moved_tokens: int
+    """Of ``reused_tokens``, those whose keys were re-rotated to a new position."""
+    source_session: str | None
+    source_version: int | None
+    recompute: float
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(prompt position, stored position, length)`` of every aligned run reused."""
+
+    @property
+    def approximate(self) -> bool:
+        """Whether any reused KV is approximate (computed after other tokens)."""
+        return self.reused_tokens > 0
+
+
+def blend_metrics() -> dict[str, int]:
+    """This process's totals: blends, those that reused KV approximately, and their tokens."""
+    return dict(_TOTALS)
+
+
+def blend_cache(
+    store: dss.Store,
+    model: Any,
+    tokens: list[int],
+    layout: dss.Layout,
+    *,
+    session_id: str | None,
+    tenant_id: str | None = None,
+    recompute: float = DEFAULT_RECOMPUTE,
+    select_layer: int = 1,
+) -> tuple[Any, BlendReport]:
+    """A ``DynamicCache`` with KV for every position of ``tokens`` (ready for the next forward),
+    built from the stored version nearest ``tokens`` in ``session_id``'s namespace (its own
+    versions first) and ``layout``, and its :class:`BlendReport`. See the module docstring.
+
+    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]`` or a model whose
+    RoPE is scaled. Needs datasketch (``ConfigError``). Changes nothing in the store.
+    """
+    check(model, tokens, recompute, select_layer)
+    source = nearest(store, tokens, session_id, tenant_id)
+    prompt = np.asarray(tokens, np.int64)
+    if source is None:
+        src, stored, name, version = None, np.zeros(0, np.int64), None, None
+    else:
+        src, stored, name, version = source
+    n_src = 0 if src is None else src.get_seq_length()
+    exact = min(_common_prefix(prompt, stored), n_src)
+    runs = aligned_runs(prompt, stored[:n_src], exact)
+    pos, old = reused_positions(exact, runs)
+    selected = select(model, src, prompt, pos, old, exact, recompute, select_layer)
+    cache = blended(model, src, prompt, pos, old, selected)
+    report = BlendReport(
+        len(tokens),
+        exact,
+        int(len(pos) - exact - len(selected)),
+        int(len(tokens) - len(pos) + len(selected)),
+        len(selected),
+        int(np.count_nonzero((pos != old) & ~np.isin(pos, selected))),
+        name,
+        version,
+        recompute,
+        runs,
+    )
+    count(report)
+    return cache, report
+
+
+def check(model: Any, tokens: list[int], recompute: float, select_layer: int) -> None:
+    if not tokens:
+        raise InvalidInput("blend_cache needs at least one token")
+    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0 <= recompute <= 1:
+        raise InvalidInput(f"recompute must be a share from 0 to 1, got {recompute!r}")
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if isinstance(select_layer, bool) or not isinstance(select_layer, int) or not 0 <= select_layer < layers:
+        raise InvalidInput(f"select_layer must be a layer index from 0 to {layers - 1}, got {select_layer!r}")
+    if getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0:
+        raise InvalidInput("blend_cache re-rotates keys, which needs RoPE without attention scaling")
+
+
+def nearest(
+    store: dss.Store, tokens: list[int], session_id: str | None, tenant_id: str | None
+) -> tuple[Any, np.ndarray, str, int] | None:
+    """The stored KV (a ``DynamicCache`` of the version's stored pages), tokens, session and
+    version of the stored version nearest ``tokens`` (``None``: nothing stored is near)."""
+    found = store.nearest(tokens, session_id=session_id, tenant_id=tenant_id, k=1)
+    if not found:
+        return None
+    near = found[0]
+    stored = store.tokens(near.session_id, near.version_id, tenant_id=tenant_id)
+    result = store.resume(near.session_id, stored, tenant_id=tenant_id)
+    if not result.matched_tokens:
+        return None
+    layout = store.session(near.session_id, tenant_id=tenant_id).layout
+    src, _ = load_cache(store, result, layout)
+    return src, np.asarray(stored, np.int64), near.session_id, int(near.version_id)
+
+
+def aligned_runs(prompt: np.ndarray, stored: np.ndarray, start: int) -> list[tuple[int, int, int]]:
+    """Runs ``(i, j, n)`` of ``prompt[i:i+n] == stored[j:j+n]`` after ``start``, each at least
+    :data:`RUN_TOKENS` long, in order in both (greedy: the first match of each window)."""
+    size = RUN_TOKENS
+    if len(stored) - start < size or len(prompt) - start < size:
+        return []
+    first: dict[bytes, int] = {}
+    windows = np.lib.stride_tricks.sliding_window_view(stored, size)
+    for j in range(len(windows) - 1, -1, -1):
+        first[windows[j].tobytes()] = j
+    probe = np.lib.stride_tricks.sliding_window_view(prompt, size)
+    runs: list[tuple[int, int, int]] = []
+    i, low = start, start
+    while i < len(probe):
+        j = first.get(probe[i].tobytes(), -1)
+        if j < low:
+            i += 1
+            continue
+        n = _common_prefix(prompt[i:], stored[j:])
+        runs.append((i, j, n))
+        i, low = i + n, j + n
+    return runs
+
+
+def reused_positions(exact: int, runs: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt positions whose KV is reused, ascending, and the stored positions it comes from."""
+    pos = [np.arange(exact)] + [np.arange(i, i + n) for i, _, n in runs]
+    old = [np.arange(exact)] + [np.arange(j, j + n) for _, j, n in runs]
+    return np.concatenate(pos).astype(np.int64), np.concatenate(old).astype(np.int64)
+
+
+def rotation(model: Any, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cosines and sines (float32, ``[1, 1, n, dim]``) that turn keys by ``delta`` positions each."""
+    x = torch.zeros(1, 1, dtype=torch.float32, device=model.device)
+    cos, sin = model.model.rotary_emb(x, delta[None].to(model.device))
+    return cos[:, None], sin[:, None]
+
+
+def rerotate(keys: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``keys`` (``[1, heads, n, dim]``, rotated at their old positions) turned by :func:`rotation`
+    (float32 inside, the keys' dtype out)."""
+    cos, sin = turn
+    k = keys.float()
+    half = k.shape[-1] // 2
+    return (k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin).to(keys.dtype)
+
+
+def layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The keys and values of every layer of a ``DynamicCache``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def reused_kv(
+    model: Any, src: Any, pos: np.ndarray, old: np.ndarray, only: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (or layer ``only``'s) stored keys and values at ``old``, keys moved to ``pos``."""
+    index = torch.as_tensor(old, device=model.device)
+    delta = torch.as_tensor(pos - old, device=model.device)
+    turn = rotation(model, delta) if bool((delta != 0).any()) else None
+    layers = layers_of(src)
+    out = []
+    for keys, values in layers if only is None else layers[only : only + 1]:
+        keys, values = keys[:, :, index], values[:, :, index]
+        out.append((rerotate(keys, turn) if turn is not None else keys, values))
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def select(
+    model: Any,
+    src: Any,
+    prompt: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    exact: int,
+    share: float,
+    layer: int,
+) -> np.ndarray:
+    """The ``share`` of reused positions after the exact prefix whose reused KV deviates most,
+    at ``layer``, from what a prefill computes there (layers ``0..layer`` run over the
+    prompt after the exact prefix, attending to it)."""
+    free = pos[pos >= exact]
+    want = math.ceil(share * len(free))
+    if not want or src is None:
+        return np.zeros(0, np.int64)
+    if want >= len(free):
+        return free
+    from transformers import DynamicCache
+
+    prefix = DynamicCache([(k[:, :, :exact], v[:, :, :exact]) for k, v in layers_of(src)]) if exact else DynamicCache()
+
+    def stop(*_: Any) -> None:
+        raise _Stop
+
+    hook = model.model.layers[layer].register_forward_hook(stop)
+    ids = torch.as_tensor(prompt[exact:][None], device=model.device)
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=prefix, use_cache=True)
+    except _Stop:
+        pass
+    finally:
+        hook.remove()
+    fresh_k, fresh_v = layers_of(prefix)[layer]
+    ((keys, values),) = reused_kv(model, src, free, old[pos >= exact], only=layer)
+    at = torch.as_tensor(free, device=model.device)
+    k_dev = (fresh_k[:, :, at].float() - keys.float()).pow(2).sum(dim=(0, 1, 3))
+    v_dev = (fresh_v[:, :, at].float() - values.float()).pow(2).sum(dim=(0, 1, 3))
+    top = torch.topk(k_dev + v_dev, want).indices.cpu().numpy()
+    return np.sort(free[top])
+
+
+def blended(model: Any, src: Any, prompt: np.ndarray, pos: np.ndarray, old: np.ndarray, selected: np.ndarray) -> Any:
+    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected``, the
+    rest computed in one forward attending to the reused KV (a mask by position)."""
+    from transformers import DynamicCache
+
+    keep = ~np.isin(pos, selected)
+    kept, kept_old = pos[keep], old[keep]
+    todo = np.setdiff1d(np.arange(len(prompt)), kept)
+    layers = reused_kv(model, src, kept, kept_old) if len(kept) else None
+    cache = DynamicCache(layers) if layers is not None else DynamicCache()
+    if len(todo):
+        key_pos = torch.as_tensor(np.concatenate([kept, todo]), device=model.device)
+        q_pos = torch.as_tensor(todo, device=model.device)
+        mask = torch.zeros(1, 1, len(todo), len(key_pos), dtype=model.dtype, device=model.device)
+        mask.masked_fill_(key_pos[None, :] > q_pos[:, None], torch.finfo(model.dtype).min)
+        with torch.no_grad():
+            model(
+                torch.as_tensor(prompt[todo][None], device=model.device),
+                position_ids=q_pos[None],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
+    order = torch.as_tensor(np.argsort(np.concatenate([kept, todo]), kind="stable"), device=model.device)
+    return DynamicCache([(k[:, :, order], v[:, :, order]) for k, v in layers_of(cache)])
+
+
+def count(report: BlendReport) -> None:
+    _TOTALS["blends"] += 1
+    _TOTALS["approximate_blends"] += report.approximate
+    _TOTALS["reused_tokens"] += report.reused_tokens
+    _TOTALS["recomputed_tokens"] += report.recomputed_tokens
+    _TOTALS["exact_tokens"] += report.exact_prefix_tokens
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n

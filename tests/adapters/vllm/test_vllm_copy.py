@@ -1,0 +1,50 @@
+"""Staged pages into KV blocks on the CPU: one copy per layer for all of a load's pages
+(:meth:`BlockCopier.scatter_rows`), byte for byte, ``NO_BLOCK`` layers left alone; the row
+buffer a load reads into is reused."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer, copy_layer
+from dss_adapters.vllm.meta import NO_BLOCK
+
+NUM_BLOCKS, LAYER_BYTES = 8, 2 * 32 * 16 * 4
+
+
+def caches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn((NUM_BLOCKS, 2, 32, 16), generator=generator) for _ in range(2)]
+
+
+def block(tensor: torch.Tensor, index: int) -> bytes:
+    return tensor[index].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_staged_rows_go_in_one_layer_at_a_time() -> None:
+    layers = caches()
+    before = [t.clone() for t in layers]
+    copier = BlockCopier(layers, [0, 1], NUM_BLOCKS, 2 * LAYER_BYTES)
+    rows = np.random.default_rng(1).integers(0, 256, (3, 2 * LAYER_BYTES), dtype=np.uint8)
+    transfer = copier.scatter_rows(rows, [[4, 6, 1], [NO_BLOCK, 2, 3]])
+    assert transfer.is_done()
+    assert [block(layers[0], b) for b in (4, 6, 1)] == [rows[k, :LAYER_BYTES].tobytes() for k in range(3)]
+    assert [block(layers[1], b) for b in (2, 3)] == [rows[k, LAYER_BYTES:].tobytes() for k in (1, 2)]
+    untouched = [(0, b) for b in (0, 2, 3, 5, 7)] + [(1, b) for b in (0, 1, 4, 5, 6, 7)]
+    assert all(torch.equal(layers[i][b], before[i][b]) for i, b in untouched)
+
+
+def test_copy_layer_is_one_indexed_copy() -> None:
+    cache = np.zeros((4, 3), dtype=np.uint8)
+    rows = np.arange(12, dtype=np.uint8).reshape(2, 6)
+    copy_layer(cache, np.array([3, 0]), rows[:, 3:6])
+    assert cache.tolist() == [[9, 10, 11], [0, 0, 0], [0, 0, 0], [3, 4, 5]]
+
+
+def test_the_row_buffer_is_reused_and_grows() -> None:
+    buffer = RowBuffer(16)
+    first = buffer.rows(3)
+    assert first.shape == (3, 16) and first.dtype == np.uint8
+    assert np.shares_memory(buffer.rows(2), first)
+    grown = buffer.rows(5)
+    assert grown.shape == (5, 16) and not np.shares_memory(grown, first)
