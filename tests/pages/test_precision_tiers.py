@@ -6,7 +6,9 @@ Layout: 2 layers, 1 KV head, head size 32, 4 tokens a page, bf16: a page is 2 x 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 import dss
 from dss.core import packing
+from tests import servers
 
 FORMAT = "[layers][k,v]x[kv_heads,page_tokens,head_dim]"
 LAYOUT = dss.Layout("transformers", 4, 1024, dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=32, format=FORMAT)
@@ -100,3 +103,25 @@ def test_pages_of_opaque_layouts_stay_exact(open_store: Callable[..., dss.Store]
 def test_bad_precision_settings(open_store: Callable[..., dss.Store], options: dict, message: str) -> None:
     with pytest.raises(dss.ConfigError, match=message):
         open_store(**options)
+
+
+def test_the_remote_tier_holds_the_disk_copy_and_another_node_reads_it_lossy(
+    tmp_path: Path, pg_url: str, redis_url: str
+) -> None:
+    """Node a keeps int8 on disk; its pages reach Redis as the disk copy; node b (another folder,
+    the same catalog and Redis) resumes them from the remote tier, announced int8."""
+    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    common = {"catalog_url": pg_url, "remote_url": redis_url, "remote_prefix": prefix, "mover": False}
+    try:
+        with dss.open(tmp_path / "a", node_id="node-a", disk_precision="int8", remote_precision="int8", **common) as a:
+            save(a)
+            disk_copies = a.read_pages(a.resume("s", TOKENS, tenant_id="t").pages)
+        with dss.open(tmp_path / "b", node_id="node-b", **common) as b:
+            r = b.resume("s", TOKENS, tenant_id="t")
+            assert (r.tiers, r.encodings) == ({"remote": 8}, {"int8": 8})
+            read = b.read_pages(r.pages)
+            assert [packing.encoding_of(p) for p in read if p is not None] == ["int8", "int8"]
+            assert b.check() == []
+        assert [packing.encoding_of(p) for p in disk_copies if p is not None] == ["exact", "exact"]  # a's host copies
+    finally:
+        servers.delete_prefix(redis_url, prefix)
