@@ -76,6 +76,7 @@ def test_int8_disk_is_recorded_and_announced_once_host_lets_go(open_store: Calla
 def test_lossy_host_is_announced_at_once(open_store: Callable[..., dss.Store]) -> None:
     store = open_store(host_precision="k8v4")
     save(store)
+    assert (store.stats()["host"]["precision"], store.stats()["disk"]["precision"]) == ("k8v4", "exact")
     r = store.resume("s", TOKENS, tenant_id="t")
     assert (r.tiers, r.encodings) == ({"host": 8}, {"k8v4": 8})
     assert [packing.encoding_of(p) for p in store.read_pages(r.pages) if p is not None] == ["k8v4", "k8v4"]
