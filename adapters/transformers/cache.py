@@ -206,7 +206,7 @@ def dequantize(parts: dss.Encoded, dtype: torch.dtype) -> torch.Tensor:
     shape = parts.shape
     out = torch.empty(shape.num_parts, shape.rows, shape.head_dim, dtype=dtype)
     q = _tensor(parts.q)
-    q = q.view(torch.float8_e4m3fn).float() if parts.encoding == "fp8" else q.view(torch.int8)
+    q = _E4M3[q.long()] if parts.encoding == "fp8" else q.view(torch.int8)
     scales = _tensor(parts.scales).float()
     if parts.values is None or parts.value_scales is None:
         torch.mul(q, scales, out=out)
@@ -218,6 +218,10 @@ def dequantize(parts: dss.Encoded, dtype: torch.dtype) -> torch.Tensor:
     ints = torch.stack((low, high), dim=-1).reshape(*value_scales.shape[:3], -1)
     out[1::2] = (ints * value_scales).reshape(out[1::2].shape)
     return out
+
+
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+"""Every e4m3 byte's value: a table look-up is twice as fast as torch's e4m3 cast on a CPU."""
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
