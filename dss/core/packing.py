@@ -43,6 +43,8 @@ _DTYPE_NAME = {code: name for name, code in _DTYPE_CODE.items()}
 _SCALE_MAX = 65504.0  # float16's largest
 _F8 = ml_dtypes.float8_e4m3fn
 _LIMIT = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+_REACH = {"int8": 127.0 * _SCALE_MAX, "fp8": 448.0 * _SCALE_MAX, "k8v4": 7.0 * _SCALE_MAX}
+"""The largest magnitude each encoding reaches with a float16 scale (k8v4: its int4 values')."""
 
 
 class PageShape(NamedTuple):
@@ -101,7 +103,7 @@ def encode(payload: bytes | memoryview, shape: PageShape, encoding: str) -> byte
         raise InvalidPage(f"a page of this layout has {shape.exact_bytes} bytes, not {len(payload)}")
     x = np.frombuffer(payload, dtype=DTYPES[shape.dtype]).reshape(shape.num_parts, shape.rows, shape.head_dim)
     x = x.astype(np.float32)
-    if not np.isfinite(x).all() or np.abs(x).max(initial=0.0) > 127.0 * _SCALE_MAX:
+    if not np.isfinite(x).all() or np.abs(x).max(initial=0.0) > _REACH[encoding]:
         return None
     if encoding == "k8v4" and group_of(shape.head_dim) is None or encoded_size(shape, encoding) >= len(payload):
         return None  # k8v4 needs a groupable head; an encoding that saves nothing is not worth its loss

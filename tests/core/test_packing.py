@@ -105,6 +105,9 @@ def test_non_finite_pages_stay_exact() -> None:
     y = np.zeros(16, dtype=np.float32)
     y[0] = 1e9  # beyond 127 x float16's largest scale
     assert encode(y.tobytes(), shape, "fp8") is None
+    z = np.zeros(16, dtype=np.float32)
+    z[8] = 1e6  # a value: int8's scale reaches it (127 x 65504), int4's does not (7 x 65504)
+    assert encode(z.tobytes(), shape, "int8") is not None and encode(z.tobytes(), shape, "k8v4") is None
 
 
 def test_k8v4_needs_a_groupable_head() -> None:
