@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from dss.approx.explanation import Explanation, common_prefix, realign
+from dss.approx.explanation import Explanation, common_prefix, divergence_windows, realign
 from dss.approx.lsh import Bucket, Hit
 from dss.approx.minhash import shingle_hashes
 from dss.approx.upkeep import Upkeep
@@ -299,7 +299,6 @@ class Nearest:
             return replace(base, recurring=self.recurring(tenant_id))
         near = found[0]
         owner = self.mirror.state(near.session_id, tenant_id)
-        stored = np.frombuffer(owner.tokens(near.version_id), dtype=np.uint32)
         pos = near.divergence
         if pos is None:
             return replace(
@@ -309,29 +308,26 @@ class Nearest:
                 recurring=self.recurring(tenant_id),
             )
         self.count_divergence(tenant_id, pos)
-        start = max(pos - context, 0)
-        p_win = prompt[start : pos + context].tolist()
-        s_win = stored[start : pos + context].tolist()
+        stored = np.frombuffer(owner.tokens(near.version_id), dtype=np.uint32)
         resync = realign(prompt, stored, pos, self.lsh.settings.shingle_tokens)
-        r_p, r_s, shared = resync if resync is not None else (None, None, 0)
         would = max(self._would_reuse(owner, near, resync, layout.page_tokens), result.matched_tokens)
-        return Explanation(
-            len(prompt),
-            result.matched_tokens,
-            result.source,
-            near,
-            pos,
-            p_win,
-            s_win,
-            start,
-            decode(p_win) if decode is not None else None,
-            decode(s_win) if decode is not None else None,
-            r_p,
-            r_s,
-            shared,
-            would,
-            would - result.matched_tokens,
-            self.recurring(tenant_id),
+        p_win, s_win, start = divergence_windows(prompt, stored, pos, context)
+        r_p, r_s, shared = resync if resync is not None else (None, None, 0)
+        return replace(
+            base,
+            nearest=near,
+            divergence=pos,
+            prompt_window=p_win,
+            stored_window=s_win,
+            window_start=start,
+            prompt_text=decode(p_win) if decode is not None else None,
+            stored_text=decode(s_win) if decode is not None else None,
+            resync_prompt=r_p,
+            resync_stored=r_s,
+            num_shared_after=shared,
+            would_reuse_tokens=would,
+            lost_tokens=would - result.matched_tokens,
+            recurring=self.recurring(tenant_id),
         )
 
     def _would_reuse(
