@@ -288,16 +288,10 @@ class Nearest:
         """Where the prompt first diverges from its nearest stored version, the tokens on both
         sides, where they run together again and what the divergence costs (see :class:`Explanation`)."""
         prompt = np.frombuffer(buf, dtype=np.uint32)
-        found: list[Candidate] = []
-        if user_ref is not None:
-            self.bucket(user_ref, layout)  # every session of the namespace loaded
-            found, _ = self.candidates(
-                buf, layout, user_ref, k=1, extra=state, also=self._longest_prefix(buf, layout, user_ref)
-            )
         base = Explanation(len(prompt), result.matched_tokens, result.source, None, None)
-        if not found:
+        near = self._nearest_one(buf, layout, user_ref, state)
+        if near is None:
             return replace(base, recurring=self.recurring(tenant_id))
-        near = found[0]
         owner = self.mirror.state(near.session_id, tenant_id)
         pos = near.divergence
         if pos is None:
@@ -329,6 +323,17 @@ class Nearest:
             lost_tokens=would - result.matched_tokens,
             recurring=self.recurring(tenant_id),
         )
+
+    def _nearest_one(
+        self, buf: bytes | memoryview, layout: Layout, user_ref: int | None, state: SessionState | None
+    ) -> Candidate | None:
+        """The stored version most like the prompt, among the namespace's (``None``: none)."""
+        if user_ref is None:
+            return None
+        self.bucket(user_ref, layout)  # every session of the namespace loaded
+        also = self._longest_prefix(buf, layout, user_ref)
+        found, _ = self.candidates(buf, layout, user_ref, k=1, extra=state, also=also)
+        return found[0] if found else None
 
     def _would_reuse(
         self, owner: SessionState, near: Candidate, resync: tuple[int, int, int] | None, page_tokens: int
