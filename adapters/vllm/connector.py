@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dss_adapters.vllm.layout import (
+    Shards,
     attention_spec,
     engine_layouts,
     engine_shards,
@@ -98,40 +99,47 @@ class DssConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            _keep_every_state(vllm_config, kv_cache_config)
-            layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
-            self.layout = layouts[0]
-            self.store = dss.open(self.settings.store, **self.settings.store_options)
-            self._scheduler = SchedulerSide(
-                self.settings,
-                layouts,
-                shards,
-                len(kv_cache_config.kv_cache_groups),
-                self.store,
-                state_groups(kv_cache_config),
-                engine_id=transfer.engine_id or "vllm",
+            self._scheduler = self._open_scheduler_side(
+                vllm_config, kv_cache_config, shards, transfer.engine_id or "vllm"
             )
         else:
-            tp_rank, pp_rank = _worker_ranks()
-            layers = page_layers(kv_cache_config)
-            if stage_layers(vllm_config, kv_cache_config, pp_rank) != layers:
-                raise ConfigError(
-                    f"the attention layers of pipeline stage {pp_rank} are not the ones its index "
-                    "range names; the dss connector serves this model without pipeline parallelism"
-                )
-            shard = shards.index(tp_rank, pp_rank)
-            self.layout = shard_layout(vllm_config, kv_cache_config, self.settings, shards, shard, layers)
-            self.store = dss.open(self.settings.store, **self.settings.reader_options)
-            self._worker = WorkerSide(
-                self.settings,
-                self.layout,
-                self.store,
-                layers,
-                kv_cache_config.num_blocks,
-                shard=shard,
-                is_saver=shards.is_saver(tp_rank),
-            )
+            self._worker = self._open_worker_side(vllm_config, kv_cache_config, shards)
         log.info("dss connector (%s) on %s, layout %s", role.name.lower(), self.settings.store, self.layout)
+
+    def _open_scheduler_side(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, shards: Shards, engine_id: str
+    ) -> SchedulerSide:
+        """The scheduler's part, with the store opened to write and shard 0's layout."""
+        _keep_every_state(vllm_config, kv_cache_config)
+        layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
+        self.layout = layouts[0]
+        self.store = dss.open(self.settings.store, **self.settings.store_options)
+        groups = len(kv_cache_config.kv_cache_groups)
+        return SchedulerSide(
+            self.settings, layouts, shards, groups, self.store, state_groups(kv_cache_config), engine_id=engine_id
+        )
+
+    def _open_worker_side(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, shards: Shards) -> WorkerSide:
+        """This worker's part, with the store opened to read and its shard's layout."""
+        tp_rank, pp_rank = _worker_ranks()
+        layers = page_layers(kv_cache_config)
+        if stage_layers(vllm_config, kv_cache_config, pp_rank) != layers:
+            raise ConfigError(
+                f"the attention layers of pipeline stage {pp_rank} are not the ones its index "
+                "range names; the dss connector serves this model without pipeline parallelism"
+            )
+        shard = shards.index(tp_rank, pp_rank)
+        self.layout = shard_layout(vllm_config, kv_cache_config, self.settings, shards, shard, layers)
+        self.store = dss.open(self.settings.store, **self.settings.reader_options)
+        return WorkerSide(
+            self.settings,
+            self.layout,
+            self.store,
+            layers,
+            kv_cache_config.num_blocks,
+            shard=shard,
+            is_saver=shards.is_saver(tp_rank),
+        )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

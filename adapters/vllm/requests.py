@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,20 @@ class Tracked:
     waiting_for: set[str] | None = None
     """Finished requests of the same session whose saves this one waits for."""
     waiting_since: float | None = None
+
+    def took_load(
+        self, first: int, blocks: Sequence[int], tiers: Sequence[str], num_tokens: int, page_tokens: int
+    ) -> None:
+        """A load job of ``num_tokens`` tokens, pages ``first ..`` into ``blocks`` (the first KV
+        cache group's), each planned from its tier in ``tiers``, was scheduled: count it in."""
+        self.num_loaded_tokens += num_tokens
+        self.loaded_blocks = list(blocks)
+        self.loaded_tiers = list(tiers)
+        self.first_loaded_page = first
+        self.hit_sources = {}
+        for tier in tiers:
+            self.hit_sources[tier] = self.hit_sources.get(tier, 0) + page_tokens
+            self.loaded_by_tier[tier] = self.loaded_by_tier.get(tier, 0) + page_tokens
 
     def lose_load(self, first_failed: int, page_tokens: int) -> int:
         """Pages ``first_failed ..`` of the last load did not load: count them out (vLLM

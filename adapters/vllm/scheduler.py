@@ -203,14 +203,7 @@ class SchedulerSide:
                 tiers=tiers,
             )
         )
-        tracked.num_loaded_tokens += num_external_tokens
-        tracked.loaded_blocks = list(block_ids[0])
-        tracked.loaded_tiers = tiers
-        tracked.first_loaded_page = first
-        tracked.hit_sources = {}
-        for tier in tiers:
-            tracked.hit_sources[tier] = tracked.hit_sources.get(tier, 0) + self.page_tokens
-            tracked.loaded_by_tier[tier] = tracked.loaded_by_tier.get(tier, 0) + self.page_tokens
+        tracked.took_load(first, block_ids[0], tiers, num_external_tokens, self.page_tokens)
 
     def hit_sources(self, request: Request) -> dict[str, int]:
         """The tokens of the request's last load by tier (for vLLM's cached-token metrics)."""
@@ -235,39 +228,46 @@ class SchedulerSide:
         if not self.settings.save:
             return meta
         state = scheduler_output.kv_connector_block_state
+        if state is None:
+            return meta
         spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self.book.live.get(req_id)
-            if tracked is None or state is None:
-                continue
-            request = tracked.request
-            end = request.num_computed_tokens + num_scheduled - len(spec.get(req_id, ()))
-            # only pages whose tokens are all known (with async scheduling the last sampled
-            # token may not be in all_token_ids yet; such a page is saved a step later)
-            end = min(end, request.num_tokens)
-            first, full = tracked.num_stored_pages, end // self.page_tokens
-            table = state.get_block_ids(req_id) if full > first else None
-            if table is None:
-                continue
-            groups = [list(group[first:full]) for group in table]
-            if self.state_groups:
-                groups = self._with_states(req_id, state, first, groups)
-                full = first + len(groups[0])
-                if full == first:
-                    continue
-            tracked.num_stored_pages = full
-            # a page is saved whole: start past the last page a sliding-window group no longer keeps
-            skip = max((i + 1 for g in groups for i, block in enumerate(g) if block == NULL_BLOCK_ID), default=0)
-            if skip >= full - first or any(len(g) != full - first for g in groups):
-                continue
-            groups = [g[skip:] for g in groups]
-            sent, need = tracked.num_sent_tokens, full * self.page_tokens
-            meta.saves.append(
-                SaveJob(req_id, tracked.save_scope, sent, request.all_token_ids[sent:need], first + skip, groups)
-            )
-            tracked.num_sent_tokens = max(sent, need)
-            tracked.num_issued += self.num_shards
+            if tracked is not None:
+                job = self._save_job(req_id, tracked, state, num_scheduled - len(spec.get(req_id, ())))
+                if job is not None:
+                    meta.saves.append(job)
         return meta
+
+    def _save_job(
+        self, req_id: str, tracked: Tracked, state: KVConnectorBlockState, num_scheduled: int
+    ) -> SaveJob | None:
+        """The save of a request's pages that this step makes full (``None``: none), its
+        tracking moved past them."""
+        request = tracked.request
+        # only pages whose tokens are all known (with async scheduling the last sampled
+        # token may not be in all_token_ids yet; such a page is saved a step later)
+        end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
+        first, full = tracked.num_stored_pages, end // self.page_tokens
+        table = state.get_block_ids(req_id) if full > first else None
+        if table is None:
+            return None
+        groups = [list(group[first:full]) for group in table]
+        if self.state_groups:
+            groups = self._with_states(req_id, state, first, groups)
+            full = first + len(groups[0])
+            if full == first:
+                return None
+        tracked.num_stored_pages = full
+        # a page is saved whole: start past the last page a sliding-window group no longer keeps
+        skip = max((i + 1 for g in groups for i, block in enumerate(g) if block == NULL_BLOCK_ID), default=0)
+        if skip >= full - first or any(len(g) != full - first for g in groups):
+            return None
+        groups = [g[skip:] for g in groups]
+        sent, need = tracked.num_sent_tokens, full * self.page_tokens
+        tracked.num_sent_tokens = max(sent, need)
+        tracked.num_issued += self.num_shards
+        return SaveJob(req_id, tracked.save_scope, sent, request.all_token_ids[sent:need], first + skip, groups)
 
     def _with_states(
         self, req_id: str, state: KVConnectorBlockState, first: int, groups: list[list[int]]

@@ -166,13 +166,13 @@ def _check_kinds(extra: Mapping[str, Any]) -> None:
             raise ConfigError(f"{key!r} must be true or false")
 
 
-def _choice(extra: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
-    """An option naming one of ``choices`` (the first by default)."""
+def _choice(extra: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> Any:
+    """An option naming one of ``choices`` (the first by default): that one."""
     value = extra.get(key, choices[0])
     if value not in choices:
         named = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
         raise ConfigError(f"{key!r} must be {named}, not {value!r}")
-    return str(value)
+    return value
 
 
 def _speed(value: Any) -> float | None:

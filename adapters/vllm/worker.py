@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -202,12 +203,7 @@ class WorkerSide:
         """
         self.writer.raise_if_failed()
         step_failed, self._step_failed = self._step_failed, False
-        for step, failed in meta.settled.items():
-            for job in self._held.pop(step, []):
-                if failed:
-                    self._drop(job.req_id, job.first_page)
-                else:
-                    self.writer.put(job)
+        self._settle_held(meta.settled)
         if not self.is_saver or not meta.saves:
             return
         assert self.copier is not None, "register_kv_caches was not called"
@@ -241,6 +237,16 @@ class WorkerSide:
                 self.writer.put(write)
         if meta.step in self._held:
             self._held_steps.append(meta.step)
+
+    def _settle_held(self, settled: Mapping[int, bool]) -> None:
+        """Write the held copies of the steps the scheduler settled, or drop them when a load of
+        their step failed (``settled``: step -> failed)."""
+        for step, failed in settled.items():
+            for job in self._held.pop(step, []):
+                if failed:
+                    self._drop(job.req_id, job.first_page)
+                else:
+                    self.writer.put(job)
 
     def _drop(self, req_id: str, first_page: int) -> None:
         """A save job is not written (its blocks may hold KV computed from a page that failed to load)."""
