@@ -30,6 +30,11 @@ host share at least 1.5x LRU's. Rerun with::
     PYTHONPATH=. .venv/bin/python benchmarks/tiers.py --sessionless --disks 0.2 0.4 --capacities 0.02 0.05
     PYTHONPATH=. .venv/bin/python benchmarks/tiers.py --trace synthetic --watermarks 0.95/0.90 0.99/0.97
     PYTHONPATH=. .venv/bin/python benchmarks/tiers.py --trace conversation
+    PYTHONPATH=. .venv/bin/python benchmarks/tiers.py --trace conversation --precision int8 k8v4
+
+``--precision int8 k8v4`` (traces) adds dss with the same disk bytes holding pages of those
+encodings (a disk tier at ``disk_precision``): 1.94x and 2.51x the pages of a SmolLM2 bf16 page,
+and the hit share that buys; every token served from such a disk is approximate (``disk`` column).
 
 For a notebook: ``from tiers import run, table`` then ``rows = run((0.02, 0.05), seed=1)``.
 """
@@ -56,6 +61,8 @@ from replay import (
     replay_chat,
 )
 from workload import WorkloadSpec, generate, working_set_tokens
+
+from dss.core import packing
 
 __all__ = ["PAGE_TOKENS", "Row", "Trace", "belady", "run", "run_trace", "table", "verdict"]
 
@@ -168,13 +175,17 @@ def run_trace(
     disks: Iterable[float] = TRACE_DISKS,
     watermarks: Iterable[tuple[float, float]] = (),
     limit: int | None = None,
+    encodings: Iterable[str] = (),
 ) -> list[Row]:
     """Replay a block-hash trace (:mod:`mooncake`; its first ``limit`` requests) as sessionless
-    lookups at each disk and host capacity (shares of its distinct blocks) under each policy."""
+    lookups at each disk and host capacity (shares of its distinct blocks) under each policy.
+    Each of ``encodings`` adds dss with the same disk bytes holding pages of that encoding
+    (:func:`pages_per_disk`: more pages than exact ones; row ``dss@int8``, say)."""
     requests = mooncake.load(name, limit)
     working = mooncake.distinct_blocks(requests)
     wanted = list(policies)
     replayed = [(p, {}) for p in wanted if p not in ("belady", "dss+prefetch")] + _sweep(watermarks)
+    replayed += [(f"dss@{e}", {}) for e in encodings]
     rows: list[Row] = []
     for disk in disks:
         disk_pages = max(1, int(working * disk))
@@ -182,12 +193,13 @@ def run_trace(
             host_pages = max(1, int(working * capacity))
             for policy, settings in replayed:
                 label = f"{policy} at {capacity:.0%} host, disk {disk:.0%}"
+                encoding = policy.partition("@")[2] or "exact"
                 with tempfile.TemporaryDirectory(prefix="dss-tiers-") as tmp:
                     row = replay_blocks(
                         requests,
-                        policy.split(" ")[0],
+                        policy.split(" ")[0].split("@")[0],
                         host_pages,
-                        disk_pages,
+                        pages_per_disk(disk_pages, encoding),
                         Path(tmp) / "store",
                         progress=lambda items, label=label: track(items, label, total=len(items)),
                         **settings,
@@ -197,6 +209,14 @@ def run_trace(
             if "belady" in wanted:
                 rows.append(_trace_bound(requests, host_pages, disk_pages, capacity, disk))
     return rows
+
+
+def pages_per_disk(exact_pages: int, encoding: str) -> int:
+    """How many pages of ``encoding`` the disk bytes of ``exact_pages`` exact pages hold: the
+    ratio of a SmolLM2-135M bf16 page of 32 tokens (737,280 bytes exact; int8 and fp8 0.516 of
+    that, k8v4 0.398; :func:`dss.core.packing.encoded_size`)."""
+    shape = packing.PageShape("bfloat16", 60, 96, 64)
+    return int(exact_pages * shape.exact_bytes / packing.encoded_size(shape, encoding))
 
 
 def _trace_bound(
@@ -286,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--capacities", type=float, nargs="+", default=None, help="host capacities (shares)")
     parser.add_argument("--disks", type=float, nargs="+", default=None, help="disk capacities (shares)")
     parser.add_argument(
+        "--precision", nargs="*", default=[], metavar="ENCODING", help="trace: dss with disks of these encodings too"
+    )
+    parser.add_argument(
         "--watermarks", type=_watermark, nargs="*", default=[], metavar="HIGH/LOW", help="dss at these disk marks too"
     )
     args = parser.parse_args(argv)
@@ -301,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             disks=args.disks or TRACE_DISKS,
             watermarks=args.watermarks,
             limit=args.requests,
+            encodings=args.precision,
         )
     else:
         spec = WorkloadSpec(turns=args.turns)

@@ -46,6 +46,9 @@ from dss.core.errors import (
     UnknownSession,
     UnknownVersion,
 )
+from dss.core.packing import Encoded, decode_page, page_views
+from dss.core.packing import encoding_of as page_encoding
+from dss.core.precision import ENCODINGS
 from dss.core.tokens import TokenInput
 from dss.core.types import Layout, PageId, PageRef, SavedPages, Session, SqlResult, Version, VersionId
 from dss.core.version import VERSION
@@ -57,6 +60,7 @@ from dss.writes.compaction import Compaction
 __version__ = VERSION
 
 __all__ = [
+    "ENCODINGS",
     "AmbiguousSession",
     "AuditEntry",
     "Candidate",
@@ -66,6 +70,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "DssError",
+    "Encoded",
     "ErasureInProgress",
     "ErasureIncomplete",
     "Explanation",
@@ -105,8 +110,11 @@ __all__ = [
     "VersionId",
     "configure",
     "connect",
+    "decode_page",
     "default_store",
     "open",
+    "page_encoding",
+    "page_views",
     "resume",
 ]
 

@@ -218,3 +218,31 @@ def test_the_blend_benchmark_runs_on_the_real_model(smollm2_model: Path) -> None
         r[3].strip() == "1.000" for r in rows[2:] if r[1].strip() == "1.00"
     )  # recomputing all: the same first token
     assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats 1" in out
+
+
+def test_the_load_path_benchmark_runs_both_stores() -> None:
+    out = run_benchmark("benchmarks/loadpath.py", "--tokens", "64", "--rounds", "1", timeout=600)
+    rows = table_rows(out)
+    assert sorted(rows) == ["plain", "sealed", "store"], out  # "store": the header row
+    assert "sealing cost on the read path: staged" in out
+    assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens 64 --rounds 1" in out
+
+
+def test_a_trace_replays_with_disks_of_lower_precision_holding_more_pages() -> None:
+    """The same disk bytes hold 1.94x int8 pages: dss@int8 serves at least dss's total."""
+    rows = tiers.run_trace("synthetic", policies=("dss",), disks=(0.2,), limit=60, encodings=("int8",))
+    assert [r.policy for r in rows] == ["dss", "dss@int8"]
+    assert tiers.pages_per_disk(1000, "int8") == 1939 and tiers.pages_per_disk(1000, "exact") == 1000
+    assert rows[1].total_share >= rows[0].total_share
+
+
+@pytest.mark.slow
+def test_the_precision_benchmark_runs_on_the_real_model() -> None:
+    out = run_benchmark(
+        "benchmarks/precision.py", "--chats", "1", "--turn", "1", "--ttft-tokens", "256", "--reps", "1", timeout=1800
+    )
+    rows = table_rows(out)
+    assert list(rows)[1:] == ["exact split vs full forward (floor)", "exact", "int8", "fp8", "k8v4"], out
+    assert rows["int8"][4] == "0.52" and rows["k8v4"][4] == "0.40"  # bytes per page x exact
+    assert len(rows["int8"]) == 10
+    assert "bars (int8):" in out

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,11 +114,9 @@ def cache_from_pages(
     count = len(payloads)
     dtype = getattr(torch, layout.dtype)
     heads, dim, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
-    for i, payload in enumerate(payloads):
-        if len(payload) != layout.page_bytes:
-            raise InvalidInput(f"page {i} has {len(payload)} bytes; the layout's pages have {layout.page_bytes}")
+    exact = _exact_pages(payloads, layout)
     part = layout.page_bytes // (2 * layout.num_layers)
-    staged = pool.stage(payloads, [(j * part, part) for j in range(2 * layout.num_layers)])
+    staged = pool.stage(exact, [(j * part, part) for j in range(2 * layout.num_layers)])
     moved: list[torch.Tensor] = []
 
     def copy(staged: Staged) -> None:  # [pages, heads, page_tokens, dim] -> [1, heads, tokens, dim]
@@ -166,6 +165,8 @@ def load_cache(
     Reads at most ``limit`` tokens' pages (pass ``len(tokens) - 1`` so the model still has
     a token to compute); stops at the first page the store cannot return. Returns
     ``(None, 0)`` when nothing could be loaded. ``device``, ``staging``: see :func:`cache_from_pages`.
+    Pages a tier keeps at a lower precision are dequantized into the layout's dtype (the
+    result's ``encodings`` says how many tokens are approximate).
     """
     if result.page_bytes != layout.page_bytes or result.page_tokens != layout.page_tokens:
         raise InvalidInput("the resume result has another page size than the layout")
@@ -181,6 +182,53 @@ def load_cache(
     if not good:
         return None, 0
     return cache_from_pages(good, layout, device=device, staging=staging), len(good) * layout.page_tokens
+
+
+def _exact_pages(payloads: Sequence[bytes], layout: dss.Layout) -> list[bytes | np.ndarray]:
+    """Each payload as the layout's own bytes: exact ones as they are, lower-precision copies
+    (a tier's precision setting) dequantized with torch into the layout's dtype on their way
+    to staging."""
+    out: list[bytes | np.ndarray] = []
+    dtype = getattr(torch, layout.dtype)
+    for i, payload in enumerate(payloads):
+        try:
+            parts = dss.page_views(payload, layout)
+        except dss.InvalidPage:
+            raise InvalidInput(
+                f"page {i} has {len(payload)} bytes; the layout's pages have {layout.page_bytes}"
+            ) from None
+        out.append(payload if parts is None else dequantize(parts, dtype).view(torch.uint8).reshape(-1).numpy())
+    return out
+
+
+def dequantize(parts: dss.Encoded, dtype: torch.dtype) -> torch.Tensor:
+    """An encoded page (:func:`dss.page_views`) as a ``[parts, rows, head_dim]`` tensor of ``dtype``."""
+    shape = parts.shape
+    out = torch.empty(shape.num_parts, shape.rows, shape.head_dim, dtype=dtype)
+    q = _tensor(parts.q)
+    q = _E4M3[q.long()] if parts.encoding == "fp8" else q.view(torch.int8)
+    scales = _tensor(parts.scales).float()
+    if parts.values is None or parts.value_scales is None:
+        torch.mul(q, scales, out=out)
+        return out
+    out[0::2] = q * scales
+    packed = _tensor(parts.values)
+    low, high = (packed & 0x0F).to(torch.int8) - 8, (packed >> 4).to(torch.int8) - 8
+    value_scales = _tensor(parts.value_scales).float()
+    ints = torch.stack((low, high), dim=-1).reshape(*value_scales.shape[:3], -1)
+    out[1::2] = (ints * value_scales).reshape(out[1::2].shape)
+    return out
+
+
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+"""Every e4m3 byte's value: a table look-up is twice as fast as torch's e4m3 cast on a CPU."""
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a read-only numpy view of a payload (only ever read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 def _tensors(cache: Any, layout: dss.Layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -33,6 +33,7 @@ from dss_adapters.vllm.jobs import JobThread
 from dss_adapters.vllm.meta import NO_BLOCK, LoadJob
 from dss_adapters.vllm.reader import PageReader
 
+import dss
 from dss import DssError
 
 log = logging.getLogger("vllm.dss.loader")
@@ -94,10 +95,11 @@ def _read(
 ) -> Sequence[bytes | memoryview | None]:
     """The store's payloads (into ``into`` if given); every page fails on a ``DssError`` (logged)."""
     try:
-        return store.read_pages(page_ids, into=into) if into is not None else store.read_pages(page_ids)
+        payloads = store.read_pages(page_ids, into=into) if into is not None else store.read_pages(page_ids)
     except DssError as exc:
         log.error("reading %d dss pages of request %s failed: %s", len(page_ids), req_id, exc)
         return [None] * len(page_ids)
+    return exact_only(payloads)
 
 
 def _outcome(
@@ -116,6 +118,14 @@ def _outcome(
     outcome.loaded_page_ids = [page_ids[needed[i]] for i, payload in enumerate(payloads) if payload is not None]
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def exact_only(payloads: Sequence[bytes | memoryview | None]) -> list[bytes | memoryview | None]:
+    """The payloads, a page some tier keeps at a lower precision (``dss.page_encoding``: not
+    ``exact``) made a miss: the connector copies pages as they are and does not dequantize,
+    so such a page is recomputed by vLLM, never loaded approximate. Its own layouts are never
+    encoded (their packing is the backend's), so this only guards against a store's mistake."""
+    return [p if p is None or dss.page_encoding(p) == "exact" else None for p in payloads]
 
 
 def load_pages(

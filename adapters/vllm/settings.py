@@ -130,29 +130,12 @@ class Settings:
         options = extra.get("store_options", {})
         if not isinstance(options, Mapping):
             raise ConfigError("'store_options' must be a mapping of dss.open keyword arguments")
-        source = extra.get("namespace_source", "request")
-        if source not in ("request", "config"):
-            raise ConfigError(f"'namespace_source' must be 'request' or 'config', not {source!r}")
-        for key in ("default_tenant_id", "default_user_id", "model_revision"):
-            if key in extra and (not isinstance(extra[key], str) or not extra[key]):
-                raise ConfigError(f"{key!r} must be a non-empty string")
-        for key in ("page_bytes", "max_pending_bytes"):
-            if key in extra and (type(extra[key]) is not int or extra[key] <= 0):
-                raise ConfigError(f"{key!r} must be a positive integer")
-        for key in ("load", "save"):
-            if key in extra and not isinstance(extra[key], bool):
-                raise ConfigError(f"{key!r} must be true or false")
+        _check_kinds(extra)
+        source = _choice(extra, "namespace_source", ("request", "config"))
+        mode = _choice(extra, "load_mode", ("auto", "sync", "async"))
         wait = extra.get("session_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
             raise ConfigError("'session_wait_s' must be a number of seconds >= 0")
-        speed = extra.get("recompute_tokens_per_s")
-        if speed is not None and (
-            isinstance(speed, bool) or not isinstance(speed, int | float) or not 0 < speed < float("inf")
-        ):
-            raise ConfigError("'recompute_tokens_per_s' must be a positive number of tokens per second")
-        mode = extra.get("load_mode", "auto")
-        if mode not in ("auto", "sync", "async"):
-            raise ConfigError(f"'load_mode' must be 'auto', 'sync' or 'async', not {mode!r}")
         return cls(
             store=store,
             store_options=dict(options),
@@ -166,8 +149,37 @@ class Settings:
             max_pending_bytes=extra.get("max_pending_bytes", 1 << 30),
             session_wait_s=float(wait),
             load_mode=mode,
-            recompute_tokens_per_s=None if speed is None else float(speed),
+            recompute_tokens_per_s=_speed(extra.get("recompute_tokens_per_s")),
         )
+
+
+def _check_kinds(extra: Mapping[str, Any]) -> None:
+    """The options that are plain strings, positive integers or flags, where given."""
+    for key in ("default_tenant_id", "default_user_id", "model_revision"):
+        if key in extra and (not isinstance(extra[key], str) or not extra[key]):
+            raise ConfigError(f"{key!r} must be a non-empty string")
+    for key in ("page_bytes", "max_pending_bytes"):
+        if key in extra and (type(extra[key]) is not int or extra[key] <= 0):
+            raise ConfigError(f"{key!r} must be a positive integer")
+    for key in ("load", "save"):
+        if key in extra and not isinstance(extra[key], bool):
+            raise ConfigError(f"{key!r} must be true or false")
+
+
+def _choice(extra: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    """An option naming one of ``choices`` (the first by default)."""
+    value = extra.get(key, choices[0])
+    if value not in choices:
+        named = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ConfigError(f"{key!r} must be {named}, not {value!r}")
+    return str(value)
+
+
+def _speed(value: Any) -> float | None:
+    """The ``recompute_tokens_per_s`` setting: ``None`` or a positive, finite number."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300):
+        raise ConfigError("'recompute_tokens_per_s' must be a positive number of tokens per second")
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True, slots=True)

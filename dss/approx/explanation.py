@@ -42,6 +42,15 @@ class Explanation:
     """``(position, count)`` of the tenant's most frequent divergence positions, most frequent first."""
 
 
+def divergence_windows(
+    prompt: np.ndarray, stored: np.ndarray, pos: int, context: int
+) -> tuple[list[int], list[int], int]:
+    """The tokens of both sides around a divergence at ``pos``, ``context`` on each side, and
+    where the windows start."""
+    start = max(pos - context, 0)
+    return prompt[start : pos + context].tolist(), stored[start : pos + context].tolist(), start
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """How many leading tokens two token arrays share."""
     n = min(len(a), len(b))

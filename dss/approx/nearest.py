@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from dss.approx.explanation import Explanation, common_prefix, realign
+from dss.approx.explanation import Explanation, common_prefix, divergence_windows, realign
 from dss.approx.lsh import Bucket, Hit
 from dss.approx.minhash import shingle_hashes
 from dss.approx.upkeep import Upkeep
@@ -288,18 +288,11 @@ class Nearest:
         """Where the prompt first diverges from its nearest stored version, the tokens on both
         sides, where they run together again and what the divergence costs (see :class:`Explanation`)."""
         prompt = np.frombuffer(buf, dtype=np.uint32)
-        found: list[Candidate] = []
-        if user_ref is not None:
-            self.bucket(user_ref, layout)  # every session of the namespace loaded
-            found, _ = self.candidates(
-                buf, layout, user_ref, k=1, extra=state, also=self._longest_prefix(buf, layout, user_ref)
-            )
         base = Explanation(len(prompt), result.matched_tokens, result.source, None, None)
-        if not found:
+        near = self._nearest_one(buf, layout, user_ref, state)
+        if near is None:
             return replace(base, recurring=self.recurring(tenant_id))
-        near = found[0]
         owner = self.mirror.state(near.session_id, tenant_id)
-        stored = np.frombuffer(owner.tokens(near.version_id), dtype=np.uint32)
         pos = near.divergence
         if pos is None:
             return replace(
@@ -309,30 +302,38 @@ class Nearest:
                 recurring=self.recurring(tenant_id),
             )
         self.count_divergence(tenant_id, pos)
-        start = max(pos - context, 0)
-        p_win = prompt[start : pos + context].tolist()
-        s_win = stored[start : pos + context].tolist()
+        stored = np.frombuffer(owner.tokens(near.version_id), dtype=np.uint32)
         resync = realign(prompt, stored, pos, self.lsh.settings.shingle_tokens)
-        r_p, r_s, shared = resync if resync is not None else (None, None, 0)
         would = max(self._would_reuse(owner, near, resync, layout.page_tokens), result.matched_tokens)
-        return Explanation(
-            len(prompt),
-            result.matched_tokens,
-            result.source,
-            near,
-            pos,
-            p_win,
-            s_win,
-            start,
-            decode(p_win) if decode is not None else None,
-            decode(s_win) if decode is not None else None,
-            r_p,
-            r_s,
-            shared,
-            would,
-            would - result.matched_tokens,
-            self.recurring(tenant_id),
+        p_win, s_win, start = divergence_windows(prompt, stored, pos, context)
+        r_p, r_s, shared = resync if resync is not None else (None, None, 0)
+        return replace(
+            base,
+            nearest=near,
+            divergence=pos,
+            prompt_window=p_win,
+            stored_window=s_win,
+            window_start=start,
+            prompt_text=decode(p_win) if decode is not None else None,
+            stored_text=decode(s_win) if decode is not None else None,
+            resync_prompt=r_p,
+            resync_stored=r_s,
+            num_shared_after=shared,
+            would_reuse_tokens=would,
+            lost_tokens=would - result.matched_tokens,
+            recurring=self.recurring(tenant_id),
         )
+
+    def _nearest_one(
+        self, buf: bytes | memoryview, layout: Layout, user_ref: int | None, state: SessionState | None
+    ) -> Candidate | None:
+        """The stored version most like the prompt, among the namespace's (``None``: none)."""
+        if user_ref is None:
+            return None
+        self.bucket(user_ref, layout)  # every session of the namespace loaded
+        also = self._longest_prefix(buf, layout, user_ref)
+        found, _ = self.candidates(buf, layout, user_ref, k=1, extra=state, also=also)
+        return found[0] if found else None
 
     def _would_reuse(
         self, owner: SessionState, near: Candidate, resync: tuple[int, int, int] | None, page_tokens: int

@@ -61,7 +61,7 @@ class NewVersion(NamedTuple):
 class NewPage(NamedTuple):
     """A page to store: its id and index in its prompt, its payload, and the bytes that go
     to disk (``stored``; ``None`` when a durable tier holds it already) with their checksum
-    and record flags. A page flagged sealed (``flags`` bit 0) is sealed as it is written
+    and record flags, and its host copy where the tiers' precisions differ. A page flagged sealed (``flags`` bit 0) is sealed as it is written
     (:meth:`dss.pages.store.PageStore.write`, overlapping the sealing with the disk): until then
     ``stored`` is its payload and ``checksum`` 0; the written segment's pages carry the
     sealed bytes and their checksum."""
@@ -72,6 +72,10 @@ class NewPage(NamedTuple):
     stored: bytes | None
     checksum: int
     flags: int
+    encoding: str = "exact"
+    """The precision of ``payload``, the durable copy (:mod:`dss.core.precision`)."""
+    host: bytes | None = None
+    """The host copy when the host tier keeps another precision than ``payload``'s."""
 
 
 class Quarantined(NamedTuple):

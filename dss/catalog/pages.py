@@ -54,6 +54,8 @@ class PageRecord(NamedTuple):
     segment: str | None
     offset: int
     length: int
+    encoding: str = "exact"
+    """The precision of the page's durable copy (its disk copy, which the remote tier shares)."""
 
 
 def _page_select(node_ref: int) -> Select:
@@ -68,6 +70,7 @@ def _page_select(node_ref: int) -> Select:
             segments.c.name,
             locations.c.offset,
             locations.c.length,
+            locations.c.encoding,
         )
         .outerjoin(locations, and_(locations.c.page_id == pages.c.page_id, locations.c.tier == "disk"))
         .outerjoin(segments, and_(segments.c.id == locations.c.segment_ref, segments.c.node_ref == node_ref))
@@ -75,9 +78,10 @@ def _page_select(node_ref: int) -> Select:
 
 
 def _page_record(r: tuple) -> PageRecord:
+    encoding = r[8] or "exact"
     if r[5] is None:
-        return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], None, 0, 0)
-    return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6] or 0, r[7] or 0)
+        return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], None, 0, 0, encoding)
+    return PageRecord(bytes(r[0]), r[1], r[2], r[3], r[4], r[5], r[6] or 0, r[7] or 0, encoding)
 
 
 def namespace_pages(conn: Connection, user_ref: int, node_ref: int, since_seq: int | None = None) -> list[PageRecord]:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 SECRET_TABLES = ("user_keys", "store_meta")
 """Tables ``sql()`` never reads: data keys wrapped under the master key, and facts about the store."""
 
-VIEWS = ("session_summary", "user_summary", "tier_usage", "version_summary", "tier_quota_usage")
+VIEWS = ("session_summary", "user_summary", "tier_usage", "version_summary", "tier_quota_usage", "tier_encodings")
 """The catalog's views (``sql()`` may read them)."""
 
 PASSWORD_KEY = "sql_password"

@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_REVISION = "0006"
+SCHEMA_REVISION = "0007"
 """The Alembic revision this code expects the catalog to be at."""
 
 
@@ -162,6 +162,8 @@ class PageLocation(Base):
     segment_ref: Mapped[int] = mapped_column(ForeignKey("segments.id"), index=True)
     offset: Mapped[int] = mapped_column(BigInteger)
     length: Mapped[int] = mapped_column(Integer)
+    encoding: Mapped[str] = mapped_column(String(16), server_default="exact")
+    """The copy's precision (:mod:`dss.core.precision`): ``exact`` or a lossy encoding."""
 
 
 class SessionPage(Base):

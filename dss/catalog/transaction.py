@@ -205,10 +205,13 @@ def _insert_segment(
             }
             for p, _, _ in placed
         ],
-        [{"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length} for p, offset, length in placed],
+        [
+            {"page_id": p.page_id, "tier": "disk", "offset": offset, "length": length, "encoding": p.encoding}
+            for p, offset, length in placed
+        ],
     )
     return [
-        PageRecord(p.page_id, user_ref, p.index, len(p.payload), p.checksum, segment.name, offset, length)
+        PageRecord(p.page_id, user_ref, p.index, len(p.payload), p.checksum, segment.name, offset, length, p.encoding)
         for p, offset, length in placed
     ]
 

@@ -9,7 +9,6 @@ plain values from the resulting :class:`StoreConfig`; nothing mutates it.
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -19,35 +18,8 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from dss.core.errors import ConfigError
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 1 << 30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"512MiB"``, ``"2 GB"``, ``"1048576"``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"size must not be negative, got {value}")
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use e.g. 1073741824, '512MiB' or '2GB')")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+from dss.core.precision import lossier
+from dss.core.sizes import parse_size
 
 
 class StoreConfig(BaseModel):
@@ -243,6 +215,15 @@ class StoreConfig(BaseModel):
     host_tenant_quota: int = Field(0, description="Most host bytes one tenant's pages may take (0: no quota).")
     disk_user_quota: int = Field(0, description="Most disk bytes one user's pages may take (0: no quota).")
     disk_tenant_quota: int = Field(0, description="Most disk bytes one tenant's pages may take (0: no quota).")
+    host_precision: Literal["exact", "int8", "fp8", "k8v4"] = Field(
+        "exact", description="Encoding of host copies of pages (lossy unless exact; see docs/tiers.md)."
+    )
+    disk_precision: Literal["exact", "int8", "fp8", "k8v4"] = Field(
+        "exact", description="Encoding of disk copies of pages (lossy unless exact)."
+    )
+    remote_precision: Literal["exact", "int8", "fp8", "k8v4"] = Field(
+        "exact", description="Encoding of remote copies: the disk copy's; may not be lossier than disk_precision."
+    )
     mover: bool = Field(True, description="Run the mover (thread, or stepped on clock=; off: store.run_mover()).")
     mover_interval_s: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="Seconds between mover passes (of clock= if given)."
@@ -286,6 +267,15 @@ class StoreConfig(BaseModel):
                     raise ValueError(
                         f"{tier}_{kind}_quota ({quota} bytes) is over the tier's size {tier}_bytes ({size} bytes)"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _remote_holds_the_disk_copy(self) -> StoreConfig:
+        if lossier(self.disk_precision, self.remote_precision) != self.disk_precision:
+            raise ValueError(
+                f"remote_precision ({self.remote_precision}) is lossier than disk_precision "
+                f"({self.disk_precision}): the remote tier holds the disk copy's bytes"
+            )
         return self
 
     @model_validator(mode="after")
@@ -358,6 +348,9 @@ _ENV = {
     "DSS_HOST_TENANT_QUOTA": "host_tenant_quota",
     "DSS_DISK_USER_QUOTA": "disk_user_quota",
     "DSS_DISK_TENANT_QUOTA": "disk_tenant_quota",
+    "DSS_HOST_PRECISION": "host_precision",
+    "DSS_DISK_PRECISION": "disk_precision",
+    "DSS_REMOTE_PRECISION": "remote_precision",
 }
 
 DEFAULT_HOME = "dss-data"

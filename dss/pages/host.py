@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from dss.catalog import namespaces
 from dss.catalog.database import Catalog
+from dss.core.packing import encoding_of
+from dss.core.precision import EXACT
 from dss.core.types import PageId
 from dss.pages.index import NamespacePages, PageIndex
 from dss.placement import fill
@@ -56,6 +58,8 @@ class HostPages:
         owner = self.owner(namespace) if namespace is not None else None
         victims = put_host(self.host, self.placement, page_id, payload, owner, compete=compete)
         self.made_room(victims)
+        if victims is not None and not self.index.has_lossy and encoding_of(payload) != EXACT:
+            self.index.has_lossy = True
         return victims is not None
 
     @property

@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Callable, Container, Iterable
 
 from dss.catalog.pages import PageRecord
+from dss.core.packing import encoding_of
+from dss.core.precision import EXACT
 from dss.core.types import TIER_CODE, PageId
 from dss.tiers.base import Located
 from dss.tiers.host import HostTier
@@ -48,10 +50,10 @@ class NamespacePages:
 
 class PageEntry:
     """One page: where its bytes are durable on this node (``disk``), whether the catalog
-    holds it (``is_durable``: some node's disk does, so the remote tier may too) and what its
-    stored bytes must hash to."""
+    holds it (``is_durable``: some node's disk does, so the remote tier may too), what its
+    stored bytes must hash to, and the precision of that durable copy (``encoding``)."""
 
-    __slots__ = ("checksum", "disk", "is_durable", "namespace", "page_id", "page_index", "size")
+    __slots__ = ("checksum", "disk", "encoding", "is_durable", "namespace", "page_id", "page_index", "size")
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class PageEntry:
         checksum: int,
         disk: Located | None,
         is_durable: bool = True,
+        encoding: str = EXACT,
     ) -> None:
         self.page_id = page_id
         self.namespace = namespace
@@ -70,6 +73,7 @@ class PageEntry:
         self.checksum = checksum
         self.disk = disk
         self.is_durable = is_durable
+        self.encoding = encoding
 
 
 class PageIndex:
@@ -83,6 +87,8 @@ class PageIndex:
         self.entries: dict[PageId, PageEntry] = {}
         self.namespaces: dict[int, NamespacePages] = {}
         self.code_of = self._make_code_of(resident)
+        self.has_lossy = False
+        """Whether some copy this process knows of is lossy (else no resume looks for one)."""
 
     def _make_code_of(self, resident: Container[PageId]) -> Callable[[PageId], int]:
         host, entries = self.host, self.entries
@@ -114,6 +120,22 @@ class PageIndex:
 
         return code_of
 
+    def encodings(self, page_ids: Iterable[PageId], page_tokens: int) -> dict[str, int]:
+        """Tokens per lossy encoding among these pages, as the copy a read would serve holds
+        them (host's, else the durable one's); empty when every one is exact. Does not change
+        the host tier's recency."""
+        if not self.has_lossy:
+            return {}
+        out: dict[str, int] = {}
+        entries, host = self.entries, self.host
+        for page_id in page_ids:
+            payload = host.peek(page_id)
+            entry = entries.get(page_id) if payload is None else None
+            encoding = encoding_of(payload) if payload is not None else entry.encoding if entry is not None else EXACT
+            if encoding != EXACT:
+                out[encoding] = out.get(encoding, 0) + page_tokens
+        return out
+
     def bump_all(self) -> None:
         """Something about pages of every namespace changed (what engines hold)."""
         for namespace in self.namespaces.values():
@@ -130,12 +152,15 @@ class PageIndex:
         for r in records:
             disk = Located(r.segment, r.offset, r.length) if r.segment else None
             self.entries[PageId(r.page_id)] = PageEntry(
-                PageId(r.page_id), namespace, r.page_index, r.size, r.checksum, disk
+                PageId(r.page_id), namespace, r.page_index, r.size, r.checksum, disk, encoding=r.encoding
             )
+            if r.encoding != EXACT:
+                self.has_lossy = True
         namespace.bump()
 
     def add(self, entry: PageEntry) -> None:
         self.entries[entry.page_id] = entry
+        self.has_lossy = self.has_lossy or entry.encoding != EXACT
         entry.namespace.bump()
 
     def forget(self, page_ids: Iterable[PageId]) -> None:

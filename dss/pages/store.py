@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dss.catalog import segments
 from dss.catalog.change import Applied, NewPage, Room, WrittenSegment
 from dss.catalog.database import Catalog, Tx
+from dss.core import packing
 from dss.core.crypto import Sealer
 from dss.core.hashing import checksum
-from dss.core.types import PageId
+from dss.core.precision import EXACT, EXACT_TIERS, Precision
+from dss.core.types import Layout, PageId
 from dss.pages.copies import RemoteCopies
 from dss.pages.host import HostPages
 from dss.pages.index import NamespacePages, PageEntry, PageIndex
@@ -50,24 +52,58 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def new_pages(
-    ids: Sequence[PageId], payloads: Mapping[int, bytes], index: PageIndex, seal: bool
+    ids: Sequence[PageId],
+    payloads: Mapping[int, bytes],
+    index: PageIndex,
+    seal: bool,
+    layout: Layout | None = None,
+    precision: Precision = EXACT_TIERS,
 ) -> tuple[NewPage, ...]:
     """The given pages (``payloads[i]`` is page ``ids[i]``), each to be written as it is or
     sealed (``seal``) as :meth:`PageStore.write` writes it — or not at all (``stored`` is
     ``None``) when this process knows a durable tier holds it already (this node's disk,
-    or another's: the catalog keeps one disk copy of a page in the fleet)."""
+    or another's: the catalog keeps one disk copy of a page in the fleet).
+
+    With a lossy ``precision`` and a ``layout`` whose pages can be encoded
+    (:func:`dss.core.packing.shape_of`), the durable copy is encoded at ``precision.disk``
+    and the host copy at ``precision.host``; a page that cannot be encoded stays exact."""
     entries = index.entries
     out = []
+    encode = _encoder(layout, precision)
     for i, payload in payloads.items():
         page_id = ids[i]
         entry = entries.get(page_id)
-        if entry is not None and (entry.disk is not None or entry.is_durable):
-            out.append(NewPage(page_id, i, payload, None, 0, 0))
-        elif seal:
-            out.append(NewPage(page_id, i, payload, payload, 0, SEALED_FLAG))
+        if entry is not None and (entry.disk is not None or entry.is_durable):  # only its host copy is new
+            out.append(NewPage(page_id, i, encode(payload, False)[2] or payload, None, 0, 0))
+            continue
+        durable, encoding, host = encode(payload, True)
+        if seal:
+            out.append(NewPage(page_id, i, durable, durable, 0, SEALED_FLAG, encoding, host))
         else:
-            out.append(NewPage(page_id, i, payload, payload, checksum(payload), 0))
+            out.append(NewPage(page_id, i, durable, durable, checksum(durable), 0, encoding, host))
     return tuple(out)
+
+
+def _encoder(layout: Layout | None, precision: Precision) -> Callable[[bytes, bool], tuple[bytes, str, bytes | None]]:
+    """A function of a saved payload (and whether its durable copy is wanted) to ``(durable
+    copy, its encoding, host copy or None: the same bytes)`` for these settings; chosen once
+    per write."""
+    shape = packing.shape_of(layout) if layout is not None and not precision.is_exact else None
+    if shape is None:
+        return lambda payload, durable: (payload, EXACT, None)
+
+    def encode(payload: bytes, wanted: bool) -> tuple[bytes, str, bytes | None]:
+        if not wanted:
+            host = packing.encode(payload, shape, precision.host)
+            return payload, EXACT, host if host is not None and host is not payload else None
+        disk = packing.encode(payload, shape, precision.disk)
+        durable, encoding = (payload, EXACT) if disk is None else (disk, precision.disk)
+        if precision.host == encoding:
+            return durable, encoding, None
+        host = packing.encode(payload, shape, precision.host)
+        return durable, encoding, payload if host is None else host
+
+    return encode
 
 
 class PageStore:
@@ -83,8 +119,10 @@ class PageStore:
         disk_bytes: int,
         segment_bytes: int,
         copies: RemoteCopies | None = None,
+        precision: Precision = EXACT_TIERS,
     ) -> None:
         self.catalog = catalog
+        self.precision = precision
         self.disk = disk
         self.hosted = hosted
         self.host: HostTier = hosted.host
@@ -301,13 +339,13 @@ class PageStore:
                         checksum(page.payload),
                         None,
                         is_durable=False,
+                        encoding=page.encoding,
                     )
                 )
             # a durable page competes for room; one only host holds goes in whatever it is worth
             entry = entries.get(page.page_id)
-            kept = self.hosted.put(
-                page.page_id, page.payload, namespace, compete=entry is not None and entry.is_durable
-            )
+            host_copy = page.payload if page.host is None else page.host
+            kept = self.hosted.put(page.page_id, host_copy, namespace, compete=entry is not None and entry.is_durable)
             if not kept and entry is not None and entry.disk is None and not entry.is_durable:
                 self.index.forget([page.page_id])
         if namespace is not None:

@@ -23,24 +23,25 @@ A client is thread-safe (one connection pool); close it, or use it as a context 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from dss.approx.explanation import Explanation
 from dss.approx.nearest import Decode
 from dss.core.tokens import TokenInput
-from dss.core.types import Layout, PageRef, SavedPages, Session, SqlResult, Version
-from dss.core.validate import check_callback, check_flag, check_page_ids, check_version_id
+from dss.core.types import Layout, SavedPages, Session, SqlResult, Version
+from dss.core.validate import check_callback, check_flag, check_version_id
 from dss.erasure.documents import AuditEntry, Plan, Receipt
 from dss.service import codec
 from dss.service.codec import load
-from dss.service.transport import Transport, encode_pages, layout_dict, params_of, token_list
+from dss.service.engine_calls import EngineCalls
+from dss.service.transport import encode_pages, layout_dict, params_of, token_list
 from dss.sessions.resume import Candidate, ResumeResult
 from dss.writes.compaction import Compaction
 
 
-class Client(Transport):
+class Client(EngineCalls):
     """A ``dss serve`` service seen through the :class:`dss.Store` API (see the module docstring).
 
     ``api_key`` defaults to ``DSS_API_KEY``; ``timeout`` is seconds per request; ``retries``
@@ -258,21 +259,6 @@ class Client(Transport):
             why = replace(why, prompt_text=decode(why.prompt_window), stored_text=decode(why.stored_window))
         return why
 
-    def read_pages(
-        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True
-    ) -> list[bytes | None]:
-        """:meth:`dss.Store.read_pages`; ``None`` also for a page the key may not read (another tenant's)."""
-        ids = [page_id.hex() for page_id in check_page_ids(pages)]
-        check_flag("load", load)
-        out = self._call("POST", "/v1/pages/read", json={"page_ids": ids, "tenant_id": tenant_id, "load": load})
-        return [codec.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
-
-    def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:
-        """:meth:`dss.Store.page_sizes` of the pages the key may read (a non-admin key: its tenant's)."""
-        ids = [page_id.hex() for page_id in check_page_ids(page_ids)]
-        sizes = self._call("POST", "/v1/pages/sizes", json={"page_ids": ids, "tenant_id": tenant_id})["sizes"]
-        return {bytes.fromhex(page_id): int(size) for page_id, size in sizes.items()}
-
     def prefetch_candidates(
         self,
         tokens: TokenInput,
@@ -317,27 +303,6 @@ class Client(Transport):
     def shared_prefixes(self, *, tenant_id: str | None = None) -> list[Version]:
         """:meth:`dss.Store.shared_prefixes` of the key's tenant, oldest first."""
         return [load(Version, v) for v in self._call("GET", "/v1/prefixes", params=params_of(tenant_id=tenant_id))]
-
-    # -- engines: the device tier (admin key, but residency) ----------------------------------
-
-    def mark_resident(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
-        """:meth:`dss.Store.mark_resident` in the service's store (admin key)."""
-        body = {"engine_id": engine_id, "page_ids": [page_id.hex() for page_id in check_page_ids(page_ids)]}
-        self._call("POST", "/v1/engines/resident", json=body)
-
-    def evicted(self, engine_id: str, page_ids: Sequence[PageRef | bytes]) -> None:
-        """:meth:`dss.Store.evicted` in the service's store (admin key)."""
-        body = {"engine_id": engine_id, "page_ids": [page_id.hex() for page_id in check_page_ids(page_ids)]}
-        self._call("POST", "/v1/engines/evicted", json=body)
-
-    def forget_engine(self, engine_id: str) -> int:
-        """:meth:`dss.Store.forget_engine` (admin key): how many pages the engine held."""
-        return int(self._call("POST", "/v1/engines/forget", json={"engine_id": engine_id})["num_pages"])
-
-    def residency(self, session_id: str, *, tenant_id: str | None = None) -> dict[str, int]:
-        """:meth:`dss.Store.residency`: ``{engine_id: pages}`` of the session's head."""
-        out = self._call("GET", "/v1/residency", params=params_of(session_id=session_id, tenant_id=tenant_id))
-        return {engine: int(n) for engine, n in out["engines"].items()}
 
     # -- erasure ---------------------------------------------------------------------------
 

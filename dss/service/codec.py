@@ -219,6 +219,8 @@ def resume_out(r: ResumeResult) -> dict[str, Any]:
         "source": r.source,
         "num_candidates": r.num_candidates,
         "near": dump(r.near),
+        "encodings": r.encodings,
+        "lossy_tokens": r.lossy_tokens,
     }
 
 
@@ -237,6 +239,7 @@ def resume_from(d: dict[str, Any], rates: Rates | None) -> ResumeResult:
         source=d.get("source"),
         num_candidates=d.get("num_candidates", 0),
         near=load(Candidate, d.get("near")),
+        encodings={str(k): int(v) for k, v in (d.get("encodings") or {}).items()},
     )
 
 

@@ -9,6 +9,9 @@ Counters and histograms (updated as requests run):
 * ``dss_resume_total{result="hit"|"miss"}`` — resumes that matched at least one page, or none.
 * ``dss_resume_prompt_tokens_total``, ``dss_resume_matched_tokens_total`` — their ratio is the
   token hit rate.
+* ``dss_resume_lossy_tokens_total{encoding}`` — of the matched tokens, those a load would serve
+  from a copy kept at a lower precision (``int8``, ``fp8``, ``k8v4``; see ``host_precision``,
+  ``disk_precision``): approximate KV, announced.
 * ``dss_page_hits_total{tier}``, ``dss_page_misses_total{tier}`` — per full page of a resumed
   prompt, looking tiers up fastest first: a hit on the fastest tier holding the page, a miss
   on every faster tier; a page no tier holds is a miss on every tier.
@@ -49,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dss.core.errors import DssError
+from dss.core.precision import ENCODINGS
 from dss.sessions.resume import ResumeResult
 from dss.store import Store
 from dss.tiers.remote import RemoteTier
@@ -91,6 +95,14 @@ class Metrics:
         self.matched_tokens = Counter(
             "dss_resume_matched_tokens", "Prompt tokens resumes found stored KV for.", registry=r
         )
+        self.lossy_tokens = Counter(
+            "dss_resume_lossy_tokens",
+            "Matched tokens a load would serve from a lower-precision copy, by encoding.",
+            ["encoding"],
+            registry=r,
+        )
+        for encoding in ENCODINGS[1:]:
+            self.lossy_tokens.labels(encoding)
         self.page_hits = Counter(
             "dss_page_hits", "Resumed pages found on a tier (the fastest holding them).", ["tier"], registry=r
         )
@@ -121,6 +133,8 @@ class Metrics:
         self.resumes.labels("hit" if result.matched_tokens else "miss").inc()
         self.prompt_tokens.inc(result.num_prompt_tokens)
         self.matched_tokens.inc(result.matched_tokens)
+        for encoding, tokens in result.encodings.items():
+            self.lossy_tokens.labels(encoding).inc(tokens)
         page_tokens = result.page_tokens
         remaining = result.num_prompt_tokens // page_tokens
         found = result.tiers

@@ -306,6 +306,9 @@ class ResumeOut(_Out):
     source: str | None = None
     num_candidates: int = 0
     near: CandidateOut | None = None  # type: ignore[valid-type]
+    encodings: dict[str, int] = {}
+    """Matched tokens a load serves at each lossy encoding (empty: all exact)."""
+    lossy_tokens: int = 0
 
 
 class ReadPagesOut(_Out):

@@ -74,12 +74,17 @@ class ResumeResult:
     ``None`` when nothing matched. With approximate matching, ``num_candidates`` is how many
     candidate versions were verified and ``near`` the nearest of them (its divergence from
     the prompt included); ``0`` and ``None`` otherwise.
+
+    ``encodings`` maps each lossy encoding (:mod:`dss.core.precision`) to the matched tokens
+    whose pages a load would serve in it (empty: every matched token is exact, the saved
+    bytes); ``lossy_tokens`` is their sum.
     """
 
     __slots__ = (
         "_pages",
         "_rates",
         "_spans",
+        "encodings",
         "matched_tokens",
         "near",
         "num_candidates",
@@ -108,6 +113,7 @@ class ResumeResult:
         source: str | None = None,
         num_candidates: int = 0,
         near: Candidate | None = None,
+        encodings: dict[str, int] | None = None,
     ) -> None:
         self.session_id = session_id
         self.version_id = version_id
@@ -122,6 +128,7 @@ class ResumeResult:
         self._spans = spans
         self._pages = pages
         self._rates = rates
+        self.encodings: dict[str, int] = dict(encodings or {})
 
     def annotated(self, num_candidates: int, near: Candidate | None) -> ResumeResult:
         """This result with what approximate matching verified (the match itself unchanged)."""
@@ -139,7 +146,19 @@ class ResumeResult:
             source=self.source,
             num_candidates=num_candidates,
             near=near,
+            encodings=self.encodings,
         )
+
+    def with_encodings(self, encodings: dict[str, int]) -> ResumeResult:
+        """This result, saying how many matched tokens each lossy encoding holds."""
+        out = self.annotated(self.num_candidates, self.near)
+        out.encodings = dict(encodings)
+        return out
+
+    @property
+    def lossy_tokens(self) -> int:
+        """Matched tokens a load would serve approximate (lower-precision copies)."""
+        return sum(self.encodings.values())
 
     @property
     def num_new_tokens(self) -> int:
@@ -212,5 +231,5 @@ class ResumeResult:
         return (
             f"ResumeResult(session_id={self.session_id!r}, matched_tokens={self.matched_tokens}, "
             f"num_prompt_tokens={self.num_prompt_tokens}, version_id={self.version_id}, tiers={self.tiers}, "
-            f"source={self.source!r})"
+            f"source={self.source!r}{f', encodings={self.encodings}' if self.encodings else ''})"
         )

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from dss.catalog.change import Change, NewSession, NewVersion
 from dss.core.errors import InvalidTokens
+from dss.core.precision import EXACT_TIERS, Precision
 from dss.core.tokens import TOKEN_BYTES
 from dss.core.types import Layout, PageId
 from dss.core.validate import check_pages
@@ -29,10 +30,12 @@ from dss.sessions.state import SessionState
 
 class Context(NamedTuple):
     """What a builder needs besides the session's state: the keys of its namespace (to seal),
-    and this process's page index (to know which pages are stored already)."""
+    this process's page index (to know which pages are stored already), and the precision
+    each tier keeps its copies in."""
 
     keys: Keys
     index: PageIndex  # type: ignore[assignment]  # a field named like tuple.index
+    precision: Precision = EXACT_TIERS
 
 
 def create(
@@ -85,7 +88,7 @@ def commit(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, An
         session_id=state.session_id,
         base_seq=state.record.seq,
         layout_ref=state.record.layout_ref,
-        pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None),
+        pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None, state.layout, ctx.precision),
         version=version,
         hold=fresh,
         hold_pinned=_pinned_among(state, fresh),
@@ -106,7 +109,7 @@ def save(state: SessionState, ctx: Context, buf: bytes, pages: Mapping[int, Any]
         session_id=state.session_id,
         base_seq=state.record.seq,
         layout_ref=state.record.layout_ref,
-        pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None),
+        pages=new_pages(ids, payloads, ctx.index, ctx.keys.sealer is not None, state.layout, ctx.precision),
         hold=fresh,
         hold_pinned=_pinned_among(state, fresh),
     )

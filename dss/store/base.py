@@ -20,6 +20,7 @@ from dss.core.config import StoreConfig, sqlite_url
 from dss.core.crypto import read_master_key
 from dss.core.epoch import Epoch
 from dss.core.errors import ErasureIncomplete, InvalidInput, NoStore
+from dss.core.precision import Precision
 from dss.core.types import CACHE_PREFIX, Layout, Version
 from dss.core.validate import check_flag, check_layout, check_name
 from dss.erasure.job import Eraser
@@ -142,6 +143,7 @@ class Base:
             disk_bytes=config.disk_bytes,
             segment_bytes=config.segment_bytes,
             copies=copies,
+            precision=Precision(config.host_precision, config.disk_precision, config.remote_precision),
         )
         self.reader = PageReader(self.catalog, self.disk, self.hosted, self.keys, node_ref=self.node.ref, copies=copies)
 

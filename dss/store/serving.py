@@ -42,7 +42,9 @@ class Serving(Base):
         than ``lsh_min_share`` of the prompt, versions of the namespace and layout that
         MinHash-LSH proposes are compared token by token and the longest exact common prefix
         with stored pages wins (``source="lsh"``); the result names the nearest one and how
-        many were tried. Only exact prefixes are ever reported. Side-effect free: changes
+        many were tried. Only exact prefixes are ever reported. Where a tier keeps lossy
+        copies (its precision setting), ``encodings`` and ``lossy_tokens`` say how many
+        matched tokens a load would serve approximate, at which encoding. Side-effect free: changes
         nothing (but counts a divergence position), so engines may ask repeatedly. Pages
         another node stored count as ``tiers["remote"]`` (see the module docstring).
         """
@@ -56,7 +58,7 @@ class Serving(Base):
                 result = self._nearest_index().improve(
                     result, buf, record.layout, record.user_ref, state, record.tenant_id
                 )
-            return result
+            return self._announced(result)
 
     def lookup(
         self,
@@ -80,7 +82,14 @@ class Serving(Base):
             result = self.matcher.match(buf, layout, tenant_id, user_ref, None)
             if approximate:
                 result = self._nearest_index().improve(result, buf, layout, user_ref, None, tenant_id)
+            return self._announced(result)
+
+    def _announced(self, result: ResumeResult) -> ResumeResult:
+        """``result`` with the tokens its pages hold at each lossy encoding (when some copy is lossy)."""
+        if not self.index.has_lossy or not result.matched_tokens:
             return result
+        encodings = self.index.encodings([ref.page_id for ref in result.pages], result.page_tokens)
+        return result.with_encodings(encodings) if encodings else result
 
     def nearest(
         self,

@@ -61,6 +61,10 @@ class HostTier(CacheTier):
         """Bytes held less the inactive pages' (what the watermarks measure)."""
         return self.used_bytes - self.inactive_bytes
 
+    def peek(self, page_id: PageId) -> bytes | None:
+        """A page's payload (``None`` if absent), leaving its recency as it is."""
+        return self._pages.get(page_id)
+
     def get_many(self, page_ids: Sequence[PageId]) -> list[bytes | None]:
         """Payloads in order, ``None`` where absent; found ones become most recently used
         (and active again)."""

@@ -288,7 +288,7 @@ class Writer:
 
     def context(self, state: SessionState) -> versions.Context:
         """What a builder needs besides the session's state."""
-        return versions.Context(self.keys.of(state.user_ref), self.index)
+        return versions.Context(self.keys.of(state.user_ref), self.index, self.pages.precision)
 
     def state_of(self, applied: Applied) -> SessionState:
         """The state of the session a change wrote (loaded again if another writer moved it on)."""

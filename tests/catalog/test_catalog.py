@@ -38,10 +38,10 @@ def test_older_schema_is_refused_then_upgraded(tmp_path) -> None:
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
     old.close()
-    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0006: run `dss db upgrade`"):
+    with pytest.raises(dss.SchemaOutdated, match=r"at schema revision 0001, this dss needs 0007: run `dss db upgrade`"):
         dss.open(tmp_path)
     upgraded = Catalog(url)
-    assert upgraded.upgrade() == ("0001", "0006")
+    assert upgraded.upgrade() == ("0001", "0007")
     upgraded.close()
     with dss.open(tmp_path) as store:
         store.create_session("s", layout=LAYOUT)
@@ -60,8 +60,8 @@ def test_unknown_newer_schema_is_refused(store: dss.Store) -> None:
 def test_upgrade_of_an_empty_database(tmp_path) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     assert catalog.revision() is None
-    assert catalog.upgrade() == (None, "0006")
-    assert catalog.upgrade() == ("0006", "0006")
+    assert catalog.upgrade() == (None, "0007")
+    assert catalog.upgrade() == ("0007", "0007")
     catalog.close()
 
 
@@ -123,15 +123,15 @@ def test_pending_revisions_are_what_upgrade_would_apply(tmp_path) -> None:
     from alembic import command
 
     catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
-    assert catalog.pending_revisions() == ["0001", "0002", "0003", "0004", "0005", "0006"]
+    assert catalog.pending_revisions() == ["0001", "0002", "0003", "0004", "0005", "0006", "0007"]
     with catalog.engine.begin() as conn:
         config = catalog_module._alembic_config()
         config.attributes["connection"] = conn
         command.upgrade(config, "0001")
-    assert catalog.pending_revisions() == ["0002", "0003", "0004", "0005", "0006"]
+    assert catalog.pending_revisions() == ["0002", "0003", "0004", "0005", "0006", "0007"]
     applied: list[str] = []
-    assert catalog.upgrade(progress=applied.append) == ("0001", "0006")
-    assert applied == ["0002", "0003", "0004", "0005", "0006"]
+    assert catalog.upgrade(progress=applied.append) == ("0001", "0007")
+    assert applied == ["0002", "0003", "0004", "0005", "0006", "0007"]
     assert catalog.pending_revisions() == []
     with catalog.engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))

@@ -192,7 +192,7 @@ def test_upgrade_from_0002_seals_names_and_labels_and_keeps_ids_above_old_ones(t
     with pytest.raises(dss.ConfigError, match="needs the store's master key"):
         old.upgrade()
     assert old.revision() == "0002"
-    assert old.upgrade(master) == ("0002", "0006")
+    assert old.upgrade(master) == ("0002", "0007")
     with old.engine.connect() as conn:
         conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
     old.close()
@@ -215,7 +215,7 @@ def test_cli_upgrade_passes_the_master_key(tmp_path: Path) -> None:
         main, ["--home", str(tmp_path), "db", "upgrade"], env={"DSS_MASTER_KEY_FILE": os.environ["DSS_MASTER_KEY_FILE"]}
     )
     assert result.exit_code == 0, result.output
-    assert result.output == "catalog upgraded from empty to 0006\n"
+    assert result.output == "catalog upgraded from empty to 0007\n"
 
 
 def test_upgrade_scrubs_the_page_ids_and_file_names_older_erasure_jobs_kept(tmp_path: Path) -> None:

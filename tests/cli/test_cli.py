@@ -109,9 +109,9 @@ def test_check(home: str) -> None:
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     home = str(tmp_path / "new")
     assert run("--home", home, "db", "current") == (1, f"error: NoStore: no store at {home}\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0006\n")
-    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0006\n")
-    assert run("--home", home, "db", "current") == (0, "0006\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog upgraded from empty to 0007\n")
+    assert run("--home", home, "db", "upgrade") == (0, "catalog already at revision 0007\n")
+    assert run("--home", home, "db", "current") == (0, "0007\n")
 
 
 def test_demo_reuses_and_verifies(tmp_path: Path) -> None:

@@ -116,19 +116,20 @@ def old_catalog(tmp_path: Path) -> str:
 def test_db_upgrade_on_a_terminal_draws_a_bar_of_the_migrations(tmp_path: Path) -> None:
     out = on_terminal(dss_command("--home", old_catalog(tmp_path), "db", "upgrade"))
     assert bars(out) == [
-        ("applying catalog migrations", "0/5", None),
-        ("applying catalog migrations", "1/5", "0002"),
-        ("applying catalog migrations", "2/5", "0003"),
-        ("applying catalog migrations", "3/5", "0004"),
-        ("applying catalog migrations", "4/5", "0005"),
-        ("applying catalog migrations", "5/5", "0006"),
+        ("applying catalog migrations", "0/6", None),
+        ("applying catalog migrations", "1/6", "0002"),
+        ("applying catalog migrations", "2/6", "0003"),
+        ("applying catalog migrations", "3/6", "0004"),
+        ("applying catalog migrations", "4/6", "0005"),
+        ("applying catalog migrations", "5/6", "0006"),
+        ("applying catalog migrations", "6/6", "0007"),
     ]
-    assert out.endswith(b"catalog upgraded from 0001 to 0006\r\n")
+    assert out.endswith(b"catalog upgraded from 0001 to 0007\r\n")
 
 
 def test_db_upgrade_piped_prints_one_line(tmp_path: Path) -> None:
     assert piped(dss_command("--home", old_catalog(tmp_path), "db", "upgrade")) == (
-        "catalog upgraded from 0001 to 0006\n",
+        "catalog upgraded from 0001 to 0007\n",
         "",
     )
 

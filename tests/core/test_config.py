@@ -141,3 +141,18 @@ def test_a_refused_open_leaves_no_master_key_file(tmp_path: Path) -> None:
 def test_a_remote_url_redis_cannot_use_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(dss.ConfigError, match="remote_url is not a Redis URL: Port out of range"):
         dss.open(tmp_path / "store", remote_url="redis://:secret@cache:99999999/0")
+
+
+def test_precision_settings_default_exact_and_come_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_config(tmp_path)
+    assert (config.host_precision, config.disk_precision, config.remote_precision) == ("exact", "exact", "exact")
+    monkeypatch.setenv("DSS_DISK_PRECISION", "int8")
+    monkeypatch.setenv("DSS_REMOTE_PRECISION", "int8")
+    monkeypatch.setenv("DSS_HOST_PRECISION", "k8v4")
+    config = load_config(tmp_path)
+    assert (config.host_precision, config.disk_precision, config.remote_precision) == ("k8v4", "int8", "int8")
+    monkeypatch.setenv("DSS_REMOTE_PRECISION", "fp8")
+    with pytest.raises(dss.ConfigError, match=r"remote_precision \(fp8\) is lossier than disk_precision \(int8\)"):
+        load_config(tmp_path)

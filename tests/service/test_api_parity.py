@@ -574,6 +574,25 @@ def test_page_sizes_and_reads_of_one_tenant(api: Any, tenant: str) -> None:
         api.read_pages(refs, load="no")
 
 
+def test_reads_into_the_callers_buffers(api: Any, tenant: str) -> None:
+    make(api, tenant)
+    api.commit("s", T, {0: page(1), 1: page(2)})
+    refs = api.resume("s", T).pages
+    rows = [bytearray(32), bytearray(32)]
+    got = api.read_pages([*refs, bytes(16)], into=[*rows, bytearray(32)])
+    assert [bytes(v) if v is not None else None for v in got] == [page(1), page(2), None]
+    assert rows == [bytearray(page(1)), bytearray(page(2))]
+    assert got[0].obj is rows[0]  # the caller's buffer, not a copy
+    short = [bytearray(32), bytearray(31)]
+    with pytest.raises(dss.InvalidInput, match="buffer 1 has 31 bytes; its page has 32"):
+        api.read_pages(refs, into=short)
+    assert short == [bytearray(32), bytearray(31)]  # nothing written
+    with pytest.raises(dss.InvalidInput, match="into must be a list of 2 writable buffers, one per page"):
+        api.read_pages(refs, into=[bytearray(32)])
+    with pytest.raises(dss.InvalidInput, match=r"into\[0\] must be a writable, contiguous buffer"):
+        api.read_pages(refs, into=[b"x" * 32, bytearray(32)])
+
+
 def test_prefetch_waits_when_asked(api: Any, tenant: str) -> None:
     make(api, tenant)
     api.commit("s", T, {0: page(1), 1: page(2)})

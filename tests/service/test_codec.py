@@ -50,3 +50,20 @@ def test_the_models_document_the_fields_their_types_document() -> None:
     schema = m.ExplainOut.model_json_schema()
     assert schema["properties"]["matched_tokens"]["description"] == "What resume reuses now (exact paths)."
     assert m.SessionOut.model_json_schema()["description"] == dss.Session.__doc__
+
+
+def test_a_resume_result_says_over_the_wire_how_many_tokens_are_lossy() -> None:
+    from dss.core.types import PageId, PageRef
+    from dss.service.codec import resume_from, resume_out
+    from dss.sessions.resume import ResumeResult
+
+    pages = [PageRef(0, PageId(bytes(16)), "disk"), PageRef(1, PageId(bytes(range(16))), "host")]
+    result = ResumeResult("s", VersionId(2), 64, 70, 64, 32, 1024, pages=pages, encodings={"int8": 32})
+    wire = json.loads(m.ResumeOut.model_validate(resume_out(result)).model_dump_json())
+    assert (wire["encodings"], wire["lossy_tokens"]) == ({"int8": 32}, 32)
+    back = resume_from(wire, None)
+    assert (back.encodings, back.lossy_tokens, back.matched_tokens) == ({"int8": 32}, 32, 64)
+    exact = resume_from(
+        json.loads(m.ResumeOut.model_validate(resume_out(back.with_encodings({}))).model_dump_json()), None
+    )
+    assert (exact.encodings, exact.lossy_tokens) == ({}, 0)

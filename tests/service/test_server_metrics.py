@@ -188,3 +188,33 @@ def test_placement_counters_watermarks_and_prefetch(service: Service) -> None:
     assert m[("dss_prefetch_wasted_total", ())] == 0
     assert m[("dss_tier_high_watermark_bytes", (("tier", "host"),))] == round(0.85 * (1 << 30))
     assert m[("dss_tier_low_watermark_bytes", (("tier", "disk"),))] == round(0.70 * (16 << 30))
+
+
+def test_resumed_tokens_a_lower_precision_copy_would_serve_are_counted_by_encoding(service: Service) -> None:
+    """A handle whose disk keeps int8 saves two pages of a KV layout (tenant t1, as the API key);
+    a fresh process (empty host tier) answers the resume over HTTP: 8 int8 tokens, announced."""
+    import ml_dtypes
+    import numpy as np
+
+    layout = dss.Layout(
+        "transformers", 4, 1024, dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=32,
+        format="[layers][k,v]x[kv_heads,page_tokens,head_dim]",
+    )  # fmt: skip
+    kv = {i: np.random.default_rng(i).standard_normal(512).astype(ml_dtypes.bfloat16).tobytes() for i in (0, 1)}
+    with dss.open(service.home, fsync=False, disk_precision="int8") as writer:
+        writer.create_session("q", tenant_id="t1", user_id="u", layout=layout)
+        writer.commit("q", T, kv, tenant_id="t1")
+    reader = dss.open(service.home, fsync=False)
+    app = create_app(reader, service.config, KeyRing(service.config.keys_file), close_store=True)
+    with TestClient(app) as http:
+        auth = {"Authorization": f"Bearer {service.keys['admin']}"}
+        r = http.post("/v1/resume", json={"session_id": "q", "tokens": T}, headers=auth).json()
+        assert (r["matched_tokens"], r["encodings"], r["lossy_tokens"]) == (8, {"int8": 8}, 8)
+        text = http.get("/metrics", headers=auth).text
+    m = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert m[("dss_resume_lossy_tokens_total", (("encoding", "int8"),))] == 8
+    assert m[("dss_resume_lossy_tokens_total", (("encoding", "k8v4"),))] == 0

@@ -54,3 +54,13 @@ def test_demoted_pages_stay_readable_and_leave_first_in_the_order_demoted() -> N
     host.demote([e])
     assert host.discard([e]) == 10 and host.inactive_bytes == 0
     assert host.check() == []
+
+
+def test_peek_leaves_the_recency_order_as_it_is() -> None:
+    host = HostTier(30)
+    a, b, c = ids("a", "b", "c")
+    host.put(a, b"x" * 10)
+    host.put(b, b"y" * 10)
+    assert host.peek(a) == b"x" * 10 and host.peek(c) is None
+    assert host.ids() == [a, b]  # a was peeked, not used: still the oldest
+    assert host.put(c, b"z" * 10) == [] and host.put(PageId(b"d"), b"w" * 10) == [a]

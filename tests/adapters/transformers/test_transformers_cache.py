@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from dss_adapters.transformers.cache import cache_from_pages, cache_pages, layout_for, load_cache, save_cache
+from dss_adapters.transformers.cache import (
+    cache_from_pages,
+    cache_pages,
+    dequantize,
+    layout_for,
+    load_cache,
+    save_cache,
+)
 
 import dss
 from tests import real_chat
@@ -103,6 +110,53 @@ def test_pages_round_trip_bit_for_bit(model: Any, dtype: torch.dtype) -> None:
     # page 1 holds tokens 32-63 of layer 0's keys first: [layers][k, v] x [heads, tokens, head_dim]
     first = torch.frombuffer(bytearray(pages[1][: 2 * 32 * 32 * dtype.itemsize]), dtype=dtype).view(2, 32, 32)
     assert torch.equal(first, tensors[0][0][0, :, 32:64])
+
+
+@pytest.mark.parametrize(
+    ("encoding", "key_err", "value_err"), [("int8", 0.04, 0.04), ("fp8", 0.35, 0.35), ("k8v4", 0.04, 0.8)]
+)
+def test_pages_a_disk_keeps_at_lower_precision_are_dequantized_into_the_cache(
+    model: Any, tmp_path: Path, encoding: str, key_err: float, value_err: float
+) -> None:
+    """Disk at ``encoding``: a fresh handle (host tier empty) reads the lossy copies, the result
+    says so, and the cache holds the KV dequantized into bf16, within a quantization step of
+    the row's absmax (randn rows: absmax about 3; int8 step 3/127, e4m3 about 3/16, int4 3/7)."""
+    from transformers import DynamicCache
+
+    layout = layout_for(model, page_tokens=32, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    tensors = [tuple(torch.randn(1, 2, 64, 32, generator=generator).to(torch.bfloat16) for _ in "kv") for _ in range(2)]
+    tokens = prompt(3, 64) + [7]
+    with dss.open(tmp_path / "s", disk_precision=encoding) as store:
+        store.create_session("c", user_id="u", tenant_id="t", layout=layout)
+        assert save_cache(store, DynamicCache(tensors), tokens, layout, session_id="c", tenant_id="t") == 2
+        store.commit("c", tokens, tenant_id="t")
+    with dss.open(tmp_path / "s", disk_precision=encoding) as fresh:
+        result = fresh.resume("c", tokens, tenant_id="t")
+        assert (result.tiers, result.encodings, result.lossy_tokens) == ({"disk": 64}, {encoding: 64}, 64)
+        cache, num_cached = load_cache(fresh, result, layout)
+    assert num_cached == 64
+    for (k, v), layer in zip(tensors, cache.layers):
+        assert layer.keys.dtype == torch.bfloat16 and layer.keys.shape == k.shape
+        assert 0 < (layer.keys.float() - k.float()).abs().max() <= key_err
+        assert 0 < (layer.values.float() - v.float()).abs().max() <= value_err
+
+
+@pytest.mark.parametrize("encoding", ["int8", "fp8", "k8v4"])
+def test_torch_dequantization_equals_the_reference(model: Any, encoding: str) -> None:
+    """The adapter's torch kernels give the bytes of dss's numpy reference decoder, bit for bit."""
+    from dss.core import packing
+
+    layout = layout_for(model, page_tokens=32, dtype=torch.bfloat16)
+    shape = packing.shape_of(layout)
+    assert shape is not None
+    exact = torch.randn(shape.num_parts, shape.rows, shape.head_dim, generator=torch.Generator().manual_seed(2))
+    blob = packing.encode(exact.to(torch.bfloat16).view(torch.uint8).numpy().tobytes(), shape, encoding)
+    assert blob is not None
+    parts = dss.page_views(blob, layout)
+    assert parts is not None and parts.encoding == encoding
+    mine = dequantize(parts, torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    assert mine == bytes(dss.decode_page(blob, layout))
 
 
 def test_layouts_of_other_precisions_page_sizes_or_revisions_never_match(model: Any, store: dss.Store) -> None:

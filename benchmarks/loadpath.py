@@ -1,0 +1,160 @@
+"""The vLLM connector's CPU load path against the hardware it runs on, measured in one run.
+
+A prompt of ``--tokens`` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads of 64, bf16: pages of
+32 tokens, 720 KiB) is stored, then loaded again and again into a CPU KV cache shaped like vLLM's
+(one ``[blocks, 3, 32, 128]`` bf16 tensor per layer), with the page cache warm:
+
+* ``staged`` — what a disk load does now (``dss_adapters.vllm.loader.load_pages`` with a
+  ``RowBuffer``): ``read_pages(into=...)`` decrypts each page straight into one reused buffer of
+  page rows, then one copy per layer for all the pages;
+* ``per page`` — the named baseline: ``read_pages`` returns a ``bytes`` object per page, copied in
+  with one memcpy per page and layer (3,840 for 4K tokens; the path a load wholly from the
+  worker's RAM still takes, since its pages are ``bytes`` already);
+* ``hardware`` — what the machine allows for the same bytes: the segment files read with
+  ``preadv`` into one buffer (page cache warm), plus AES-GCM ``decrypt_into`` of every page on one
+  core, plus one copy per layer; no dss code.
+
+Each contender runs from a sealed store (the default) and from one opened with
+``encrypt=False``; ``sealing cost`` is how much longer the sealed load takes. Contenders run
+interleaved, rounds alternating which goes first; the figures are medians. Rerun with::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py [--tokens 4096] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer, copy_layer
+from dss_adapters.vllm.loader import load_pages
+
+import dss
+
+PAGE_TOKENS, LAYERS, HEADS, HEAD = 32, 30, 3, 64
+LAYER_BYTES = HEADS * PAGE_TOKENS * 2 * HEAD * 2
+PAGE_BYTES = LAYERS * LAYER_BYTES
+LAYOUT = dss.Layout(name="smollm2-like", page_tokens=PAGE_TOKENS, page_bytes=PAGE_BYTES, model="bench", dtype="bf16")
+_BLOCK = random.Random(0).randbytes(PAGE_BYTES)
+
+
+def payload(i: int) -> bytes:
+    return str(i).encode().ljust(64, b".") + _BLOCK[64:]
+
+
+def build(folder: Path, keys: Path, encrypt: bool, pages: int) -> list[bytes]:
+    """A store holding one session of ``pages`` pages; their ids."""
+    with dss.open(folder, master_key_file=keys, encrypt=encrypt, compact_auto=False) as store:
+        store.create_session("s", layout=LAYOUT)
+        tokens = list(range(pages * PAGE_TOKENS))
+        store.commit("s", tokens, {i: payload(i) for i in range(pages)})
+        return [bytes(p.page_id) for p in store.resume("s", tokens).pages]
+
+
+def hardware(
+    folder: Path, buffer: memoryview, sealed: list[bytes], aead: AESGCM, rows: np.ndarray, caches: list[np.ndarray]
+) -> None:
+    """Read the segment files into ``buffer`` (reused, as dss reuses its read buffers), decrypt
+    ``sealed`` (pages sealed under ``aead`` with a zero nonce; none for a plain store) into
+    ``rows``, copy all the rows in by layer."""
+    at = 0
+    for path in sorted((folder / "segments").iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while got := os.preadv(fd, [buffer[at:]], 0 if at == 0 else at):
+                at += got
+        finally:
+            os.close(fd)
+    for k, blob in enumerate(sealed):
+        aead.decrypt_into(b"\0" * 12, blob, b"", memoryview(rows[k]))
+    blocks = np.arange(5, 5 + len(rows))
+    for i, cache in enumerate(caches):
+        copy_layer(cache, blocks, rows[:, i * LAYER_BYTES : (i + 1) * LAYER_BYTES])
+
+
+def run(tokens: int, rounds: int) -> dict[str, list[float]]:
+    pages = tokens // PAGE_TOKENS
+    root = Path(tempfile.mkdtemp(prefix="dss-bench-loadpath-"))
+    keys = root / "master.key"
+    blocks = pages + 10
+    tensors = [torch.zeros((blocks, HEADS, PAGE_TOKENS, 2 * HEAD), dtype=torch.bfloat16) for _ in range(LAYERS)]
+    copier = BlockCopier(tensors, [0] * LAYERS, blocks, PAGE_BYTES)
+    assert copier.host_views is not None
+    block_ids = [list(range(5, 5 + pages))]
+    staging, aead = RowBuffer(PAGE_BYTES), AESGCM(os.urandom(32))
+    sealed = [aead.encrypt(b"\0" * 12, payload(i), b"") for i in range(pages)]
+    times: dict[str, list[float]] = {}
+    stores = {}
+    for name, encrypt in (("sealed", True), ("plain", False)):
+        ids = build(root / name, keys, encrypt, pages)
+        store = dss.open(root / name, master_key_file=keys, compact_auto=False, host_bytes=0)
+        stores[name] = store
+        jobs: dict[str, Callable[[], object]] = {
+            "staged": partial(load_pages, store, copier, ids, block_ids, "bench", staging),
+            "per page": partial(load_pages, store, copier, ids, block_ids, "bench"),
+            "hardware": partial(
+                hardware,
+                root / name,
+                memoryview(bytearray(sum(f.stat().st_size for f in (root / name / "segments").iterdir()))),
+                sealed if encrypt else [],
+                aead,
+                staging.rows(pages),
+                copier.host_views,
+            ),
+        }
+        for label, job in jobs.items():
+            job()  # warm: page cache, buffers
+            times[f"{label}/{name}"] = []
+        for r in range(rounds):
+            order = list(jobs.items()) if r % 2 == 0 else list(jobs.items())[::-1]
+            for label, job in order:
+                start = time.perf_counter()
+                job()
+                times[f"{label}/{name}"].append(time.perf_counter() - start)
+        want = payload(pages - 1)[7 * LAYER_BYTES : 8 * LAYER_BYTES]
+        load_pages(store, copier, ids, block_ids, "check", staging)
+        assert copier.host_views[7][5 + pages - 1].tobytes() == want, "the staged load copied wrong bytes"
+    for store in stores.values():
+        store.close()
+    return times
+
+
+def report(times: dict[str, list[float]], tokens: int, rounds: int) -> None:
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    mb = tokens // PAGE_TOKENS * PAGE_BYTES / 1e6
+    print(
+        f"\nLoading {tokens} tokens of SmolLM2-135M-shaped KV ({mb:.0f} MB) into a CPU KV cache, page cache warm; "
+        f"ms, median of {rounds}"
+    )
+    print("| store | per page (baseline) | staged | hardware | per page / staged | staged / hardware |")
+    print("|---|---|---|---|---|---|")
+    for name in ("sealed", "plain"):
+        base, staged, hw = ms[f"per page/{name}"], ms[f"staged/{name}"], ms[f"hardware/{name}"]
+        print(f"| {name} | {base:.1f} | {staged:.1f} | {hw:.1f} | {base / staged:.2f}x | {staged / hw:.2f}x |")
+    cost = {label: ms[f"{label}/sealed"] / ms[f"{label}/plain"] - 1 for label in ("per page", "staged")}
+    print(f"\nsealing cost on the read path: staged {cost['staged']:+.0%}, per page {cost['per page']:+.0%}")
+    print(f"rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens {tokens} --rounds {rounds}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens loaded (whole pages of 32)")
+    parser.add_argument("--rounds", type=int, default=9, help="measured loads per contender and store")
+    args = parser.parse_args()
+    if args.tokens < PAGE_TOKENS or args.rounds < 1:
+        parser.error("--tokens must be at least 32 and --rounds at least 1")
+    report(run(args.tokens, args.rounds), args.tokens, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
