@@ -18,7 +18,7 @@ default) and plain (``encrypt=False``) — it measures:
 Contenders run interleaved, repeated (each kind of write by the two stores back to back, in the
 order A B B A, so neither goes first more often; the kinds in an order rotated by round, so none
 always follows the most writes); the figures are medians of per-round ratios
-(this is a shared machine). The bars of issue 10: read >= 60 % of the direct read, write >= 70 % of the
+(this is a shared machine). The bars: read >= 60 % of the direct read, write >= 70 % of the
 direct write + fsync, sealing < 10 % of either, 8-16 pages per I/O. Rerun with::
 
     PYTHONPATH=. .venv/bin/python benchmarks/disk.py [--dir FOLDER] [--rounds 5] [--session-tokens 8192]

@@ -24,7 +24,7 @@ share of prompt tokens reused per tier and in all, the ratio to ``single``, and 
 imbalance (max / mean requests per node). The remote tier is left out on purpose: with one,
 every node reuses what any node wrote, and routing decides only how fast.
 
-Bar (issue 12): ``kv`` reuses at least 0.95x what ``single`` reuses, with imbalance <= 1.25.
+Bar: ``kv`` reuses at least 0.95x what ``single`` reuses, with imbalance <= 1.25.
 Rerun with::
 
     PYTHONPATH=. .venv/bin/python benchmarks/fleet.py            # --turns 4000 --seed 1

@@ -22,7 +22,7 @@ per-call times in microseconds. Rerun with::
 
     .venv/bin/python benchmarks/resume.py
 
-Targets (issue 2): on the full match, from a list within 1.5x of the floor; from a buffer
+Targets: on the full match, from a list within 1.5x of the floor; from a buffer
 under 50 us.
 """
 
