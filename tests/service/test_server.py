@@ -666,6 +666,8 @@ def test_resume_reports_matched_tokens_tiers_version_and_pages(service: Service)
         "source": "session",
         "num_candidates": 0,
         "near": None,
+        "encodings": {},
+        "lossy_tokens": 0,
     }
     miss = service.ok("POST", "/v1/resume", json={"session_id": "s", "tokens": [1, 2, 3, 4, 5]})
     assert (miss["matched_tokens"], miss["version_id"], miss["pages"], miss["tiers"]) == (0, None, [], {})
