@@ -42,7 +42,6 @@ NEEDS_EXTRA: dict[str, tuple[str, set[str]]] = {
     "dss_adapters.staging": ("transformers or vllm", ENGINE),
     "dss_adapters.transformers.blend": ("transformers", ENGINE),
     "dss_adapters.transformers.cache": ("transformers", ENGINE),
-    "dss_adapters.transformers.blend": ("transformers", ENGINE),
     "dss_adapters.transformers_cache": ("transformers", ENGINE),
     "dss_adapters.vllm.connector": ("vllm", ENGINE),
     "dss_adapters.vllm_connector": ("vllm", ENGINE),
