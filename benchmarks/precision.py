@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import chats
+import pagecache
 import torch
 
 import dss
@@ -158,18 +158,6 @@ def ttft_prompt(tok: Any, n: int) -> list[int]:
     return [int(t) for t in ids[:n]]
 
 
-def drop_page_cache(folder: Path) -> None:
-    """Ask the kernel to forget the cached pages of every file under ``folder``."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def ttft(model: Any, layout: dss.Layout, tokens: list[int], root: Path, reps: int) -> dict[str, dict[str, float]]:
     """Median seconds, per encoding, to load the pages of ``tokens`` from disk (``load``) and to
     the first token (``ttft``), with the page files in the OS page cache (``cached``) and out
@@ -188,7 +176,7 @@ def ttft(model: Any, layout: dss.Layout, tokens: list[int], root: Path, reps: in
             for kind in ("cached", "cold"):
                 for encoding, store in stores.items():
                     if kind == "cold":
-                        drop_page_cache(root / f"ttft-{encoding}")
+                        pagecache.drop(p for p in (root / f"ttft-{encoding}").rglob("*") if p.is_file())
                     start = time.perf_counter()
                     result = store.resume("long", tokens, tenant_id="t")
                     cache, num_cached = load_cache(store, result, layout, limit=len(tokens) - 1)
