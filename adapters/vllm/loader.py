@@ -52,7 +52,8 @@ class LoadOutcome:
 
 class PageSource(Protocol):
     """Where payloads come from: a ``dss.Store`` or a :class:`PageReader` process; with ``into``
-    each payload lands in its buffer (``Store.read_pages``)."""
+    (a ``dss.Store`` only: staged loads run in the worker's own process) each payload lands in
+    its buffer (``Store.read_pages``)."""
 
     def read_pages(self, pages: Sequence[bytes], *, into: Sequence[memoryview] | None = None) -> Sequence[Any]: ...
 

@@ -43,21 +43,15 @@ class PageReader:
         with self._lock:
             self._start()
 
-    def read_pages(
-        self, page_ids: Sequence[bytes], *, into: Sequence[memoryview] | None = None
-    ) -> list[memoryview | None]:
-        """The payloads of the pages, ``None`` for those the store could not return (or, with
-        ``into``, whose size is not their buffer's); with ``into`` each payload is read from the
-        pipe straight into its buffer. A child that died is started again; the pages of the
-        read it died in count as not returned."""
+    def read_pages(self, page_ids: Sequence[bytes]) -> list[memoryview | None]:
+        """The payloads of the pages, ``None`` for those the store could not return. A child that
+        died is started again; the pages of the read it died in count as not returned."""
         with self._lock:
             proc = self._start()
             assert proc.stdin is not None and proc.stdout is not None
             try:
                 _send(proc.stdin, list(page_ids))
                 lengths: list[int] = _receive(proc.stdout)
-                if into is not None:
-                    return _read_into(proc.stdout, lengths, into)
                 data = memoryview(bytearray(sum(n for n in lengths if n > 0)))
                 _read_exactly(proc.stdout, data)
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
@@ -120,22 +114,6 @@ def _receive(stream: IO[bytes]) -> Any:
     if len(body) < size:
         raise EOFError("the other end closed the pipe")
     return pickle.loads(body)
-
-
-def _read_into(stream: IO[bytes], lengths: list[int], into: Sequence[memoryview]) -> list[memoryview | None]:
-    """Read the payloads of ``lengths`` into their buffers (one of another size: read past,
-    ``None``)."""
-    out: list[memoryview | None] = []
-    for length, buffer in zip(lengths, into):
-        if length < 0:
-            out.append(None)
-        elif length == len(buffer):
-            _read_exactly(stream, buffer)
-            out.append(buffer)
-        else:
-            _read_exactly(stream, memoryview(bytearray(length)))
-            out.append(None)
-    return out
 
 
 def _read_exactly(stream: IO[bytes], into: memoryview) -> None:
