@@ -88,6 +88,11 @@ class DataKeys:
             keys = self._keys[user_ref] = Keys(namespace_hash_key(data_key), names if self._encrypt else None, names)
         return keys
 
+    def cached(self, user_ref: int) -> Keys | None:
+        """The keys of a namespace if this process holds them, else ``None``; no I/O and no
+        lock needed."""
+        return self._keys.get(user_ref)
+
     def sealer_of(self, user_ref: int) -> Sealer | None:
         """The page sealer of a namespace, or ``None`` if its key is gone (its pages are unreadable)."""
         try:

@@ -33,7 +33,8 @@ from dss.sessions.state import SessionState
 
 
 class Mirror:
-    """Session states and namespaces of one process. Not thread-safe; the store locks."""
+    """Session states and namespaces of one process. Not thread-safe; the store locks (only
+    :meth:`cached` may be called without the lock)."""
 
     def __init__(self, catalog: Catalog, epoch: Epoch, index: PageIndex, keys: DataKeys, node_ref: int) -> None:
         self.catalog = catalog
@@ -81,7 +82,9 @@ class Mirror:
 
     def _apply_own(self, ref: int, write: SessionWrite) -> None:
         """Apply this process's own write to the session's cached state, in place when the
-        state is the one the write was built on (else drop it: it reloads when next used)."""
+        state is the one the write was built on (else drop it: it reloads when next used).
+        While it changes, the state's generation is odd (see :mod:`dss.sessions.state`); a
+        change that fails half-way drops the state."""
         change = write.change
         if change.delete:
             self.drop_session(ref)
@@ -94,27 +97,13 @@ class Mirror:
                 self.drop_session(ref)
                 return
             state = known
-        head = change.head
-        version = change.version
-        if version is not None:
-            assert write.version_id is not None
-            state.add(_version_record(ref, write), version.tokens, version.walk)
-            head = write.version_id
-        for page_id in write.unheld:
-            state.held.pop(page_id, None)
-        if write.version_id is not None:
-            retagged = set(change.retag)
-            for page_id, tag in state.held.items():
-                if tag in retagged:
-                    state.held[page_id] = write.version_id
-            state.held.update(dict.fromkeys(change.touch, write.version_id))
-        state.held.update(dict.fromkeys(write.held, write.version_id or 0))
-        if change.pin is not None:
-            version_id, pinned = change.pin
-            state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
-        state.record = state.record._replace(
-            seq=write.seq, last_access=write.stamp, head_id=head if head is not None else state.head_id
-        )
+        state.generation += 1
+        try:
+            _change_in_place(state, write)
+        except BaseException:
+            self.drop_session(ref)
+            raise
+        state.generation += 1
 
     def _new_state(self, ref: int, write: SessionWrite) -> SessionState:
         new = write.change.create
@@ -211,6 +200,12 @@ class Mirror:
         assert state is not None
         self._names[(session_id, tenant_id)] = state.ref
         return state
+
+    def cached(self, session_id: str, tenant_id: str | None) -> SessionState | None:
+        """The session's state if this process holds it, else ``None``; no I/O and no lock
+        needed (what it returns may be changing: see :mod:`dss.sessions.state`)."""
+        ref = self._names.get((session_id, tenant_id))
+        return self.sessions.get(ref) if ref is not None else None
 
     def shared(self, tenant_id: str, layout: Layout, session_id: str) -> SessionState | None:
         """The tenant's shared-prefix session for a layout, or ``None`` (remembered until a
@@ -321,6 +316,32 @@ class Mirror:
             if ref is not None:
                 self._users[(tenant_id, user_id)] = ref
         return ref
+
+
+def _change_in_place(state: SessionState, write: SessionWrite) -> None:
+    """Apply this process's own ``write`` to ``state``, the state it was built on."""
+    change = write.change
+    head = change.head
+    version = change.version
+    if version is not None:
+        assert write.version_id is not None
+        state.add(_version_record(state.ref, write), version.tokens, version.walk)
+        head = write.version_id
+    for page_id in write.unheld:
+        state.held.pop(page_id, None)
+    if write.version_id is not None:
+        retagged = set(change.retag)
+        for page_id, tag in state.held.items():
+            if tag in retagged:
+                state.held[page_id] = write.version_id
+        state.held.update(dict.fromkeys(change.touch, write.version_id))
+    state.held.update(dict.fromkeys(write.held, write.version_id or 0))
+    if change.pin is not None:
+        version_id, pinned = change.pin
+        state.versions[version_id] = state.versions[version_id]._replace(pinned=pinned)
+    state.record = state.record._replace(
+        seq=write.seq, last_access=write.stamp, head_id=head if head is not None else state.head_id
+    )
 
 
 def _version_record(ref: int, write: SessionWrite) -> VersionRecord:

@@ -3,6 +3,11 @@
 A :class:`SessionState` is a cache of catalog rows. :class:`dss.sessions.mirror.Mirror` builds it from
 the catalog, updates it in place with this process's own writes, and drops it when another
 process changed the session (the feed says so). It does no I/O.
+
+A writer may build a change from a state without the store's lock (an *optimistic* build,
+:meth:`dss.writes.writer.Writer.write`): :attr:`SessionState.generation` is odd while the mirror
+changes the state in place and moves on by two each time, so a reader that sees the same even
+generation before and after reading it read no half-made change.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dss.sessions.trie import Match, Position, Trie
 class SessionState:
     """One session: its versions, the trie of their tokens, the pages it holds."""
 
-    __slots__ = ("held", "key", "namespace", "positions", "record", "trie", "versions")
+    __slots__ = ("generation", "held", "key", "namespace", "positions", "record", "trie", "versions")
 
     def __init__(
         self,
@@ -33,6 +38,8 @@ class SessionState:
         held: dict[bytes, int],
     ) -> None:
         self.record = record
+        self.generation = 0
+        """Even while the state is unchanging; odd while the mirror changes it in place."""
         self.key = key
         """The namespace's page-id hashing key."""
         self.namespace = namespace

@@ -1,11 +1,13 @@
 """How a write reaches the store: the writer that applies changes.
 
-:class:`Writer` applies a :class:`~dss.catalog.change.Change` in three steps: its page files
-are written outside the lock (:meth:`dss.pages.store.PageStore.write`); one catalog transaction,
-under the lock, makes room by the policy and applies it (:func:`dss.catalog.transaction.apply`);
-then this process's caches take its events (:meth:`dss.sessions.mirror.Mirror.apply`) and its pages
-(:meth:`dss.pages.store.PageStore.settle`). A change built on a session that another writer moved
-on meanwhile is built again from a fresh state.
+A session's change is built from the state this process holds without the store's lock
+(:meth:`Writer.write`; a change built from a state that moved on is refused by its transaction
+and built again), so a commit takes the lock once. :class:`Writer` applies a
+:class:`~dss.catalog.change.Change` in three steps: its page files are written outside the
+lock (:meth:`dss.pages.store.PageStore.write`); one catalog transaction, under the lock and
+caught up with other processes, makes room by the policy and applies it
+(:func:`dss.catalog.transaction.apply`); then this process's caches take its events
+(:meth:`dss.sessions.mirror.Mirror.apply`) and its pages (:meth:`dss.pages.store.PageStore.settle`).
 
 **Compaction** (:mod:`dss.writes.compaction`) runs between writes, never inside one: after a
 write that thinned segments out, and — when a change's new pages would not fit the disk tier
@@ -33,8 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dss.approx.upkeep import Upkeep
@@ -44,6 +45,7 @@ from dss.catalog.database import Catalog, DuplicateRow, Tx, catalog_errors
 from dss.core.crypto import Sealer
 from dss.core.errors import Conflict, DssError, UnknownSession
 from dss.core.types import CACHE_PREFIX, PageId
+from dss.core.validate import check_name
 from dss.pages.index import PageIndex
 from dss.pages.keys import DataKeys
 from dss.pages.store import PageStore
@@ -144,8 +146,7 @@ class Writer:
         written = self.pages.write(change.pages, sealer)
         committed = False
         try:
-            with self.guard.lock:
-                self.guard.check_open()
+            with self.guard.reading():
                 with catalog_errors(), self.catalog.write() as tx:
                     _check_fence(tx, change)
                     applied = transaction.apply(tx, change, written, self.pages.room(tx, written, change.user_ref))
@@ -178,8 +179,7 @@ class Writer:
         is_committed = False
         try:
             self.pages.publish([w for member in group for w in member.written])  # outside the lock: reads go on
-            with self.guard.lock:
-                self.guard.check_open()
+            with self.guard.reading():
                 while not is_committed:
                     try:
                         with catalog_errors(), self.catalog.write() as tx:
@@ -271,20 +271,57 @@ class Writer:
 
     def write(self, session_id: str, tenant_id: str | None, build: Callable[..., Change], *args: Any) -> Applied:
         """Build a session's change with ``build(state, context, *args)`` (a :mod:`dss.sessions.versions`
-        function) and apply it. The first attempt writes its page files outside the lock; when
-        another writer moved the session on meanwhile, the change is built again from a fresh
-        state and applied under the lock (only another process can then move it on)."""
-        for attempt in range(ATTEMPTS):
-            with self.guard.lock if attempt else _nothing():
+        function) and apply it, taking the store's lock once (:meth:`_built_unlocked`).
+
+        The change is built without the lock from the state this process holds, and its
+        page files are written outside the lock; its transaction checks that the session did
+        not move on since. When it did (another writer, here or in another process), the
+        change is built again and applied within one entry of the lock, caught up with other
+        processes first (only another process can then move the session on)."""
+        built = self._built_unlocked(session_id, tenant_id, build, args)
+        if built is not None:
+            try:
+                return self.apply(built[0], sealer=built[1])
+            except Stale:
+                pass
+        for _ in range(ATTEMPTS):
+            with self.guard.lock:
                 with self.guard.reading():
                     state = self.mirror.state(session_id, tenant_id)
                     context = self.context(state)
                     change = build(state, context, *args)
-                try:  # a retry holds the lock: no group
-                    return self.apply(change, alone=bool(attempt), sealer=context.keys.sealer)
+                try:
+                    return self.apply(change, alone=True, sealer=context.keys.sealer)
                 except Stale:
                     continue
         raise Conflict(f"session {session_id!r} keeps being changed by other writers; try again")
+
+    def _built_unlocked(
+        self, session_id: str, tenant_id: str | None, build: Callable[..., Change], args: tuple[Any, ...]
+    ) -> tuple[Change, Sealer | None] | None:
+        """The change ``build`` makes from the session's state as this process holds it, built
+        without the lock, with its namespace's sealer; ``None`` when another thread changed the
+        state while it was read (see :mod:`dss.sessions.state`). A session this process does
+        not hold yet is loaded first, under the lock."""
+        check_name("session_id", session_id)
+        check_name("tenant_id", tenant_id, optional=True)
+        self.guard.check_open()
+        state = self.mirror.cached(session_id, tenant_id)
+        keys = self.keys.cached(state.user_ref) if state is not None else None
+        if state is None or keys is None:
+            with self.guard.reading():
+                state = self.mirror.state(session_id, tenant_id)
+                keys = self.keys.of(state.user_ref)
+        generation = state.generation
+        if generation % 2:
+            return None
+        try:
+            change = build(state, versions.Context(keys, self.index, self.pages.precision), *args)
+        except Exception:
+            if state.generation != generation:  # read while it changed: build it again under the lock
+                return None
+            raise
+        return (change, keys.sealer) if state.generation == generation else None
 
     def context(self, state: SessionState) -> versions.Context:
         """What a builder needs besides the session's state."""
@@ -310,8 +347,3 @@ def _check_fence(tx: Tx, change: Change) -> None:
     node runs the erasure."""
     if change.user_ref is not None and change.session_id:
         erasures.check_fence(tx.conn, change.user_ref)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
