@@ -106,8 +106,11 @@ class Mirror:
         state.generation += 1
 
     def _new_state(self, ref: int, write: SessionWrite) -> SessionState:
+        """The state of a session this process made; its id found without a tenant is looked
+        up again (it may now be in two tenants)."""
         new = write.change.create
         assert new is not None and write.change.user_ref is not None
+        self._names.pop((new.session_id, None), None)
         record = SessionRecord(
             ref,
             new.session_id,

@@ -337,6 +337,20 @@ def test_session_created_twice(store: dss.Store) -> None:
     assert snapshot(store)[0] == before[0] + [("s", "other tenant", None, 0)]
 
 
+def test_an_id_found_without_a_tenant_is_ambiguous_once_this_handle_makes_it_in_another(store: dss.Store) -> None:
+    """A session found by id alone, then made with the same id in another tenant by the same
+    handle: the id alone names two sessions now."""
+    make(store)
+    store.commit("s", T)
+    assert store.session("s").tenant_id == "t"
+    make(store, tenant_id="other tenant")
+    with pytest.raises(dss.AmbiguousSession):
+        store.session("s")
+    with pytest.raises(dss.AmbiguousSession):
+        store.commit("s", T)
+    assert [v.num_tokens for v in store.versions("s", tenant_id="t")] == [len(T)]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
