@@ -2,7 +2,7 @@
 
 A prompt of ``--tokens`` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads of 64, bf16: pages of
 32 tokens, 720 KiB) is stored, then loaded again and again into a CPU KV cache shaped like vLLM's
-(one ``[blocks, 3, 32, 128]`` bf16 tensor per layer), with the page cache warm:
+(a ``[blocks, 3, 32, 128]`` bf16 tensor per layer), with the page cache warm:
 
 * ``staged`` — what a disk load does now (``dss_adapters.vllm.loader.load_pages`` with a
   ``RowBuffer``): ``read_pages(into=...)`` decrypts each page straight into one reused buffer of
@@ -13,6 +13,15 @@ A prompt of ``--tokens`` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads of 6
 * ``hardware`` — what the machine allows for the same bytes: the segment files read with
   ``preadv`` into one buffer (page cache warm), plus AES-GCM ``decrypt_into`` of every page on one
   core, plus one copy per layer; no dss code.
+
+(Here the layers lie at uneven steps in memory, so ``per page`` keeps its memcpy per page and
+layer.) Then the same pages, as ``bytes`` in memory, copied in as a load wholly from the worker's
+RAM copies them (``BlockCopier.scatter``):
+
+* ``per layer`` — the named baseline, what such a load did before: one memcpy per page and layer;
+* ``per page`` — what it does now when the layers lie at even steps, as in vLLM's CPU cache (one
+  allocation for every layer): one copy per page of all its layers;
+* ``memcpy`` — the floor: one copy of as many contiguous bytes.
 
 Each contender runs from a sealed store (the default) and from one opened with
 ``encrypt=False``; ``sealing cost`` is how much longer the sealed load takes. Contenders run
@@ -87,9 +96,8 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
     root = Path(tempfile.mkdtemp(prefix="dss-bench-loadpath-"))
     keys = root / "master.key"
     blocks = pages + 10
-    tensors = [torch.zeros((blocks, HEADS, PAGE_TOKENS, 2 * HEAD), dtype=torch.bfloat16) for _ in range(LAYERS)]
-    copier = BlockCopier(tensors, [0] * LAYERS, blocks, PAGE_BYTES)
-    assert copier.host_views is not None
+    copier = BlockCopier(cache(blocks, even=False), [0] * LAYERS, blocks, PAGE_BYTES)
+    assert copier.host_views is not None and copier.stacked is None
     block_ids = [list(range(5, 5 + pages))]
     staging, aead = RowBuffer(PAGE_BYTES), AESGCM(os.urandom(32))
     sealed = [aead.encrypt(b"\0" * 12, payload(i), b"") for i in range(pages)]
@@ -126,7 +134,36 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
         assert copier.host_views[7][5 + pages - 1].tobytes() == want, "the staged load copied wrong bytes"
     for store in stores.values():
         store.close()
+    in_memory = [payload(i) for i in range(pages)]
+    even = BlockCopier(cache(blocks, even=True), [0] * LAYERS, blocks, PAGE_BYTES)
+    assert even.stacked is not None
+    source, floor = np.frombuffer(b"".join(in_memory), dtype=np.uint8), np.empty(pages * PAGE_BYTES, dtype=np.uint8)
+    ram: dict[str, Callable[[], object]] = {
+        "per layer": partial(copier.scatter, in_memory, block_ids),
+        "per page": partial(even.scatter, in_memory, block_ids),
+        "memcpy": partial(np.copyto, floor, source),
+    }
+    for label, job in ram.items():
+        job()
+        times[f"{label}/ram"] = []
+    for r in range(rounds):
+        for label, job in list(ram.items()) if r % 2 == 0 else list(ram.items())[::-1]:
+            start = time.perf_counter()
+            job()
+            times[f"{label}/ram"].append(time.perf_counter() - start)
+    for view in (copier, even):
+        assert view.gather([[5 + pages - 1]])[0].tobytes() == in_memory[-1], "a copy from RAM put wrong bytes"
     return times
+
+
+def cache(blocks: int, *, even: bool) -> list[torch.Tensor]:
+    """The layers' KV caches, views of one buffer as vLLM allocates them: one after another
+    (``even``), or with a gap after the first layer (uneven steps: copied a layer at a time)."""
+    size = blocks * LAYER_BYTES
+    gap = 0 if even else 4096
+    flat = torch.zeros(LAYERS * size + gap, dtype=torch.uint8)
+    starts = [i * size + (gap if i else 0) for i in range(LAYERS)]
+    return [flat[a : a + size].view(torch.bfloat16).view(blocks, HEADS, PAGE_TOKENS, 2 * HEAD) for a in starts]
 
 
 def report(times: dict[str, list[float]], tokens: int, rounds: int) -> None:
@@ -143,6 +180,11 @@ def report(times: dict[str, list[float]], tokens: int, rounds: int) -> None:
         print(f"| {name} | {base:.1f} | {staged:.1f} | {hw:.1f} | {base / staged:.2f}x | {staged / hw:.2f}x |")
     cost = {label: ms[f"{label}/sealed"] / ms[f"{label}/plain"] - 1 for label in ("per page", "staged")}
     print(f"\nsealing cost on the read path: staged {cost['staged']:+.0%}, per page {cost['per page']:+.0%}")
+    layer, page, floor = ms["per layer/ram"], ms["per page/ram"], ms["memcpy/ram"]
+    print(f"\nThe same pages from RAM (bytes in memory) into the cache; ms, median of {rounds}")
+    print("| per layer (baseline) | per page | memcpy | per layer / per page | per page / memcpy |")
+    print("|---|---|---|---|---|")
+    print(f"| {layer:.1f} | {page:.1f} | {floor:.1f} | {layer / page:.2f}x | {page / floor:.2f}x |")
     print(f"rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens {tokens} --rounds {rounds}")
 
 

@@ -12,7 +12,9 @@ On the CPU copies go through numpy views of the cache (measured 6x faster for 25
 256 KiB than torch ``index_copy_`` through a staging tensor): pages read into a
 :class:`RowBuffer` (the store decrypts straight into its rows) go in with one copy per layer
 for all of a load's pages (:meth:`BlockCopier.scatter_rows`, :func:`copy_layer`), other
-payloads with one memcpy per page and layer; on other devices torch ops do it. Pages on their way in pass through a
+payloads (a load from the worker's RAM, a save) with one copy per page when the layers lie at
+even steps from one another, as in vLLM's CPU cache (else one per page and layer); on other
+devices torch ops do it. Pages on their way in pass through a
 :class:`~dss_adapters.staging.StagingPool`: on CUDA pinned host buffers, reused, copied with
 ``non_blocking=True`` on the pool's stream (so a copy in a background thread never waits
 for, or holds up, the forward pass) and tracked by a CUDA event — :meth:`BlockCopier.start_scatter`
@@ -26,6 +28,7 @@ done when it returns. The layer-by-layer CUDA path of synchronous loads and save
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -86,6 +89,11 @@ class BlockCopier:
         """Per layer, ``[num_blocks, layer_sizes[i]]`` uint8 numpy views of the KV cache (CPU only)."""
         if all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers):
             self.host_views = [t.flatten(1).view(torch.uint8).numpy() for t in layers]
+        self.stacked = _stacked(self.host_views, self.groups) if self.host_views is not None else None
+        """``[layers, num_blocks, layer_bytes]`` uint8: every layer's blocks in one numpy view,
+        when the layers lie at even steps from one another and share one block table (as in
+        vLLM's CPU cache, one allocation): a page then goes in or out with one copy, not one
+        per layer."""
         self.staging = StagingPool(self.device) if self.host_views is None else None
         """Host buffers of pages on their way in (pinned on CUDA); ``None`` with numpy views."""
 
@@ -93,6 +101,11 @@ class BlockCopier:
         """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
         count = len(block_ids[0])
         out = np.empty((count, self.page_bytes), dtype=np.uint8)
+        if self.stacked is not None:
+            pages = out.reshape(count, len(self.layers), -1)
+            for k, block in enumerate(block_ids[self.groups[0]]):
+                pages[k] = self.stacked[:, block]
+            return out
         for i, layer in enumerate(self.layers):
             start, end = self.offsets[i], self.offsets[i] + self.layer_sizes[i]
             blocks = block_ids[self.groups[i]]
@@ -129,6 +142,12 @@ class BlockCopier:
         """:meth:`scatter`, returning once the copies are queued: on CUDA they run on the
         staging pool's stream and are complete when the returned transfer is done; elsewhere
         they are complete already (the transfer is done)."""
+        if self.stacked is not None:
+            blocks = block_ids[self.groups[0]]
+            for k, payload in enumerate(payloads):
+                if blocks[k] != NO_BLOCK:
+                    self.stacked[:, blocks[k]] = np.frombuffer(payload, dtype=np.uint8).reshape(len(self.layers), -1)
+            return DONE
         if self.host_views is not None:
             for k, payload in enumerate(payloads):
                 source = np.frombuffer(payload, dtype=np.uint8)
@@ -153,6 +172,24 @@ class BlockCopier:
                 part = part[torch.tensor(rows).to(self.device, non_blocking=True)]
             index = torch.tensor([blocks[k] for k in rows], dtype=torch.long).to(self.device, non_blocking=True)
             layer.index_copy_(0, index, part.view(layer.dtype).reshape(len(rows), *layer.shape[1:]))
+
+
+def _stacked(views: Sequence[np.ndarray], groups: Sequence[int]) -> np.ndarray | None:
+    """One ``[layers, num_blocks, layer_bytes]`` view of the layers' ``[num_blocks,
+    layer_bytes]`` views, when they have one shape and strides, start at even steps from one
+    another and use one block table; else ``None``. Its element ``[i, b]`` is then exactly
+    layer ``i``'s block ``b`` (it touches no byte between the layers; their tensors keep
+    their memory alive)."""
+    first = views[0]
+    if len(set(groups)) != 1 or any(v.shape != first.shape or v.strides != first.strides for v in views):
+        return None
+    starts = [v.__array_interface__["data"][0] for v in views]
+    step = starts[1] - starts[0] if len(starts) > 1 else 0
+    if first.strides[1] != 1 or (len(starts) > 1 and step == 0):
+        return None
+    if any(b - a != step for a, b in pairwise(starts)):
+        return None
+    return np.lib.stride_tricks.as_strided(first, (len(views), *first.shape), (step, *first.strides), writeable=True)
 
 
 def _row_plan(blocks: Sequence[int]) -> tuple[np.ndarray | None, np.ndarray]:

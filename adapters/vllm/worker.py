@@ -117,6 +117,10 @@ class WorkerSide:
         )
         if self.copier.device.type == "cuda" and self.copier.uniform:  # state-space layers: whole pages
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
+        log.info(
+            "dss copies %s into this worker's KV cache",
+            "whole pages" if self.copier.stacked is not None else "pages a layer at a time",
+        )
         self.staging = RowBuffer(self.layout.page_bytes)
         self.loader = PageLoader(PageReader(self.settings.store, self.settings.reader_options), self.copier, self.shard)
 

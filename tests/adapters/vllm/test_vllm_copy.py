@@ -48,3 +48,43 @@ def test_the_row_buffer_is_reused_and_grows() -> None:
     assert np.shares_memory(buffer.rows(2), first)
     grown = buffer.rows(5)
     assert grown.shape == (5, 16) and not np.shares_memory(grown, first)
+
+
+def one_buffer(num_layers: int) -> list[torch.Tensor]:
+    """Layers as vLLM allocates a CPU cache: views of one flat buffer, one after another."""
+    flat = torch.zeros(num_layers * NUM_BLOCKS * LAYER_BYTES, dtype=torch.uint8)
+    return [
+        flat[i * NUM_BLOCKS * LAYER_BYTES : (i + 1) * NUM_BLOCKS * LAYER_BYTES]
+        .view(torch.float32)
+        .view(NUM_BLOCKS, 2, 32, 16)
+        for i in range(num_layers)
+    ]
+
+
+def test_pages_go_in_and_out_whole_when_the_layers_lie_at_even_steps() -> None:
+    """Three layers one after another in one buffer: a page is one copy in and out
+    (``stacked``), with the same bytes where the same copies into layers at uneven steps (one
+    copy per layer) put them."""
+    stacked, flat = one_buffer(3), one_buffer(4)
+    apart = [flat[0], flat[1], flat[3]]
+    copiers = [BlockCopier(layers, [0, 0, 0], NUM_BLOCKS, 3 * LAYER_BYTES) for layers in (stacked, apart)]
+    assert copiers[0].stacked is not None and copiers[1].stacked is None
+    pages = np.random.default_rng(2).integers(0, 256, (3, 3 * LAYER_BYTES), dtype=np.uint8)
+    payloads = [pages[0].tobytes(), memoryview(pages[1].tobytes()), pages[2].tobytes()]
+    for copier in copiers:
+        copier.scatter(payloads, [[5, NO_BLOCK, 2]])
+    for i in range(3):
+        assert stacked[i].numpy().tobytes() == apart[i].numpy().tobytes()
+        assert block(stacked[i], 5) == pages[0, i * LAYER_BYTES : (i + 1) * LAYER_BYTES].tobytes()
+        assert block(stacked[i], 2) == pages[2, i * LAYER_BYTES : (i + 1) * LAYER_BYTES].tobytes()
+    assert all(not stacked[i][b].any() for i in range(3) for b in (0, 1, 3, 4, 6, 7))
+    for copier in copiers:
+        assert copier.gather([[2, 5]]).tolist() == [pages[2].tolist(), pages[0].tolist()]
+
+
+def test_layers_at_uneven_steps_or_in_two_groups_are_copied_a_layer_at_a_time() -> None:
+    flat = one_buffer(4)
+    uneven = [flat[0], flat[1], flat[3]]
+    assert BlockCopier(uneven, [0, 0, 0], NUM_BLOCKS, 3 * LAYER_BYTES).stacked is None
+    assert BlockCopier(flat[:2], [0, 1], NUM_BLOCKS, 2 * LAYER_BYTES).stacked is None
+    assert BlockCopier(flat[:1], [0], NUM_BLOCKS, LAYER_BYTES).stacked is not None
