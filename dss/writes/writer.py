@@ -47,7 +47,7 @@ from dss.core.errors import Conflict, DssError, UnknownSession
 from dss.core.types import CACHE_PREFIX, PageId
 from dss.core.validate import check_name
 from dss.pages.index import PageIndex
-from dss.pages.keys import DataKeys
+from dss.pages.keys import DataKeys, Keys
 from dss.pages.store import PageStore
 from dss.sessions import versions
 from dss.sessions.mirror import Mirror
@@ -316,16 +316,18 @@ class Writer:
         if generation % 2:
             return None
         try:
-            change = build(state, versions.Context(keys, self.index, self.pages.precision), *args)
+            change = build(state, self.context(state, keys), *args)
         except Exception:
             if state.generation != generation:  # read while it changed: build it again under the lock
                 return None
             raise
         return (change, keys.sealer) if state.generation == generation else None
 
-    def context(self, state: SessionState) -> versions.Context:
-        """What a builder needs besides the session's state."""
-        return versions.Context(self.keys.of(state.user_ref), self.index, self.pages.precision)
+    def context(self, state: SessionState, keys: Keys | None = None) -> versions.Context:
+        """What a builder needs besides the session's state (``keys``: its namespace's, when
+        the caller holds them)."""
+        keys = keys if keys is not None else self.keys.of(state.user_ref)
+        return versions.Context(keys, self.index, self.pages.precision)
 
     def state_of(self, applied: Applied) -> SessionState:
         """The state of the session a change wrote (loaded again if another writer moved it on)."""
