@@ -325,6 +325,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.num_stored_pages = min(tracked.num_stored_pages, first_page)
         self.book.note_saved(meta.saved)
+        self.book.note_lossy(meta.lossy)
         self.hosts.note(meta.host_pages)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
@@ -340,6 +341,8 @@ class SchedulerSide:
             self.stats.count(f"requests_{out['dss']['result']}")
             for tier, tokens in tracked.loaded_by_tier.items():
                 self.stats.count(f"loaded_tokens_{tier}", tokens)
+            for encoding, tokens in out["dss"].get("encodings", {}).items():
+                self.stats.count(f"lossy_tokens_{encoding}", tokens)
         return out
 
     def take_stats(self) -> DssConnectorStats | None:
