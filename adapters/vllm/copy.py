@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from dss_adapters.dequantize import dequantize_into
 from dss_adapters.staging import DONE, Staged, StagingPool, Transfer
-from dss_adapters.vllm.layout import CPU_PAGE_FORMAT
+from dss_adapters.vllm.formats import CPU_PAGE_FORMAT
 from dss_adapters.vllm.meta import NO_BLOCK
 
 import dss

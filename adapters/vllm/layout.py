@@ -19,7 +19,7 @@ tp_shards + tp_shard`` is the index used everywhere in the connector; shard 0's 
 the one sessions are created with.
 
 On the CPU backend the packing depends on the attention ISA (``vec``, ``amx``, ...), so the
-layout records it (and, for float KV of full-attention layers, the :data:`CPU_PAGE_FORMAT`
+layout records it (and, for float KV of full-attention layers, the :data:`~dss_adapters.vllm.formats.CPU_PAGE_FORMAT`
 that lets a lower-precision tier encode the pages), together with the model, its revision, dtypes, block size, layer kinds
 and head shapes, the parallel configuration and the vLLM version: any change of them gives
 another layout, and pages of another layout never match (a miss, never wrong KV).
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dss_adapters.vllm.formats import CPU_PAGE_FORMAT, is_cpu_kv
 from dss_adapters.vllm.settings import Settings
 
 import dss
@@ -48,12 +49,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 LAYOUT_NAME = "vllm"
-CPU_PAGE_FORMAT = "[layers][kv_heads][k,v]x[page_tokens*head_size]"
-"""What a page's bytes are on vLLM's CPU backend (:data:`dss.core.packing.HEAD_FORMATS`):
-each layer's block is ``[kv_heads, 2 * block_size, head_size]`` of the KV dtype, the first
-``block_size * head_size`` elements of each head its keys, the rest its values (the backend
-splits them so, ``cpu_attn.py``, whatever its ISA; within each, the ISA's own order). The
-layout says so, so that a tier set to a lower precision can encode such pages."""
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -301,7 +296,7 @@ def shard_layout(
     state = _state_field(kv_cache_config)
     extra: dict[str, Any] = {"state": state} if state is not None else {}
     backend = attention_backend(vllm_config, spec) if spec is not None else "none"
-    if _is_cpu_kv(spec, backend, str(cache.cache_dtype), layer_kinds, state):
+    if is_cpu_kv(spec, backend, str(cache.cache_dtype), layer_kinds, state):
         extra["format"] = CPU_PAGE_FORMAT
     return dss.Layout(
         LAYOUT_NAME,
@@ -325,21 +320,6 @@ def shard_layout(
         platform=str(current_platform.device_name),
         vllm=str(vllm.__version__),
         **extra,
-    )
-
-
-def _is_cpu_kv(spec: Any, backend: str, cache_dtype: str, layer_kinds: list[str], state: str | None) -> bool:
-    """Whether a shard's pages are :data:`CPU_PAGE_FORMAT`: the CPU backend's full-attention
-    blocks of KV in the model's float dtype (not an fp8 cache), keys and values of one size."""
-    return (
-        spec is not None
-        and backend.startswith("cpu:")
-        and cache_dtype == "auto"
-        and set(layer_kinds) == {"full"}
-        and state is None
-        and str(spec.dtype).removeprefix("torch.") in ("bfloat16", "float16", "float32")
-        and getattr(spec, "head_size_v", spec.head_size) == spec.head_size
-        and "MLA" not in type(spec).__name__
     )
 
 

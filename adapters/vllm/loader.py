@@ -142,7 +142,7 @@ def loadable(
 ) -> list[bytes | memoryview | None]:
     """The payloads, a page that can be copied neither as it is nor dequantized made a miss
     (vLLM recomputes it, never loads wrong KV): with ``layout`` (its pages are encodable,
-    :data:`~dss_adapters.vllm.layout.CPU_PAGE_FORMAT`, and the copier dequantizes them) an
+    :data:`~dss_adapters.vllm.formats.CPU_PAGE_FORMAT`, and the copier dequantizes them) an
     encoded copy of one of its pages is kept (a payload of another size than the layout's pages:
     no encoded copy ever has it); without, only exact pages are (``dss.page_encoding``)."""
     if layout is None:

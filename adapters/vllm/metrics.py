@@ -105,6 +105,15 @@ class DssConnectorStats(KVConnectorStats):
             counters = self.data["counters"]
             counters[name] = counters.get(name, 0) + value
 
+    def count_request(self, result: str, loaded_by_tier: dict[str, int], encodings: dict[str, int]) -> None:
+        """A finished request: its ``result`` (:data:`RESULTS`), the tokens it loaded by tier, and
+        of those the tokens served from lower-precision copies, by encoding."""
+        self.count(f"requests_{result}")
+        for tier, tokens in loaded_by_tier.items():
+            self.count(f"loaded_tokens_{tier}", tokens)
+        for encoding, tokens in encodings.items():
+            self.count(f"lossy_tokens_{encoding}", tokens)
+
     def observe(self, name: str, seconds: float) -> None:
         """Record one latency (``load`` or ``save``)."""
         assert name in LATENCIES, name

@@ -338,11 +338,7 @@ class SchedulerSide:
         if tracked is not None:
             self.device.finished(request, tracked.save_scope)
         if tracked is not None and out is not None and tracked.asked:
-            self.stats.count(f"requests_{out['dss']['result']}")
-            for tier, tokens in tracked.loaded_by_tier.items():
-                self.stats.count(f"loaded_tokens_{tier}", tokens)
-            for encoding, tokens in out["dss"].get("encodings", {}).items():
-                self.stats.count(f"lossy_tokens_{encoding}", tokens)
+            self.stats.count_request(out["dss"]["result"], tracked.loaded_by_tier, out["dss"].get("encodings", {}))
         return out
 
     def take_stats(self) -> DssConnectorStats | None:

@@ -25,7 +25,7 @@ page holding non-finite values or values beyond what a float16 scale can reach: 
 from __future__ import annotations
 
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import ml_dtypes
 import numpy as np
@@ -82,9 +82,10 @@ def shape_of(layout: Any) -> PageShape | None:
         dtype, dim = fields.get("kv_dtype"), fields.get("head_size")
     else:
         return None
-    layers, heads = fields.get("num_layers"), fields.get("num_kv_heads")
-    if dtype not in DTYPES or not all(type(n) is int and n > 0 for n in (layers, heads, dim)):
+    sizes = (fields.get("num_layers"), fields.get("num_kv_heads"), dim)
+    if dtype not in DTYPES or not all(type(n) is int and n > 0 for n in sizes):
         return None
+    layers, heads, dim = cast("tuple[int, int, int]", sizes)
     if fmt in KV_FORMATS:
         shape = PageShape(dtype, 2 * layers, heads * layout.page_tokens, dim)
     else:

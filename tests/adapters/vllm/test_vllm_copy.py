@@ -55,7 +55,7 @@ def test_encoded_copies_of_cpu_pages_are_dequantized_into_their_blocks_exact_one
     keys then values per head) at ``int8`` and ``k8v4`` go into their blocks as dss's numpy
     decoder gives them, bit for bit; an exact page goes in as it is. Without the format in the
     layout the copier dequantizes nothing (``decodes`` is ``None``)."""
-    from dss_adapters.vllm.layout import CPU_PAGE_FORMAT
+    from dss_adapters.vllm.formats import CPU_PAGE_FORMAT
 
     import dss
     from dss.core import packing

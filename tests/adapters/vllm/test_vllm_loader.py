@@ -40,7 +40,7 @@ def test_a_page_kept_at_lower_precision_is_a_miss() -> None:
 def test_with_an_encodable_layout_a_lower_precision_page_is_loaded_and_counted() -> None:
     """The copier dequantizes pages of an encodable layout: an encoded copy of one of its pages
     is kept (and listed in ``lossy_pages``); one of another shape is still a miss."""
-    from dss_adapters.vllm.layout import CPU_PAGE_FORMAT
+    from dss_adapters.vllm.formats import CPU_PAGE_FORMAT
 
     import dss
 
