@@ -120,23 +120,29 @@ class StagingPool:
         ``parts`` (``(offset, size)`` byte ranges of a page; see :class:`Staged`). Waits for the
         oldest transfer when every buffer is in flight. ``InvalidInput`` when a payload is too
         short for the parts."""
-        count = len(payloads)
-        total = sum(size for _, size in parts)
+        staged = self.reserve(len(payloads), [size for _, size in parts])
         end = max((offset + size for offset, size in parts), default=0)
-        buffer = self._take(count * total)
-        tensors, at = [], 0
-        for _, size in parts:  # torch views of the buffer itself: pinned on CUDA, as the copies need
-            tensors.append(buffer[at : at + count * size].view(count, size))
-            at += count * size
-        views = [t.numpy() for t in tensors]
+        views = [t.numpy() for t in staged.parts]
         for k, payload in enumerate(payloads):
             source = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload
             if source.size < end:
-                self._give_back(buffer)
+                self._give_back(staged.buffer)
                 raise InvalidInput(f"page {k} has {source.size} bytes; the parts need {end}")
             for view, (offset, size) in zip(views, parts):
                 view[k] = source[offset : offset + size]
-        return Staged(buffer, count, tensors)
+        return staged
+
+    def reserve(self, num_pages: int, sizes: Sequence[int]) -> Staged:
+        """A buffer of the pool split into parts of ``sizes[j]`` bytes per page (see
+        :class:`Staged`), its contents unspecified: the caller fills it (a conversion on the way
+        in, say: it may order a part's bytes as its copy needs), then passes it to :meth:`copy`.
+        Waits for the oldest transfer when every buffer is in flight."""
+        buffer = self._take(num_pages * sum(sizes))
+        tensors, at = [], 0
+        for size in sizes:  # torch views of the buffer itself: pinned on CUDA, as the copies need
+            tensors.append(buffer[at : at + num_pages * size].view(num_pages, size))
+            at += num_pages * size
+        return Staged(buffer, num_pages, tensors)
 
     def copy(self, staged: Staged, work: Callable[[Staged], None]) -> Transfer:
         """Run ``work(staged)`` — the caller's copies out of ``staged.parts`` into tensors on the

@@ -39,6 +39,7 @@ NEEDS_EXTRA: dict[str, tuple[str, set[str]]] = {
         for tag in ("admin", "engines", "erasure", "meta", "pages", "resume", "sessions", "versions")
     },
     # the engine adapters: loaded by vLLM or transformers, which bring torch
+    "dss_adapters.dequantize": ("transformers or vllm", ENGINE),
     "dss_adapters.staging": ("transformers or vllm", ENGINE),
     "dss_adapters.transformers.blend": ("transformers", ENGINE),
     "dss_adapters.transformers.cache": ("transformers", ENGINE),

@@ -245,5 +245,5 @@ def test_the_precision_benchmark_runs_on_the_real_model() -> None:
     rows = table_rows(out)
     assert list(rows)[1:] == ["exact split vs full forward (floor)", "exact", "int8", "fp8", "k8v4"], out
     assert rows["int8"][4] == "0.52" and rows["k8v4"][4] == "0.40"  # bytes per page x exact
-    assert len(rows["int8"]) == 10
+    assert len(rows["int8"]) == 12
     assert "bars (int8):" in out

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dss_adapters.dequantize import dequantize_into
 from dss_adapters.staging import Staged, StagingPool
 
 import dss
@@ -103,32 +104,66 @@ def cache_from_pages(
 ) -> Any:
     """A ``DynamicCache`` holding the tokens of ``payloads`` (pages 0, 1, ... in order), on ``device``.
 
-    The pages pass through ``staging`` (made for the call if not given; pass one to reuse its
-    buffers across calls — its device is then the cache's): on CUDA a pinned host buffer,
-    copied to the GPU asynchronously on the pool's stream, one copy per layer's keys or
-    values; elsewhere plain memory. Returns once the copies are complete.
+    Every layer's keys and values are views of one ``[2 * layers, kv_heads, tokens,
+    head_dim]`` tensor that the pages are written into once (:func:`pages_into`): on the CPU
+    that tensor is the cache; elsewhere it is a buffer of ``staging`` (made for the call if
+    not given; pass one to reuse its buffers across calls — its device is then the cache's),
+    pinned on CUDA and copied to the device in one asynchronous copy on the pool's stream.
+    Returns once the copies are complete. ``InvalidInput`` when a payload is neither an exact
+    page of the layout nor an encoded copy of one.
     """
     from transformers import DynamicCache
 
-    pool = staging if staging is not None else StagingPool(device)
-    count = len(payloads)
+    target = staging.device if staging is not None else torch.device(device)
     dtype = getattr(torch, layout.dtype)
-    heads, dim, pt = layout.num_kv_heads, layout.head_dim, layout.page_tokens
-    exact = _exact_pages(payloads, layout)
-    part = layout.page_bytes // (2 * layout.num_layers)
-    staged = pool.stage(exact, [(j * part, part) for j in range(2 * layout.num_layers)])
+    shape = (2 * layout.num_layers, layout.num_kv_heads, len(payloads), layout.page_tokens, layout.head_dim)
+    if target.type == "cpu":
+        kv = torch.empty(shape, dtype=dtype)
+        pages_into(payloads, layout, kv)
+    else:
+        kv = _staged_to(staging if staging is not None else StagingPool(target), payloads, layout, shape)
+    tokens = (1, layout.num_kv_heads, len(payloads) * layout.page_tokens, layout.head_dim)
+    return DynamicCache(
+        [(kv[2 * layer].view(tokens), kv[2 * layer + 1].view(tokens)) for layer in range(layout.num_layers)]
+    )
+
+
+def _staged_to(
+    pool: StagingPool, payloads: Sequence[bytes], layout: dss.Layout, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The pages written into a buffer of ``pool`` (:func:`pages_into`), then copied to its
+    device in one copy; returns once it is complete."""
+    dtype = getattr(torch, layout.dtype)
+    staged = pool.reserve(len(payloads), [layout.page_bytes])
     moved: list[torch.Tensor] = []
 
-    def copy(staged: Staged) -> None:  # [pages, heads, page_tokens, dim] -> [1, heads, tokens, dim]
-        for host in staged.parts:
-            tensor = host.to(pool.device, non_blocking=True, copy=True).view(dtype).view(count, heads, pt, dim)
-            moved.append(tensor.permute(1, 0, 2, 3).reshape(1, heads, count * pt, dim).contiguous())
+    def copy(staged: Staged) -> None:
+        pages_into(payloads, layout, staged.parts[0].view(-1).view(dtype).view(shape))
+        moved.append(staged.parts[0].to(pool.device, non_blocking=True, copy=True))
 
-    pool.copy(staged, copy).wait()
+    pool.copy(staged, copy).wait()  # the buffer goes back to the pool, also when the pages are refused
+    kv = moved[0].view(-1).view(dtype).view(shape)
     if pool.is_cuda:  # made on the pool's stream, used on the caller's
-        for tensor in moved:
-            tensor.record_stream(torch.cuda.current_stream(pool.device))
-    return DynamicCache([(moved[2 * layer], moved[2 * layer + 1]) for layer in range(layout.num_layers)])
+        kv.record_stream(torch.cuda.current_stream(pool.device))
+    return kv
+
+
+def pages_into(payloads: Sequence[bytes | memoryview], layout: dss.Layout, kv: torch.Tensor) -> None:
+    """Write the pages into ``kv`` (``[2 * layers, kv_heads, pages, page_tokens, head_dim]`` of
+    the layout's dtype; ``kv[2 * l]`` layer ``l``'s keys, ``kv[2 * l + 1]`` its values): an
+    exact page's bytes copied as they are, an encoded copy (a tier's precision setting)
+    dequantized straight into place (:func:`~dss_adapters.dequantize.dequantize_into`). ``InvalidInput`` when a payload is
+    neither an exact page of the layout nor an encoded copy of one."""
+    dtype = getattr(torch, layout.dtype)
+    page = (2 * layout.num_layers, layout.num_kv_heads, layout.page_tokens, layout.head_dim)
+    wide = None
+    for k, parts in enumerate(_page_views(payloads, layout)):
+        if parts is None:
+            kv[:, :, k] = _tensor(np.frombuffer(payloads[k], dtype=np.uint8)).view(dtype).view(page)
+            continue
+        if wide is None:
+            wide = torch.empty(layout.page_bytes // kv.element_size())  # float32, reused page after page
+        dequantize_into(parts, kv[:, :, k], wide)
 
 
 def save_cache(
@@ -184,44 +219,18 @@ def load_cache(
     return cache_from_pages(good, layout, device=device, staging=staging), len(good) * layout.page_tokens
 
 
-def _exact_pages(payloads: Sequence[bytes], layout: dss.Layout) -> list[bytes | np.ndarray]:
-    """Each payload as the layout's own bytes: exact ones as they are, lower-precision copies
-    (a tier's precision setting) dequantized with torch into the layout's dtype on their way
-    to staging."""
-    out: list[bytes | np.ndarray] = []
-    dtype = getattr(torch, layout.dtype)
+def _page_views(payloads: Sequence[bytes | memoryview], layout: dss.Layout) -> list[dss.Encoded | None]:
+    """Each payload's encoded parts (:func:`dss.page_views`), ``None`` for an exact page;
+    ``InvalidInput`` for a payload that is neither."""
+    out: list[dss.Encoded | None] = []
     for i, payload in enumerate(payloads):
         try:
-            parts = dss.page_views(payload, layout)
+            out.append(dss.page_views(payload, layout))
         except dss.InvalidPage:
             raise InvalidInput(
                 f"page {i} has {len(payload)} bytes; the layout's pages have {layout.page_bytes}"
             ) from None
-        out.append(payload if parts is None else dequantize(parts, dtype).view(torch.uint8).reshape(-1).numpy())
     return out
-
-
-def dequantize(parts: dss.Encoded, dtype: torch.dtype) -> torch.Tensor:
-    """An encoded page (:func:`dss.page_views`) as a ``[parts, rows, head_dim]`` tensor of ``dtype``."""
-    shape = parts.shape
-    out = torch.empty(shape.num_parts, shape.rows, shape.head_dim, dtype=dtype)
-    q = _tensor(parts.q)
-    q = _E4M3[q.long()] if parts.encoding == "fp8" else q.view(torch.int8)
-    scales = _tensor(parts.scales).float()
-    if parts.values is None or parts.value_scales is None:
-        torch.mul(q, scales, out=out)
-        return out
-    out[0::2] = q * scales
-    packed = _tensor(parts.values)
-    low, high = (packed & 0x0F).to(torch.int8) - 8, (packed >> 4).to(torch.int8) - 8
-    value_scales = _tensor(parts.value_scales).float()
-    ints = torch.stack((low, high), dim=-1).reshape(*value_scales.shape[:3], -1)
-    out[1::2] = (ints * value_scales).reshape(out[1::2].shape)
-    return out
-
-
-_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-"""Every e4m3 byte's value: a table look-up is twice as fast as torch's e4m3 cast on a CPU."""
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

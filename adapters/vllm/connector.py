@@ -32,7 +32,10 @@ A finished request's output ``kv_transfer_params`` holds ``{"dss": {"session_id"
 pages that turned out gone when read, which vLLM recomputed); ``engine_cached_tokens`` those
 vLLM's own prefix cache held; ``result`` ``"hit"``, ``"engine"`` or ``"miss"``
 (:func:`dss_adapters.vllm.requests.request_result`, as counted in
-``vllm:dss_requests_total``).
+``vllm:dss_requests_total``). When some loaded tokens came from copies a tier keeps at a
+lower precision (``store_options`` ``{"disk_precision": "int8"}``, say: the pages of vLLM's
+CPU backend can be encoded), it also holds ``encodings`` (tokens per encoding) and
+``lossy_tokens`` (their sum): approximate KV is always announced.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ On the CPU copies go through numpy views of the cache (measured 6x faster for 25
 :class:`RowBuffer` (the store decrypts straight into its rows) go in with one copy per layer
 for all of a load's pages (:meth:`BlockCopier.scatter_rows`, :func:`copy_layer`), other
 payloads (a load from the worker's RAM, a save) with one copy per page when the layers lie at
-even steps from one another, as in vLLM's CPU cache (else one per page and layer); on other
-devices torch ops do it. Pages on their way in pass through a
+even steps from one another, as in vLLM's CPU cache (else one per page and layer) — a page a
+tier keeps at a lower precision dequantized first into a page buffer reused page after page
+(:attr:`BlockCopier.decodes`, CPU layouts only); on other devices torch ops do it. Pages on
+their way in pass through a
 :class:`~dss_adapters.staging.StagingPool`: on CUDA pinned host buffers, reused, copied with
 ``non_blocking=True`` on the pool's stream (so a copy in a background thread never waits
 for, or holds up, the forward pass) and tracked by a CUDA event — :meth:`BlockCopier.start_scatter`
@@ -27,14 +29,18 @@ done when it returns. The layer-by-layer CUDA path of synchronous loads and save
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from itertools import pairwise
 
 import numpy as np
 import torch
+from dss_adapters.dequantize import dequantize_into
 from dss_adapters.staging import DONE, Staged, StagingPool, Transfer
+from dss_adapters.vllm.formats import CPU_PAGE_FORMAT
 from dss_adapters.vllm.meta import NO_BLOCK
 
+import dss
 from dss import ConfigError
 
 
@@ -65,11 +71,20 @@ class RowBuffer:
 class BlockCopier:
     """Whole-page copies for one worker's layers (see the module docstring)."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], groups: Sequence[int], num_blocks: int, page_bytes: int) -> None:
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        groups: Sequence[int],
+        num_blocks: int,
+        page_bytes: int,
+        layout: dss.Layout | None = None,
+    ) -> None:
         """``layers[i]``: layer ``i``'s KV cache with the block dimension first (blocks may lie
         further apart than their bytes, as vLLM pads a state-space layer's);
         ``groups[i]``: its KV cache group. ``ConfigError`` unless the layers' blocks add up
-        to ``page_bytes``."""
+        to ``page_bytes``. ``layout``: the pages' layout; when it is one whose pages a tier
+        can encode (vLLM's CPU backend) and the cache takes numpy views, encoded copies are
+        dequantized on their way in (:attr:`decodes`)."""
         sizes = [t[0].numel() * t.element_size() for t in layers]
         if sum(sizes) != page_bytes:
             raise ConfigError(
@@ -96,6 +111,12 @@ class BlockCopier:
         per layer."""
         self.staging = StagingPool(self.device) if self.host_views is None else None
         """Host buffers of pages on their way in (pinned on CUDA); ``None`` with numpy views."""
+        encodable = layout is not None and dict(layout.fields).get("format") == CPU_PAGE_FORMAT
+        self.decodes: dss.Layout | None = layout if encodable and self.host_views is not None else None
+        """The layout whose encoded copies :meth:`start_scatter` dequantizes (``None``: it
+        copies exact pages only)."""
+        self._buffers = threading.local()
+        """Per thread (the engine's, the loader's): a page buffer and its float32 scratch."""
 
     def gather(self, block_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
@@ -146,11 +167,11 @@ class BlockCopier:
             blocks = block_ids[self.groups[0]]
             for k, payload in enumerate(payloads):
                 if blocks[k] != NO_BLOCK:
-                    self.stacked[:, blocks[k]] = np.frombuffer(payload, dtype=np.uint8).reshape(len(self.layers), -1)
+                    self.stacked[:, blocks[k]] = self._exact(payload).reshape(len(self.layers), -1)
             return DONE
         if self.host_views is not None:
             for k, payload in enumerate(payloads):
-                source = np.frombuffer(payload, dtype=np.uint8)
+                source = self._exact(payload)
                 for i, view in enumerate(self.host_views):
                     block = block_ids[self.groups[i]][k]
                     if block != NO_BLOCK:
@@ -159,6 +180,23 @@ class BlockCopier:
         assert self.staging is not None
         staged = self.staging.stage(payloads, list(zip(self.offsets, self.layer_sizes)))
         return self.staging.copy(staged, lambda staged: self._copy_in(staged, block_ids))
+
+    def _exact(self, payload: bytes | memoryview) -> np.ndarray:
+        """A payload as the page's exact bytes: itself (a view) when exact, else its encoded
+        copy dequantized into the KV dtype, into a page buffer reused page after page (in
+        the CPU's cache, from which the layers are copied into their blocks as an exact
+        page's are: no copy per layer beyond an exact page's)."""
+        if len(payload) == self.page_bytes or self.decodes is None:
+            return np.frombuffer(payload, dtype=np.uint8)
+        parts = dss.page_views(payload, self.decodes)
+        assert parts is not None
+        buffers = self._buffers
+        if getattr(buffers, "page", None) is None:
+            shape = parts.shape
+            buffers.page = torch.empty(shape.num_parts, shape.rows, shape.head_dim, dtype=self.layers[0].dtype)
+            buffers.wide = torch.empty(buffers.page.numel())
+        dequantize_into(parts, buffers.page, buffers.wide)
+        return buffers.page.view(-1).view(torch.uint8).numpy()
 
     def _copy_in(self, staged: Staged, block_ids: Sequence[Sequence[int]]) -> None:
         """Each layer's part of the staged pages to the device in one copy, then into its blocks."""

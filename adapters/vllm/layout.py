@@ -19,7 +19,8 @@ tp_shards + tp_shard`` is the index used everywhere in the connector; shard 0's 
 the one sessions are created with.
 
 On the CPU backend the packing depends on the attention ISA (``vec``, ``amx``, ...), so the
-layout records it, together with the model, its revision, dtypes, block size, layer kinds
+layout records it (and, for float KV of full-attention layers, the :data:`~dss_adapters.vllm.formats.CPU_PAGE_FORMAT`
+that lets a lower-precision tier encode the pages), together with the model, its revision, dtypes, block size, layer kinds
 and head shapes, the parallel configuration and the vLLM version: any change of them gives
 another layout, and pages of another layout never match (a miss, never wrong KV).
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dss_adapters.vllm.formats import CPU_PAGE_FORMAT, is_cpu_kv
 from dss_adapters.vllm.settings import Settings
 
 import dss
@@ -293,6 +295,9 @@ def shard_layout(
     layer_kinds = [kinds[layer.group] for layer in layers]
     state = _state_field(kv_cache_config)
     extra: dict[str, Any] = {"state": state} if state is not None else {}
+    backend = attention_backend(vllm_config, spec) if spec is not None else "none"
+    if is_cpu_kv(spec, backend, str(cache.cache_dtype), layer_kinds, state):
+        extra["format"] = CPU_PAGE_FORMAT
     return dss.Layout(
         LAYOUT_NAME,
         block.block_size,
@@ -311,7 +316,7 @@ def shard_layout(
         tp_shard=shard % shards.tp_shards,
         pp_size=shards.pp_size,
         pp_rank=shard // shards.tp_shards,
-        backend=attention_backend(vllm_config, spec) if spec is not None else "none",
+        backend=backend,
         platform=str(current_platform.device_name),
         vllm=str(vllm.__version__),
         **extra,

@@ -12,7 +12,10 @@ checksum and decryption work never competes for the GIL with the forward pass. T
 reads them; vLLM also keeps the blocks of a request aborted meanwhile until then. A job is
 done when its copies are: on CUDA they run asynchronously from pinned staging buffers
 (:meth:`BlockCopier.start_scatter`), so the thread reads the next job's pages while they
-move, and the job is reported once their CUDA event completed; elsewhere at once. A
+move, and the job is reported once their CUDA event completed; elsewhere at once. A page a
+tier keeps at a lower precision is loaded where the copier dequantizes it
+(:attr:`BlockCopier.decodes`: pages of vLLM's CPU backend, read unstaged), and counted in
+the outcome's ``lossy_pages``; elsewhere it is a miss that vLLM recomputes. A
 failure that is not a ``DssError`` is a bug: it stops the thread and is raised again in the
 engine's thread by the next :meth:`PageLoader.put` or :meth:`PageLoader.take_done`
 (:mod:`dss_adapters.vllm.jobs`).
@@ -48,6 +51,8 @@ class LoadOutcome:
     """Indexes (in the job) of pages that could not be loaded."""
     loaded_page_ids: list[bytes] = field(default_factory=list)
     seconds: float = 0.0
+    lossy_pages: dict[int, str] = field(default_factory=dict)
+    """Indexes (in the job) of pages loaded from a lower-precision copy, and its encoding."""
 
 
 class PageSource(Protocol):
@@ -59,14 +64,26 @@ class PageSource(Protocol):
 
 
 def read_pages(
-    store: PageSource, page_ids: Sequence[bytes], block_ids: Sequence[Sequence[int]], req_id: str
+    store: PageSource,
+    page_ids: Sequence[bytes],
+    block_ids: Sequence[Sequence[int]],
+    req_id: str,
+    layout: dss.Layout | None = None,
 ) -> tuple[list[int], list[bytes | memoryview], LoadOutcome]:
     """Read the pages some KV cache group needs: (their indexes, their payloads, the outcome so
-    far: failed pages and loaded ids). A ``DssError`` from the store fails every page (logged)."""
+    far: failed pages, loaded ids, lossy pages). A ``DssError`` from the store fails every page
+    (logged). ``layout``: the layout whose encoded copies the caller dequantizes (``None``:
+    none; a page that is not exact is then a miss, :func:`loadable`)."""
     start = time.perf_counter()
     needed = _needed(block_ids, len(page_ids))
-    payloads = _read(store, [page_ids[k] for k in needed], req_id, None)
+    payloads = loadable(_read(store, [page_ids[k] for k in needed], req_id, None), layout)
     outcome = _outcome(req_id, page_ids, needed, payloads, start)
+    if layout is not None:
+        outcome.lossy_pages = {
+            needed[i]: dss.page_encoding(p)
+            for i, p in enumerate(payloads)
+            if p is not None and len(p) != layout.page_bytes
+        }
     rows = [needed[i] for i, payload in enumerate(payloads) if payload is not None]
     return rows, [payload for payload in payloads if payload is not None], outcome
 
@@ -79,7 +96,7 @@ def read_staged(
     start = time.perf_counter()
     needed = _needed(block_ids, len(page_ids))
     rows = staging.rows(len(needed))
-    payloads = _read(store, [page_ids[k] for k in needed], req_id, [memoryview(row) for row in rows])
+    payloads = loadable(_read(store, [page_ids[k] for k in needed], req_id, [memoryview(row) for row in rows]), None)
     outcome = _outcome(req_id, page_ids, needed, payloads, start)
     got = [i for i, payload in enumerate(payloads) if payload is not None]
     blocks = [[group[needed[i]] for i in got] for group in block_ids]
@@ -96,11 +113,10 @@ def _read(
 ) -> Sequence[bytes | memoryview | None]:
     """The store's payloads (into ``into`` if given); every page fails on a ``DssError`` (logged)."""
     try:
-        payloads = store.read_pages(page_ids, into=into) if into is not None else store.read_pages(page_ids)
+        return store.read_pages(page_ids, into=into) if into is not None else store.read_pages(page_ids)
     except DssError as exc:
         log.error("reading %d dss pages of request %s failed: %s", len(page_ids), req_id, exc)
         return [None] * len(page_ids)
-    return exact_only(payloads)
 
 
 def _outcome(
@@ -121,12 +137,25 @@ def _outcome(
     return outcome
 
 
-def exact_only(payloads: Sequence[bytes | memoryview | None]) -> list[bytes | memoryview | None]:
-    """The payloads, a page some tier keeps at a lower precision (``dss.page_encoding``: not
-    ``exact``) made a miss: the connector copies pages as they are and does not dequantize,
-    so such a page is recomputed by vLLM, never loaded approximate. Its own layouts are never
-    encoded (their packing is the backend's), so this only guards against a store's mistake."""
-    return [p if p is None or dss.page_encoding(p) == "exact" else None for p in payloads]
+def loadable(
+    payloads: Sequence[bytes | memoryview | None], layout: dss.Layout | None
+) -> list[bytes | memoryview | None]:
+    """The payloads, a page that can be copied neither as it is nor dequantized made a miss
+    (vLLM recomputes it, never loads wrong KV): with ``layout`` (its pages are encodable,
+    :data:`~dss_adapters.vllm.formats.CPU_PAGE_FORMAT`, and the copier dequantizes them) an
+    encoded copy of one of its pages is kept (a payload of another size than the layout's pages:
+    no encoded copy ever has it); without, only exact pages are (``dss.page_encoding``)."""
+    if layout is None:
+        return [p if p is None or dss.page_encoding(p) == "exact" else None for p in payloads]
+    out: list[bytes | memoryview | None] = []
+    for payload in payloads:
+        if payload is not None and len(payload) != layout.page_bytes:
+            try:
+                dss.page_views(payload, layout)
+            except dss.InvalidPage:
+                payload = None
+        out.append(payload)
+    return out
 
 
 def load_pages(
@@ -163,7 +192,7 @@ def start_load_pages(
             transfer = copier.scatter_rows(staged, blocks)
         outcome.seconds = time.perf_counter() - start
         return outcome, transfer
-    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id)
+    rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id, copier.decodes)
     if rows:
         transfer = copier.start_scatter(payloads, [[group[k] for k in rows] for group in block_ids])
     outcome.seconds = time.perf_counter() - start

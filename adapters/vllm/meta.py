@@ -88,12 +88,15 @@ class DssWorkerMetadata(KVConnectorWorkerMetadata):
     vLLM has recomputed them. ``host_pages``: per shard, the pages its worker wrote or
     read this step (they are in its host tier now), oldest first. ``held``: steps whose
     saves a worker holds until they are settled (see :class:`DssConnectorMetadata`).
+    ``lossy``: per request, the tokens its loads this step served from lower-precision copies,
+    per encoding (the largest over shards: each shard loads the same tokens).
     """
 
     saved: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     host_pages: dict[int, list[bytes]] = field(default_factory=dict)
     held: list[int] = field(default_factory=list)
+    lossy: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge two workers' reports (sums, minima, concatenations; neither is changed)."""
@@ -107,7 +110,12 @@ class DssWorkerMetadata(KVConnectorWorkerMetadata):
         host = {shard: list(ids) for shard, ids in self.host_pages.items()}
         for shard, ids in other.host_pages.items():
             host.setdefault(shard, []).extend(ids)
-        return DssWorkerMetadata(saved, dropped, host, sorted(set(self.held) | set(other.held)))
+        lossy = {req_id: dict(counts) for req_id, counts in self.lossy.items()}
+        for req_id, counts in other.lossy.items():
+            mine = lossy.setdefault(req_id, {})
+            for encoding, tokens in counts.items():
+                mine[encoding] = max(tokens, mine.get(encoding, 0))
+        return DssWorkerMetadata(saved, dropped, host, sorted(set(self.held) | set(other.held)), lossy)
 
 
 @dataclass

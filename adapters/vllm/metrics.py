@@ -25,6 +25,11 @@ metric                                      type       meaning
                                                        worker read them (evicted, corrupt, the
                                                        remote tier down); vLLM recomputed them.
                                                        One per worker shard
+``vllm:dss_lossy_tokens_total{encoding}``   counter    of those, the tokens loaded from copies a
+                                                       tier keeps at a lower precision
+                                                       (``int8``, ``fp8``, ``k8v4``; see
+                                                       ``disk_precision``): approximate KV,
+                                                       announced
 ``vllm:dss_failed_pages_total``             counter    pages that could not be loaded (vLLM
                                                        recomputed them): late misses, and pages
                                                        the scheduler found unloadable; one per
@@ -52,10 +57,13 @@ RESULTS = ("hit", "engine", "recompute", "miss")
 """A finished request's ``result`` (see the module docstring)."""
 TIERS = ("host", "disk", "remote")
 """Where a page was planned to load from: the worker's host tier (RAM), its disk, the remote tier."""
+ENCODINGS = ("int8", "fp8", "k8v4")
+"""The lossy encodings a tier may keep pages in (``disk_precision``, ...)."""
 COUNTERS = (
     *(f"requests_{r}" for r in RESULTS),
     *(f"loaded_tokens_{t}" for t in TIERS),
     *(f"late_miss_pages_{t}" for t in TIERS),
+    *(f"lossy_tokens_{e}" for e in ENCODINGS),
     "failed_pages",
     "saved_pages",
     "failed_saves",
@@ -65,6 +73,7 @@ METRICS = (
     "vllm:dss_requests_total",
     "vllm:dss_loaded_tokens_total",
     "vllm:dss_late_miss_pages_total",
+    "vllm:dss_lossy_tokens_total",
     "vllm:dss_failed_pages_total",
     "vllm:dss_saved_pages_total",
     "vllm:dss_failed_saves_total",
@@ -95,6 +104,15 @@ class DssConnectorStats(KVConnectorStats):
         if value:
             counters = self.data["counters"]
             counters[name] = counters.get(name, 0) + value
+
+    def count_request(self, result: str, loaded_by_tier: dict[str, int], encodings: dict[str, int]) -> None:
+        """A finished request: its ``result`` (:data:`RESULTS`), the tokens it loaded by tier, and
+        of those the tokens served from lower-precision copies, by encoding."""
+        self.count(f"requests_{result}")
+        for tier, tokens in loaded_by_tier.items():
+            self.count(f"loaded_tokens_{tier}", tokens)
+        for encoding, tokens in encodings.items():
+            self.count(f"lossy_tokens_{encoding}", tokens)
 
     def observe(self, name: str, seconds: float) -> None:
         """Record one latency (``load`` or ``save``)."""
@@ -167,6 +185,11 @@ class DssPromMetrics(KVConnectorPromMetrics):
             documentation="dss pages matched but gone when loaded (recomputed), by tier.",
             labelnames=[*labelnames, "tier"],
         )
+        lossy = counter(
+            name="vllm:dss_lossy_tokens_total",
+            documentation="Prompt tokens loaded from dss copies kept at a lower precision, by encoding.",
+            labelnames=[*labelnames, "encoding"],
+        )
         plain = {
             "failed_pages": counter(
                 name="vllm:dss_failed_pages_total",
@@ -207,6 +230,8 @@ class DssPromMetrics(KVConnectorPromMetrics):
             for tier in TIERS:
                 bound[f"loaded_tokens_{tier}"] = tokens.labels(*values, tier)
                 bound[f"late_miss_pages_{tier}"] = late.labels(*values, tier)
+            for encoding in ENCODINGS:
+                bound[f"lossy_tokens_{encoding}"] = lossy.labels(*values, encoding)
             self._counters[engine] = bound
             self._latency[engine] = {name: metric.labels(*values) for name, metric in latency.items()}
             self._pending[engine] = pending.labels(*values)
@@ -225,7 +250,7 @@ class DssPromMetrics(KVConnectorPromMetrics):
 def read_metrics(llm: Any) -> dict[str, float]:
     """The connector's metrics from an ``LLM`` (made with ``disable_log_stats=False``), summed
     over engines: ``requests_<result>`` (:data:`RESULTS`), ``loaded_tokens_<tier>`` and
-    ``late_miss_pages_<tier>`` (:data:`TIERS`), ``failed_pages``, ``saved_pages``, ``failed_saves``,
+    ``late_miss_pages_<tier>`` (:data:`TIERS`), ``lossy_tokens_<encoding>`` (:data:`ENCODINGS`), ``failed_pages``, ``saved_pages``, ``failed_saves``,
     ``load_jobs``, ``load_seconds``, ``save_jobs``, ``save_seconds`` (sums) and
     ``pending_write_bytes``. Names never reported are absent."""
     names = {
@@ -241,6 +266,8 @@ def read_metrics(llm: Any) -> dict[str, float]:
             key = f"requests_{labels['result']}"
         elif name in ("vllm:dss_loaded_tokens", "vllm:dss_late_miss_pages"):
             key = f"{name.removeprefix('vllm:dss_')}_{labels['tier']}"
+        elif name == "vllm:dss_lossy_tokens":
+            key = f"lossy_tokens_{labels['encoding']}"
         elif name in ("vllm:dss_load_seconds", "vllm:dss_save_seconds"):
             kind = name.split("_")[1]
             out[f"{kind}_jobs"] = out.get(f"{kind}_jobs", 0) + metric.count

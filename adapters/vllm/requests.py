@@ -64,6 +64,8 @@ class Tracked:
     """The last load-or-recompute decision for it (``None``: dss had nothing past vLLM's own cache)."""
     hit_sources: dict[str, int] = field(default_factory=dict)
     """Tokens of the last load by the tier planned (``host``, ``disk``, ``remote``)."""
+    lossy: dict[str, int] = field(default_factory=dict)
+    """Loaded tokens that came from lower-precision copies, per encoding (as the workers reported)."""
     waiting_for: set[str] | None = None
     """Finished requests of the same session whose saves this one waits for."""
     waiting_since: float | None = None
@@ -128,6 +130,14 @@ class RequestBook:
         self.live[request.request_id] = tracked
         return tracked
 
+    def note_lossy(self, lossy: dict[str, dict[str, int]]) -> None:
+        """Count the loaded tokens the workers served from lower-precision copies (per request, per encoding)."""
+        for req_id, counts in lossy.items():
+            tracked = self.live.get(req_id)
+            if tracked is not None:
+                for encoding, tokens in counts.items():
+                    tracked.lossy[encoding] = tracked.lossy.get(encoding, 0) + tokens
+
     def note_saved(self, saved: dict[str, int]) -> None:
         """Count the save reports of the workers (per request)."""
         for req_id, count in saved.items():
@@ -164,6 +174,9 @@ class RequestBook:
         }
         if tracked.decision is not None and not tracked.decision.load:
             out["decision"] = decision_out(tracked.decision)
+        lossy = _lossy_out(tracked.lossy, tracked.num_loaded_tokens)
+        if lossy:
+            out["encodings"], out["lossy_tokens"] = lossy, sum(lossy.values())
         complete = request.status in (
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -255,6 +268,19 @@ def request_result(
     if decision is not None and not decision.load:
         return "recompute"
     return "miss"
+
+
+def _lossy_out(lossy: dict[str, int], loaded_tokens: int) -> dict[str, int]:
+    """Loaded tokens per lossy encoding, least lossy first, at most ``loaded_tokens`` in all (pages
+    loaded past one that failed were recomputed by vLLM: the lossiest are counted out first)."""
+    out: dict[str, int] = {}
+    left = loaded_tokens
+    for encoding in ("int8", "fp8", "k8v4"):
+        tokens = min(lossy.get(encoding, 0), left)
+        if tokens:
+            out[encoding] = tokens
+            left -= tokens
+    return out
 
 
 def decision_out(decision: dss.LoadDecision) -> dict[str, Any]:

@@ -325,6 +325,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.num_stored_pages = min(tracked.num_stored_pages, first_page)
         self.book.note_saved(meta.saved)
+        self.book.note_lossy(meta.lossy)
         self.hosts.note(meta.host_pages)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
@@ -337,9 +338,7 @@ class SchedulerSide:
         if tracked is not None:
             self.device.finished(request, tracked.save_scope)
         if tracked is not None and out is not None and tracked.asked:
-            self.stats.count(f"requests_{out['dss']['result']}")
-            for tier, tokens in tracked.loaded_by_tier.items():
-                self.stats.count(f"loaded_tokens_{tier}", tokens)
+            self.stats.count_request(out["dss"]["result"], tracked.loaded_by_tier, out["dss"].get("encodings", {}))
         return out
 
     def take_stats(self) -> DssConnectorStats | None:

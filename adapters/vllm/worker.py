@@ -17,7 +17,11 @@ copied as is).
   :meth:`WorkerSide.transfer_results`. A page the store cannot return (gone, or corrupt
   and quarantined) is reported — by block (:meth:`WorkerSide.take_load_errors`), or, for a
   model with several KV cache groups, as a failed asynchronous load — and vLLM recomputes;
-  it counts as a late miss of the tier it was planned to load from (``LoadJob.tiers``).
+  it counts as a late miss of the tier it was planned to load from (``LoadJob.tiers``). A
+  page a tier keeps at a lower precision (``disk_precision`` in ``store_options``: pages of
+  vLLM's CPU backend are encodable) is dequantized into the KV dtype on its way into its
+  blocks, and reported to the scheduler (``DssWorkerMetadata.lossy``); such loads are not
+  staged (an encoded copy is smaller than a staging row).
 * :meth:`WorkerSide.save` (after the forward) copies every block a save job names out of
   the KV cache and hands it to the :class:`PageWriter`, which writes in the background. Of
   ranks that hold identical KV (one shard), only the first writes. Shard 0 writes into the
@@ -86,7 +90,11 @@ class WorkerSide:
         self.layerwise: LayerwiseCopier | None = None
         self.loader: PageLoader | None = None
         self.stats = DssConnectorStats()
-        self._report_pages = store.stats()["host"]["capacity"] > 0
+        stats = store.stats()
+        self._report_pages = stats["host"]["capacity"] > 0
+        self._lossy_tiers = any(stats[tier]["precision"] != "exact" for tier in ("host", "disk"))
+        """Some tier keeps lower-precision copies: a load may meet encoded pages (smaller than a page)."""
+        self._lossy: dict[str, dict[str, int]] = {}
         self._last_pending = 0
         self._host_pages: list[bytes] = []
         self._tokens: dict[str, array.array] = {}
@@ -113,7 +121,7 @@ class WorkerSide:
                 )
             tensors.append(tensor.movedim(dims[0], 0))
         self.copier = BlockCopier(
-            tensors, [layer.group for layer in self.layers], self.num_blocks, self.layout.page_bytes
+            tensors, [layer.group for layer in self.layers], self.num_blocks, self.layout.page_bytes, self.layout
         )
         if self.copier.device.type == "cuda" and self.copier.uniform:  # state-space layers: whole pages
             self.layerwise = LayerwiseCopier(self.copier, [layer.name for layer in self.layers])
@@ -146,9 +154,16 @@ class WorkerSide:
             outcome = self.layerwise.load(self.store, page_ids, block_ids)
         else:
             # pages from this process's RAM are copied straight from it (staging them costs a copy);
-            # pages read from disk are decrypted into the staging rows, then copied a layer at a time
-            staging = None if all(tier == "host" for tier in tiers) else self.staging
+            # pages read from disk are decrypted into the staging rows, then copied a layer at a time,
+            # unless they may be encoded copies (smaller than the rows), dequantized page by page
+            unstaged = all(tier == "host" for tier in tiers) or (self._lossy_tiers and copier.decodes is not None)
+            staging = None if unstaged else self.staging
             outcome = load_pages(self.store, copier, page_ids, block_ids, ",".join(job.req_id for job in sync), staging)
+        first = 0
+        for job in sync:
+            count = len(job.page_ids[self.shard])
+            self._note_lossy(job.req_id, [e for k, e in outcome.lossy_pages.items() if first <= k < first + count])
+            first += count
         failed = {block_ids[0][k] for k in outcome.failed_pages}
         self._load_errors |= failed
         self._step_failed = bool(failed)
@@ -181,6 +196,7 @@ class WorkerSide:
                 else:
                     failed.add(job.req_id)
             self._note_load(outcome, None if job.fail else _tiers(job), in_host=False)
+            self._note_lossy(job.req_id, list(outcome.lossy_pages.values()))
         return done, failed
 
     def take_load_errors(self) -> set[int]:
@@ -273,9 +289,10 @@ class WorkerSide:
         for seconds in done.seconds:
             self.stats.observe("save", seconds)
         held, self._held_steps = self._held_steps, []
-        if not (saved or dropped or host or held):
+        lossy, self._lossy = self._lossy, {}
+        if not (saved or dropped or host or held or lossy):
             return None
-        return DssWorkerMetadata(saved, dropped, {self.shard: host} if host else {}, held)
+        return DssWorkerMetadata(saved, dropped, {self.shard: host} if host else {}, held, lossy)
 
     def take_stats(self) -> DssConnectorStats | None:
         if self.is_saver:
@@ -307,6 +324,14 @@ class WorkerSide:
                 self.stats.count(f"late_miss_pages_{tiers[k]}")
         if self._report_pages and in_host:
             self._host_pages.extend(outcome.loaded_page_ids)
+
+    def _note_lossy(self, req_id: str, encodings: list[str]) -> None:
+        """Pages of a request were loaded from lower-precision copies (their encodings): reported
+        to the scheduler in tokens per encoding (:class:`DssWorkerMetadata`)."""
+        if encodings:
+            mine = self._lossy.setdefault(req_id, {})
+            for encoding in encodings:
+                mine[encoding] = mine.get(encoding, 0) + self.page_tokens
 
     def _scope(self, job: SaveJob) -> Scope:
         """Where this shard saves a job's pages: the job's scope for shard 0, its namespace for others."""

@@ -3,9 +3,11 @@
 Only pages whose layout says what their bytes mean can be encoded: a layout with fields
 ``dtype`` (``bfloat16``, ``float16`` or ``float32``), ``num_layers``, ``num_kv_heads``,
 ``head_dim`` and a ``format`` of :data:`KV_FORMATS` — every layer's keys then values, each a
-block of rows of ``head_dim`` contiguous elements, one row per (token, KV head). Any other
-page (opaque engine packing, an fp8 engine cache) is stored as it is: :func:`shape_of` is
-``None`` for it. The scales are per row: one per token and KV head.
+block of rows of ``head_dim`` contiguous elements, one row per (token, KV head) — or one of
+:data:`HEAD_FORMATS` (vLLM's CPU backend: keys then values of each KV head of each layer,
+rows of ``head_size`` contiguous elements in the backend's order). Any other page (opaque
+engine packing, an fp8 engine cache) is stored as it is: :func:`shape_of` is ``None`` for
+it. The scales are per row: for the first formats one per token and KV head.
 
 An encoded copy is self-describing: a 20-byte header (format name ``dssq``, version, encoding
 code, source dtype, parts, rows per part, head size) followed by the quantized elements, then
@@ -23,7 +25,7 @@ page holding non-finite values or values beyond what a float16 scale can reach: 
 from __future__ import annotations
 
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +35,12 @@ from dss.core.precision import CODE, ENCODINGS, EXACT, V_GROUP
 
 KV_FORMATS = frozenset({"[layers][k,v]x[kv_heads,page_tokens,head_dim]"})
 """Page formats whose rows of ``head_dim`` elements alternate keys, values by layer."""
+HEAD_FORMATS = frozenset({"[layers][kv_heads][k,v]x[page_tokens*head_size]"})
+"""Page formats whose parts alternate keys, values by layer and KV head: each part
+``page_tokens * head_size`` elements in an engine's own order within the part (vLLM's CPU
+backend: keys column-major, values row-major), taken as ``page_tokens`` rows of ``head_size``
+contiguous elements. A per-row absmax scale is valid whatever elements a row holds; only the
+split into keys and values matters (``k8v4``)."""
 
 MAGIC = b"dssq"
 VERSION = 1
@@ -62,16 +70,26 @@ class PageShape(NamedTuple):
 
 
 def shape_of(layout: Any) -> PageShape | None:
-    """The shape of a layout's pages, or ``None`` when they cannot be encoded (see the module docstring)."""
+    """The shape of a layout's pages, or ``None`` when they cannot be encoded (see the module
+    docstring): a layout of :data:`KV_FORMATS` (fields ``dtype``, ``num_layers``,
+    ``num_kv_heads``, ``head_dim``) or of :data:`HEAD_FORMATS` (fields ``kv_dtype``,
+    ``num_layers``, ``num_kv_heads``, ``head_size``), whose pages have exactly that many bytes."""
     fields = dict(layout.fields)
-    names = ("num_layers", "num_kv_heads", "head_dim")
-    if fields.get("format") not in KV_FORMATS or fields.get("dtype") not in DTYPES:
+    fmt = fields.get("format")
+    if fmt in KV_FORMATS:
+        dtype, dim = fields.get("dtype"), fields.get("head_dim")
+    elif fmt in HEAD_FORMATS:
+        dtype, dim = fields.get("kv_dtype"), fields.get("head_size")
+    else:
         return None
-    if not all(type(fields.get(n)) is int and fields[n] > 0 for n in names):
+    sizes = (fields.get("num_layers"), fields.get("num_kv_heads"), dim)
+    if dtype not in DTYPES or not all(type(n) is int and n > 0 for n in sizes):
         return None
-    shape = PageShape(
-        fields["dtype"], 2 * fields["num_layers"], fields["num_kv_heads"] * layout.page_tokens, fields["head_dim"]
-    )
+    layers, heads, dim = cast("tuple[int, int, int]", sizes)
+    if fmt in KV_FORMATS:
+        shape = PageShape(dtype, 2 * layers, heads * layout.page_tokens, dim)
+    else:
+        shape = PageShape(dtype, 2 * layers * heads, layout.page_tokens, dim)
     return shape if shape.exact_bytes == layout.page_bytes else None
 
 

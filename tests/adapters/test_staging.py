@@ -57,6 +57,23 @@ def test_on_the_cpu_copies_run_at_once_and_the_buffer_is_reused() -> None:
     assert again.parts[1].tolist() == [list(range(10, 16))]
 
 
+def test_a_reserved_buffer_is_filled_by_the_caller_and_goes_back_after_its_copy() -> None:
+    """``reserve`` hands out the parts of a pool buffer without copying anything into them;
+    after ``copy`` (here a failing one: the buffer still goes back) the same buffer is staged again."""
+    pool = StagingPool("cpu")
+    staged = pool.reserve(2, [2, 6])
+    assert [tuple(p.shape) for p in staged.parts] == [(2, 2), (2, 6)] and staged.num_pages == 2
+    staged.parts[1].fill_(7)
+    assert staged.buffer[4:].tolist() == [7] * 12  # part 1 follows part 0 in the buffer
+
+    def fail(staged: Staged) -> None:
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        pool.copy(staged, fail)
+    assert pool.stage(PAGES, PARTS).buffer.data_ptr() == staged.buffer.data_ptr() and pool.num_buffers == 1
+
+
 def test_a_larger_batch_replaces_a_free_buffer_when_the_pool_is_full() -> None:
     pool = StagingPool("cpu", max_buffers=1)
     pool.copy(pool.stage(PAGES[:1], PARTS), lambda staged: None)

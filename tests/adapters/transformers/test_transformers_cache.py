@@ -15,14 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from dss_adapters.transformers.cache import (
-    cache_from_pages,
-    cache_pages,
-    dequantize,
-    layout_for,
-    load_cache,
-    save_cache,
-)
+from dss_adapters.dequantize import dequantize
+from dss_adapters.transformers.cache import cache_from_pages, cache_pages, layout_for, load_cache, save_cache
 
 import dss
 from tests import real_chat
@@ -157,6 +151,35 @@ def test_torch_dequantization_equals_the_reference(model: Any, encoding: str) ->
     assert parts is not None and parts.encoding == encoding
     mine = dequantize(parts, torch.bfloat16).view(torch.uint8).numpy().tobytes()
     assert mine == bytes(dss.decode_page(blob, layout))
+
+
+def test_a_cache_of_exact_and_encoded_pages_holds_each_page_as_the_reference_decodes_it(model: Any) -> None:
+    """Pages of every encoding, mixed in one load (a prefix partly in an exact tier, partly in a
+    lossy one): the cache holds each page as dss's numpy decoder gives it, bit for bit, the exact
+    pages as they were saved; the cache's tensors are views of one tensor, each layer's keys and
+    values contiguous."""
+    from dss.core import packing
+
+    layout = layout_for(model, page_tokens=32, dtype=torch.bfloat16)
+    shape = packing.shape_of(layout)
+    assert shape is not None
+    generator = torch.Generator().manual_seed(3)
+    exact = [
+        (3 * torch.randn(shape.num_parts, shape.rows, shape.head_dim, generator=generator))
+        .to(torch.bfloat16)
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+        for _ in range(7)
+    ]
+    encodings = ["exact", "int8", "int8", "fp8", "exact", "k8v4", "k8v4"]
+    stored = [page if e == "exact" else packing.encode(page, shape, e) for page, e in zip(exact, encodings)]
+    assert [dss.page_encoding(p) for p in stored] == encodings  # type: ignore[arg-type]
+    cache = cache_from_pages(stored, layout)  # type: ignore[arg-type]
+    decoded = [bytes(dss.decode_page(p, layout)) for p in stored]  # type: ignore[arg-type]
+    assert decoded[0] == exact[0] and decoded[4] == exact[4]
+    assert cache_pages(cache, layout) == dict(enumerate(decoded))
+    assert all(layer.keys.is_contiguous() and layer.values.is_contiguous() for layer in cache.layers)
 
 
 def test_layouts_of_other_precisions_page_sizes_or_revisions_never_match(model: Any, store: dss.Store) -> None:

@@ -213,6 +213,7 @@ def test_next_turn_on_a_fresh_engine_loads_the_first_turns_pages(
         "tp_shard": 0,
         "pp_size": 1,
         "pp_rank": 0,
+        "format": "[layers][kv_heads][k,v]x[page_tokens*head_size]",
     }
 
 
@@ -390,3 +391,75 @@ def test_requests_without_a_session_reuse_pages_within_their_namespace(
     assert hit.num_cached_tokens == dss_params(hit)["loaded_tokens"] == pages(len(f32["q"])) * BLOCK
     # the second request of the batch may share vLLM's blocks of the first, but dss gave it nothing
     assert dss_params(other)["loaded_tokens"] == 0
+
+
+def first_token_logprobs(llm: Any, tokens: list[int], fields: dict[str, Any] | None) -> tuple[Any, dict[int, float]]:
+    """One greedy request of 8 tokens (``kv_transfer_params`` ``{"dss": fields}``, none if
+    ``None``): its output and the top-5 logprobs of its first token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"kv_transfer_params": {"dss": fields}} if fields is not None else None
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=5, extra_args=extra
+    )
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], [sampling], use_tqdm=False)[0]
+    return out, {token: float(lp.logprob) for token, lp in out.outputs[0].logprobs[0].items()}
+
+
+def disk_only_turns(
+    model: Path, store_path: Path, ref: dict[str, list[int]], precision: str, load_mode: str = "auto"
+) -> dict[str, Any]:
+    """Turn 1, then turn 2 with its pages read from disk (the store keeps no host copy: ``host_bytes``
+    0; vLLM's prefix cache reset), then turn 2 again computed in full (no dss, reset again), on a
+    bf16 engine whose store's disk keeps ``precision`` (the connector's ``load_mode``: ``auto``
+    loads synchronously here, nothing else runs): the outputs, turn 2's first-token top-5
+    logprobs, and the connector's metrics."""
+    from dss_adapters.vllm.metrics import read_metrics
+
+    options = {"store_options": {"disk_precision": precision, "host_bytes": 0}, "load_mode": load_mode}
+    with engine(model, store=store_path, log_stats=True, **BF16, **options) as llm:
+        assert tokens_out(run(llm, ref["p1"], SESSION, max_tokens=TURN1)) == ref["o1"]  # computed: exact
+        assert llm.reset_prefix_cache()
+        loaded, loaded_lp = first_token_logprobs(llm, ref["p2"], SESSION)
+        assert llm.reset_prefix_cache()
+        full, full_lp = first_token_logprobs(llm, ref["p2"], None)
+        metrics = read_metrics(llm)
+    return {"loaded": loaded, "loaded_lp": loaded_lp, "full": full, "full_lp": full_lp, "metrics": metrics}
+
+
+def test_a_disk_kept_at_int8_serves_the_next_turn_dequantized_and_announced(
+    smollm2_model: Path, bf16: dict[str, list[int]], tmp_path: Path
+) -> None:
+    """``disk_precision="int8"`` through ``store_options``: the pages vLLM saves (its CPU
+    backend's blocks) are encoded on disk, and turn 2, loading them from disk, gets them
+    dequantized into bf16 and says so in ``kv_transfer_params`` and the metrics.
+
+    The oracle is the same run with an exact disk. int8 KV is not bit-exact, so the test asks
+    what a user would notice: the same greedy tokens as the exact load's (``bf16["o2"]``,
+    itself vLLM's own prefix-cache output), the same top-5 candidates for the first token, and
+    their logprobs no further from the exact load's than bf16's own noise, measured in the same
+    run: the exact load against the full computation of the prompt (a cached prefix and a
+    computed one round differently). Loaded synchronously, and asynchronously (through the
+    worker's reader process) with the same result."""
+    exact = disk_only_turns(smollm2_model, tmp_path / "exact", bf16, "exact")
+    int8 = disk_only_turns(smollm2_model, tmp_path / "int8", bf16, "int8")
+    later = disk_only_turns(smollm2_model, tmp_path / "async", bf16, "int8", load_mode="async")
+    assert dss_params(later["loaded"])["encodings"] == {"int8": 128} and later["metrics"]["lossy_tokens_int8"] == 128
+    assert later["loaded_lp"] == int8["loaded_lp"] and tokens_out(later["loaded"]) == bf16["o2"]
+    with dss.open(tmp_path / "int8", mover=False) as store:
+        sizes = {row[0] for row in store.sql("SELECT size FROM pages").rows}
+        assert sizes == {380_180}  # 737,280-byte pages, int8 on disk
+    params = dss_params(int8["loaded"])
+    assert (params["loaded_tokens"], params["encodings"], params["lossy_tokens"]) == (128, {"int8": 128}, 128)
+    assert dss_params(exact["loaded"])["loaded_tokens"] == 128 and "lossy_tokens" not in dss_params(exact["loaded"])
+    assert int8["loaded"].num_cached_tokens == 128 and int8["full"].num_cached_tokens == 0
+    assert int8["metrics"]["lossy_tokens_int8"] == 128 == int8["metrics"]["loaded_tokens_disk"]
+    assert "lossy_tokens_int8" not in exact["metrics"] or exact["metrics"]["lossy_tokens_int8"] == 0
+    assert tokens_out(int8["loaded"]) == tokens_out(exact["loaded"]) == bf16["o2"]
+    top = exact["loaded_lp"]
+    assert set(int8["loaded_lp"]) == set(top) == set(exact["full_lp"])
+    error = max(abs(int8["loaded_lp"][t] - top[t]) for t in top)
+    floor = max(abs(exact["full_lp"][t] - top[t]) for t in top)
+    print(f"first-token top-5 logprobs against the exact load: int8 {error:.4f} nats, full computation {floor:.4f}")
+    assert error <= floor

@@ -5,6 +5,7 @@ buffer a load reads into is reused."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from dss_adapters.vllm.copy import BlockCopier, RowBuffer, copy_layer
 from dss_adapters.vllm.meta import NO_BLOCK
@@ -88,3 +89,44 @@ def test_layers_at_uneven_steps_or_in_two_groups_are_copied_a_layer_at_a_time() 
     assert BlockCopier(uneven, [0, 0, 0], NUM_BLOCKS, 3 * LAYER_BYTES).stacked is None
     assert BlockCopier(flat[:2], [0, 1], NUM_BLOCKS, 2 * LAYER_BYTES).stacked is None
     assert BlockCopier(flat[:1], [0], NUM_BLOCKS, LAYER_BYTES).stacked is not None
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_encoded_copies_of_cpu_pages_are_dequantized_into_their_blocks_exact_ones_copied(whole: bool) -> None:
+    """Pages of vLLM's CPU format (each layer's block ``[kv_heads, 2 * block_size, head_size]``:
+    keys then values per head) at ``int8`` and ``k8v4`` go into their blocks as dss's numpy
+    decoder gives them, bit for bit; an exact page goes in as it is, whether a page goes in
+    whole (one block table) or a layer at a time (two). Without the format in the layout the
+    copier dequantizes nothing (``decodes`` is ``None``)."""
+    from dss_adapters.vllm.formats import CPU_PAGE_FORMAT
+
+    import dss
+    from dss.core import packing
+
+    layers = [torch.zeros((NUM_BLOCKS, 2, 32, 32), dtype=torch.bfloat16) for _ in range(2)]  # 2 heads, head 16
+    groups = [0, 0] if whole else [0, 1]
+    page_bytes = 2 * layers[0][0].numel() * 2
+    fields = {"kv_dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 2, "head_size": 16}
+    layout = dss.Layout("vllm", 32, page_bytes, format=CPU_PAGE_FORMAT, **fields)
+    assert (
+        BlockCopier(layers, [0, 0], NUM_BLOCKS, page_bytes, dss.Layout("vllm", 32, page_bytes, **fields)).decodes
+        is None
+    )
+    copier = BlockCopier(layers, groups, NUM_BLOCKS, page_bytes, layout)
+    assert copier.decodes == layout and (copier.stacked is not None) == whole
+    shape = packing.shape_of(layout)
+    assert shape == packing.PageShape("bfloat16", 8, 32, 16)
+    generator = torch.Generator().manual_seed(4)
+    exact = [
+        torch.randn(page_bytes // 2, generator=generator).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        for _ in range(3)
+    ]
+    stored = [exact[0], packing.encode(exact[1], shape, "int8"), packing.encode(exact[2], shape, "k8v4")]
+    assert [dss.page_encoding(p) for p in stored] == ["exact", "int8", "k8v4"]  # type: ignore[arg-type]
+    copier.scatter(stored, [[5, 0, 3]] * (1 if whole else 2))  # type: ignore[arg-type]
+    half = page_bytes // 2
+    for k, b in enumerate((5, 0, 3)):
+        want = bytes(dss.decode_page(stored[k], layout))  # type: ignore[arg-type]
+        assert block(layers[0], b) + block(layers[1], b) == want
+    assert block(layers[0], 5) + block(layers[1], 5) == exact[0]
+    assert block(layers[0], 0)[:half] != exact[1][:half]  # int8: close, not equal
