@@ -86,7 +86,7 @@ def test_a_rerendered_timestamp_reuses_the_rest_and_the_default_keeps_the_next_t
     assert [(i == j, i + n) for i, j, n in report.runs] == [(True, n_src)]  # one run to the stored KV's end
     assert report.reused_tokens + report.selected_tokens == n_src - report.runs[0][0]
     assert report.reused_tokens + report.exact_prefix_tokens + report.recomputed_tokens == len(prompt) - 1
-    assert report.moved_tokens == 0 and report.approximate and report.recompute == 0.5
+    assert report.moved_tokens == 0 and report.approximate and report.recompute == 0.3
     assert report.exact_prefix_tokens + report.reused_tokens >= 0.6 * len(prompt)  # 164 of 227
     assert cache.get_seq_length() == len(prompt) - 1
     full = prefill(model, prompt)
@@ -101,6 +101,8 @@ def test_a_rerendered_timestamp_reuses_the_rest_and_the_default_keeps_the_next_t
     assert alone == report  # without the session: the namespace's nearest, the same one
     assert after["blends"] == before["blends"] + 1 and after["approximate_blends"] == before["approximate_blends"] + 1
     assert after["reused_tokens"] == before["reused_tokens"] + report.reused_tokens
+    assert after["recomputed_tokens"] == before["recomputed_tokens"] + report.recomputed_tokens
+    assert after["exact_tokens"] == before["exact_tokens"] + report.exact_prefix_tokens
 
 
 def test_recomputing_everything_after_the_exact_prefix_is_a_full_prefill(chat, sqlite_store) -> None:
@@ -119,7 +121,9 @@ def test_recomputing_everything_after_the_exact_prefix_is_a_full_prefill(chat, s
 
 def test_a_dropped_exchange_moves_the_rest_and_its_keys_are_re_rotated(chat, sqlite_store) -> None:
     """Layer 0's keys depend only on the token and its position: a moved run's keys, re-rotated,
-    are the keys a prefill computes at the new positions."""
+    are the keys a prefill computes at the new positions. With a share selected, layers
+    ``0..select_layer`` are a prefill's at every position, and ``blend_metrics`` counts the
+    blend and its tokens."""
     model, tok = chat
     stored = render(tok, exchanges(2), None, ask=False)
     layout = stored_chat(model, sqlite_store, stored)
@@ -135,6 +139,20 @@ def test_a_dropped_exchange_moves_the_rest_and_its_keys_are_re_rotated(chat, sql
     torch.testing.assert_close(
         cache.layers[0].values[:, :, i : i + n], full.layers[0].values[:, :, i : i + n], atol=2e-5, rtol=1e-5
     )
+    before = blend_metrics()
+    cache, report = blend_cache(sqlite_store, model, prompt, layout, session_id="chat", recompute=0.3, select_layer=4)
+    assert 0 < report.selected_tokens <= 0.3 * (report.reused_tokens + report.selected_tokens) + 1
+    for mine, theirs in zip(cache.layers[:5], full.layers[:5]):  # layers 0..select_layer: computed for all
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.values, theirs.values, atol=2e-4, rtol=1e-4)
+    after = blend_metrics()
+    assert {key: after[key] - before[key] for key in after} == {
+        "blends": 1,
+        "approximate_blends": 1,
+        "reused_tokens": report.reused_tokens,
+        "recomputed_tokens": report.recomputed_tokens,
+        "exact_tokens": report.exact_prefix_tokens,
+    }
 
 
 def test_with_nothing_stored_it_is_a_prefill_and_nonsense_is_refused(chat, sqlite_store) -> None:
