@@ -5,8 +5,10 @@ A real chat is stored with its KV; the next request re-renders a timestamp line 
 prompt, or drops the first exchange. What is checked exactly: the exact prefix is the stored
 KV bit for bit; recomputing everything after it is a full prefill; a moved run's keys,
 re-rotated, are at layer 0 (where KV depends only on the token and its position) the keys a
-prefill computes; the report's counts add up. What is checked against a bar: the default
-share gives the full prefill's next token with a small KL.
+prefill computes; with a share selected, the layers up to the selecting one are a prefill's;
+the selection's attention weight is what eager attention pays; the report's counts add up and
+``blend_metrics`` counts them. What is checked against a bar: the default share gives the full
+prefill's next token with a small KL.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from dss_adapters.transformers.blend import aligned_runs, blend_cache, blend_metrics
+from dss_adapters.transformers.blend_select import attention_mass
 from dss_adapters.transformers.cache import layout_for, save_cache
 
 import dss
@@ -194,3 +197,27 @@ def test_the_blend_block(tmp_path: Path, smollm2_model: Path) -> None:
     (block,) = blocks_run_by("test_the_blend_block")
     exact, reused, recomputed, approximate = run_python(block.text, tmp_path).split()[-4:]
     assert approximate == "True" and int(exact) > 0 and int(reused) > 0 and int(recomputed) > 0
+
+
+def test_the_attention_mass_is_what_an_eager_forward_pays(chat) -> None:
+    """The selection's weight: the attention of the chosen queries to each key, summed over
+    queries and heads, as transformers' eager attention computes it."""
+    model, tok = chat
+    ids = render(tok, exchanges(1), None, ask=True)
+    seen: dict[str, Any] = {}
+    hook = model.model.layers[3].self_attn.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.update(kwargs), with_kwargs=True
+    )
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_attentions=True, use_cache=True)
+    finally:
+        hook.remove()
+        model.set_attn_implementation(before)
+    rows = np.arange(len(ids) - 12, len(ids))
+    mass = attention_mass(model, 3, seen, out.past_key_values.layers[3].keys, rows, 0)
+    expected = out.attentions[3][0][:, torch.as_tensor(rows)].sum(dim=(0, 1))
+    torch.testing.assert_close(mass, expected.float(), atol=1e-4, rtol=1e-4)
+    assert float(mass.sum()) == pytest.approx(len(rows) * model.config.num_attention_heads, rel=1e-5)
