@@ -42,6 +42,7 @@ NEEDS_EXTRA: dict[str, tuple[str, set[str]]] = {
     "dss_adapters.dequantize": ("transformers or vllm", ENGINE),
     "dss_adapters.staging": ("transformers or vllm", ENGINE),
     "dss_adapters.transformers.blend": ("transformers", ENGINE),
+    "dss_adapters.transformers.blend_select": ("transformers", ENGINE),
     "dss_adapters.transformers.cache": ("transformers", ENGINE),
     "dss_adapters.transformers_cache": ("transformers", ENGINE),
     "dss_adapters.vllm.connector": ("vllm", ENGINE),

@@ -215,8 +215,8 @@ def test_the_blend_benchmark_runs_on_the_real_model(smollm2_model: Path) -> None
         ("dropped", "1.00"),
     ]
     assert all(
-        r[3].strip() == "1.000" for r in rows[2:] if r[1].strip() == "1.00"
-    )  # recomputing all: the same first token
+        r[3].strip() == r[5].strip() == "1.000" for r in rows[2:] if r[1].strip() == "1.00"
+    )  # recomputing all: the same first token and the same 16 teacher-forced ones
     assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats 1" in out
 
 

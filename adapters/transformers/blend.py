@@ -9,12 +9,16 @@ builds a ``DynamicCache`` for every position of the prompt:
 * the exact prefix: the stored KV as is (exact);
 * an aligned run after the divergence: the stored KV, keys re-rotated when the run moved
   (RoPE: ``R(p_new) k = R(p_new - p_old) R(p_old) k``), values as they are;
-* layers ``0..select_layer``: computed now for every token after the exact prefix (exact);
+* layers ``0..select_layer``: computed now for every token after the exact prefix (exact),
+  unless ``recompute`` is 0 or 1;
 * everything else (the divergent and new tokens) and at most a share ``recompute`` of the
-  reused tokens after the exact prefix: recomputed in one forward over just those tokens,
-  attending to the kept KV. The share is chosen by CacheBlend's rule: the tokens whose reused
-  KV deviates most, at layer ``select_layer``, from the KV computed there (none that deviates
-  less than :data:`MIN_DEVIATION`).
+  reused tokens after the exact prefix: recomputed over just those tokens, attending to the
+  kept KV, in the layers after ``select_layer`` (in every layer when ``recompute`` is 0 or
+  1). The share is chosen at layer ``select_layer`` by the reused KV's error against the KV
+  computed there (CacheBlend's deviation), weighted by the attention the tokens computed
+  anyway pay to it there: a reused token's error reaches the answer only through the tokens
+  that attend to it (:mod:`dss_adapters.transformers.blend_select`; none whose error is under
+  ``MIN_DEVIATION`` of its squared norm).
 
 Reused KV past the exact prefix was computed after *other* tokens, so the result is
 approximate: :class:`BlendReport` says how much was reused, and :func:`blend_metrics` counts
@@ -25,25 +29,21 @@ with plain RoPE (no attention scaling), one sequence.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from dss_adapters.transformers.blend_select import layers_of, reused_kv, select
 from dss_adapters.transformers.cache import load_cache
 
 import dss
 from dss import InvalidInput
 
-DEFAULT_RECOMPUTE = 0.5
+DEFAULT_RECOMPUTE = 0.3
 """The most of the reused tokens recomputed by default (chosen from the table in the docs)."""
 DEFAULT_SELECT_LAYER = 6
 """The layer whose KV deviation chooses the tokens to recompute (chosen from the table in the docs)."""
-MIN_DEVIATION = 1e-4
-"""A reused token whose KV deviates less than this (squared error over the squared norm, keys
-and values, at the selecting layer) is not recomputed: a re-rendered line leaves most tokens
-after it under 1e-4, a dropped exchange most over 3e-4 (SmolLM2, layer 4)."""
 RUN_TOKENS = 8
 """Fewest tokens of an aligned run worth reusing."""
 
@@ -114,8 +114,8 @@ def blend_cache(
     exact = min(_common_prefix(prompt, stored), n_src)
     runs = aligned_runs(prompt, stored[:n_src], exact)
     pos, old = reused_positions(exact, runs)
-    selected, fresh = select(model, src, prompt, pos, old, exact, recompute, select_layer)
-    cache = blended(model, src, prompt, pos, old, selected, fresh)
+    selected, fresh, hidden = select(model, src, prompt, pos, old, exact, recompute, select_layer)
+    cache = blended(model, src, prompt, pos, old, selected, fresh, hidden, exact)
     report = BlendReport(
         len(tokens),
         exact,
@@ -202,95 +202,6 @@ def reused_positions(exact: int, runs: list[tuple[int, int, int]]) -> tuple[np.n
     return np.concatenate(pos).astype(np.int64), np.concatenate(old).astype(np.int64)
 
 
-def rotation(model: Any, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cosines and sines (float32, ``[1, 1, n, dim]``) that turn keys by ``delta`` positions each."""
-    x = torch.zeros(1, 1, dtype=torch.float32, device=model.device)
-    cos, sin = model.model.rotary_emb(x, delta[None].to(model.device))
-    return cos[:, None], sin[:, None]
-
-
-def rerotate(keys: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``keys`` (``[1, heads, n, dim]``, rotated at their old positions) turned by :func:`rotation`
-    (float32 inside, the keys' dtype out)."""
-    cos, sin = turn
-    k = keys.float()
-    half = k.shape[-1] // 2
-    return (k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin).to(keys.dtype)
-
-
-def layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The keys and values of every layer of a ``DynamicCache``."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def reused_kv(
-    model: Any, src: Any, pos: np.ndarray, old: np.ndarray, only: int | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's (or layer ``only``'s) stored keys and values at ``old``, keys moved to ``pos``."""
-    index = torch.as_tensor(old, device=model.device)
-    delta = torch.as_tensor(pos - old, device=model.device)
-    turn = rotation(model, delta) if bool((delta != 0).any()) else None
-    layers = layers_of(src)
-    out = []
-    for keys, values in layers if only is None else layers[only : only + 1]:
-        keys, values = keys[:, :, index], values[:, :, index]
-        out.append((rerotate(keys, turn) if turn is not None else keys, values))
-    return out
-
-
-class _Stop(Exception):
-    pass
-
-
-def select(
-    model: Any,
-    src: Any,
-    prompt: np.ndarray,
-    pos: np.ndarray,
-    old: np.ndarray,
-    exact: int,
-    share: float,
-    layer: int,
-) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The ``share`` of reused positions after the exact prefix whose reused KV deviates most,
-    at ``layer``, from what a prefill computes there (relative squared error of keys and
-    values; none under :data:`MIN_DEVIATION`), and that prefill's KV of layers ``0..layer``
-    for every position (they run over the prompt after the exact prefix, attending to it; a
-    share of 0 or 1 runs nothing)."""
-    free = pos[pos >= exact]
-    want = math.ceil(share * len(free))
-    if not want or src is None:
-        return np.zeros(0, np.int64), []
-    if want >= len(free):
-        return free, []
-    from transformers import DynamicCache
-
-    prefix = DynamicCache([(k[:, :, :exact], v[:, :, :exact]) for k, v in layers_of(src)]) if exact else DynamicCache()
-
-    def stop(*_: Any) -> None:
-        raise _Stop
-
-    hook = model.model.layers[layer].register_forward_hook(stop)
-    ids = torch.as_tensor(prompt[exact:][None], device=model.device)
-    try:
-        with torch.no_grad():
-            model(ids, past_key_values=prefix, use_cache=True)
-    except _Stop:
-        pass
-    finally:
-        hook.remove()
-    fresh = layers_of(prefix)[: layer + 1]
-    fresh_k, fresh_v = fresh[layer]
-    ((keys, values),) = reused_kv(model, src, free, old[pos >= exact], only=layer)
-    at = torch.as_tensor(free, device=model.device)
-    fk, fv = fresh_k[:, :, at].float(), fresh_v[:, :, at].float()
-    dev = (fk - keys.float()).pow(2).sum(dim=(0, 1, 3)) + (fv - values.float()).pow(2).sum(dim=(0, 1, 3))
-    dev = dev / (fk.pow(2).sum(dim=(0, 1, 3)) + fv.pow(2).sum(dim=(0, 1, 3))).clamp_min(1e-12)
-    top = torch.topk(dev, want)
-    chosen = top.indices[top.values >= MIN_DEVIATION].cpu().numpy()
-    return np.sort(free[chosen]), fresh
-
-
 def blended(
     model: Any,
     src: Any,
@@ -299,35 +210,57 @@ def blended(
     old: np.ndarray,
     selected: np.ndarray,
     fresh: list[tuple[torch.Tensor, torch.Tensor]],
+    hidden: torch.Tensor | None,
+    exact: int,
 ) -> Any:
-    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected`` (in the
-    layers ``fresh`` has, its KV instead: exact), the rest computed in one forward attending to
-    the kept KV (a mask by position)."""
+    """The cache of every position of ``prompt``: reused KV at ``pos`` but ``selected``, the
+    rest computed attending to the kept KV (a mask by position). With ``fresh`` (the KV of
+    layers ``0..L`` for every position) and ``hidden`` (layer ``L``'s output for every position
+    from ``exact`` on), those layers are ``fresh`` and only layers ``L+1..`` run over the rest;
+    otherwise one forward over the rest runs every layer."""
     from transformers import DynamicCache
 
     keep = ~np.isin(pos, selected)
     kept, kept_old = pos[keep], old[keep]
     todo = np.setdiff1d(np.arange(len(prompt)), kept)
-    layers = reused_kv(model, src, kept, kept_old) if len(kept) else None
-    if layers is not None:
+    first = len(fresh) if hidden is not None else 0
+    layers = reused_kv(model, src, kept, kept_old) if len(kept) else []
+    if first:
+        layers[:first] = [(k, v) for k, v in fresh]
+    elif layers and fresh:
         at = torch.as_tensor(kept, device=model.device)
         layers[: len(fresh)] = [(k[:, :, at], v[:, :, at]) for k, v in fresh]
-    cache = DynamicCache(layers) if layers is not None else DynamicCache()
+    cache = DynamicCache(layers) if layers else DynamicCache()
     if len(todo):
         key_pos = torch.as_tensor(np.concatenate([kept, todo]), device=model.device)
         q_pos = torch.as_tensor(todo, device=model.device)
         mask = torch.zeros(1, 1, len(todo), len(key_pos), dtype=model.dtype, device=model.device)
         mask.masked_fill_(key_pos[None, :] > q_pos[:, None], torch.finfo(model.dtype).min)
         with torch.no_grad():
-            model(
-                torch.as_tensor(prompt[todo][None], device=model.device),
-                position_ids=q_pos[None],
-                attention_mask=mask,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            if hidden is not None and first:
+                states = hidden[:, torch.as_tensor(todo - exact, device=model.device)]
+                turn = model.model.rotary_emb(states, position_ids=q_pos[None])
+                for layer in model.model.layers[first:]:
+                    states = layer(
+                        states,
+                        attention_mask=mask,
+                        position_embeddings=turn,
+                        position_ids=q_pos[None],
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                    states = states[0] if isinstance(states, tuple) else states
+            else:
+                model(
+                    torch.as_tensor(prompt[todo][None], device=model.device),
+                    position_ids=q_pos[None],
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
     order = torch.as_tensor(np.argsort(np.concatenate([kept, todo]), kind="stable"), device=model.device)
-    return DynamicCache([(k[:, :, order], v[:, :, order]) for k, v in layers_of(cache)])
+    out = layers_of(cache)
+    return DynamicCache(out[:first] + [(k[:, :, order], v[:, :, order]) for k, v in out[first:]])
 
 
 def count(report: BlendReport) -> None:

@@ -5,8 +5,10 @@ A real chat is stored with its KV; the next request re-renders a timestamp line 
 prompt, or drops the first exchange. What is checked exactly: the exact prefix is the stored
 KV bit for bit; recomputing everything after it is a full prefill; a moved run's keys,
 re-rotated, are at layer 0 (where KV depends only on the token and its position) the keys a
-prefill computes; the report's counts add up. What is checked against a bar: the default
-share gives the full prefill's next token with a small KL.
+prefill computes; with a share selected, the layers up to the selecting one are a prefill's;
+the selection's attention weight is what eager attention pays; the report's counts add up and
+``blend_metrics`` counts them. What is checked against a bar: the default share gives the full
+prefill's next token with a small KL.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from dss_adapters.transformers.blend import aligned_runs, blend_cache, blend_metrics
+from dss_adapters.transformers.blend_select import attention_mass
 from dss_adapters.transformers.cache import layout_for, save_cache
 
 import dss
@@ -86,7 +89,7 @@ def test_a_rerendered_timestamp_reuses_the_rest_and_the_default_keeps_the_next_t
     assert [(i == j, i + n) for i, j, n in report.runs] == [(True, n_src)]  # one run to the stored KV's end
     assert report.reused_tokens + report.selected_tokens == n_src - report.runs[0][0]
     assert report.reused_tokens + report.exact_prefix_tokens + report.recomputed_tokens == len(prompt) - 1
-    assert report.moved_tokens == 0 and report.approximate and report.recompute == 0.5
+    assert report.moved_tokens == 0 and report.approximate and report.recompute == 0.3
     assert report.exact_prefix_tokens + report.reused_tokens >= 0.6 * len(prompt)  # 164 of 227
     assert cache.get_seq_length() == len(prompt) - 1
     full = prefill(model, prompt)
@@ -101,6 +104,8 @@ def test_a_rerendered_timestamp_reuses_the_rest_and_the_default_keeps_the_next_t
     assert alone == report  # without the session: the namespace's nearest, the same one
     assert after["blends"] == before["blends"] + 1 and after["approximate_blends"] == before["approximate_blends"] + 1
     assert after["reused_tokens"] == before["reused_tokens"] + report.reused_tokens
+    assert after["recomputed_tokens"] == before["recomputed_tokens"] + report.recomputed_tokens
+    assert after["exact_tokens"] == before["exact_tokens"] + report.exact_prefix_tokens
 
 
 def test_recomputing_everything_after_the_exact_prefix_is_a_full_prefill(chat, sqlite_store) -> None:
@@ -119,7 +124,9 @@ def test_recomputing_everything_after_the_exact_prefix_is_a_full_prefill(chat, s
 
 def test_a_dropped_exchange_moves_the_rest_and_its_keys_are_re_rotated(chat, sqlite_store) -> None:
     """Layer 0's keys depend only on the token and its position: a moved run's keys, re-rotated,
-    are the keys a prefill computes at the new positions."""
+    are the keys a prefill computes at the new positions. With a share selected, layers
+    ``0..select_layer`` are a prefill's at every position, and ``blend_metrics`` counts the
+    blend and its tokens."""
     model, tok = chat
     stored = render(tok, exchanges(2), None, ask=False)
     layout = stored_chat(model, sqlite_store, stored)
@@ -135,6 +142,20 @@ def test_a_dropped_exchange_moves_the_rest_and_its_keys_are_re_rotated(chat, sql
     torch.testing.assert_close(
         cache.layers[0].values[:, :, i : i + n], full.layers[0].values[:, :, i : i + n], atol=2e-5, rtol=1e-5
     )
+    before = blend_metrics()
+    cache, report = blend_cache(sqlite_store, model, prompt, layout, session_id="chat", recompute=0.3, select_layer=4)
+    assert 0 < report.selected_tokens <= 0.3 * (report.reused_tokens + report.selected_tokens) + 1
+    for mine, theirs in zip(cache.layers[:5], full.layers[:5]):  # layers 0..select_layer: computed for all
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.values, theirs.values, atol=2e-4, rtol=1e-4)
+    after = blend_metrics()
+    assert {key: after[key] - before[key] for key in after} == {
+        "blends": 1,
+        "approximate_blends": 1,
+        "reused_tokens": report.reused_tokens,
+        "recomputed_tokens": report.recomputed_tokens,
+        "exact_tokens": report.exact_prefix_tokens,
+    }
 
 
 def test_with_nothing_stored_it_is_a_prefill_and_nonsense_is_refused(chat, sqlite_store) -> None:
@@ -176,3 +197,27 @@ def test_the_blend_block(tmp_path: Path, smollm2_model: Path) -> None:
     (block,) = blocks_run_by("test_the_blend_block")
     exact, reused, recomputed, approximate = run_python(block.text, tmp_path).split()[-4:]
     assert approximate == "True" and int(exact) > 0 and int(reused) > 0 and int(recomputed) > 0
+
+
+def test_the_attention_mass_is_what_an_eager_forward_pays(chat) -> None:
+    """The selection's weight: the attention of the chosen queries to each key, summed over
+    queries and heads, as transformers' eager attention computes it."""
+    model, tok = chat
+    ids = render(tok, exchanges(1), None, ask=True)
+    seen: dict[str, Any] = {}
+    hook = model.model.layers[3].self_attn.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.update(kwargs), with_kwargs=True
+    )
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_attentions=True, use_cache=True)
+    finally:
+        hook.remove()
+        model.set_attn_implementation(before)
+    rows = np.arange(len(ids) - 12, len(ids))
+    mass = attention_mass(model, 3, seen, out.past_key_values.layers[3].keys, rows, 0)
+    expected = out.attentions[3][0][:, torch.as_tensor(rows)].sum(dim=(0, 1))
+    torch.testing.assert_close(mass, expected.float(), atol=1e-4, rtol=1e-4)
+    assert float(mass.sum()) == pytest.approx(len(rows) * model.config.num_attention_heads, rel=1e-5)
