@@ -1,4 +1,4 @@
-"""Torch kernels that dequantize pages a tier keeps at a lower precision, many pages at once.
+"""Torch kernels that dequantize pages a tier keeps at a lower precision, straight into place.
 
 A tier set to ``int8``, ``fp8`` or ``k8v4`` (``host_precision``, ``disk_precision``) keeps
 encoded copies (:mod:`dss.core.packing`); an engine adapter gets their parts as views of
@@ -19,9 +19,8 @@ The arithmetic is the reference's: quantized value and scale widened to float32,
 one core for 127 pages of SmolLM2 (360K elements each), CPU time: 18 ms page by page
 this way; 26 ms stacking all the pages' parts first (one more copy, and a fresh buffer of
 the encoded size); about 10x slower with torch's one mixed-dtype multiply into a bfloat16
-output, whose casts are not vectorised. Exact pages
-never come here: their bytes are copied as they are. Shared by :mod:`dss_adapters.transformers.cache`
-and :mod:`dss_adapters.vllm.copy`.
+output, whose casts are not vectorised. Exact pages never come here: their bytes are copied
+as they are. Shared by :mod:`dss_adapters.transformers.cache` and :mod:`dss_adapters.vllm.copy`.
 """
 
 from __future__ import annotations

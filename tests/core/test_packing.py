@@ -24,8 +24,25 @@ def page(shape: PageShape, seed: int = 0) -> np.ndarray:
     return x.astype(packing.DTYPES[shape.dtype])
 
 
+HEADS = "[layers][kv_heads][k,v]x[page_tokens*head_size]"
+
+
+def head_layout(kv_dtype: str = "bfloat16", page_bytes: int = 2 * 3 * 2 * 4 * 64 * 2) -> dss.Layout:
+    """A vLLM CPU page: 2 layers, 3 KV heads, keys then values of each head (4 tokens of 64)."""
+    fields = {"dtype": "bfloat16", "kv_dtype": kv_dtype, "num_layers": 2, "num_kv_heads": 3, "head_size": 64}
+    return dss.Layout("vllm", 4, page_bytes, format=HEADS, **fields)
+
+
 def test_shape_of_a_kv_layout() -> None:
     assert shape_of(kv_layout()) == PageShape("bfloat16", 4, 12, 64)
+
+
+def test_shape_of_a_layout_by_head_has_a_part_per_layer_head_and_keys_or_values() -> None:
+    """12 parts (2 layers x 3 heads x keys, values) of 4 rows of 64: the parts still alternate
+    keys and values, so ``k8v4`` finds the keys at the even parts; the KV dtype is ``kv_dtype``."""
+    assert shape_of(head_layout()) == PageShape("bfloat16", 12, 4, 64)
+    assert shape_of(head_layout(kv_dtype="uint8", page_bytes=2 * 3 * 2 * 4 * 64)) is None  # an fp8 cache
+    assert shape_of(head_layout(page_bytes=999)) is None
 
 
 @pytest.mark.parametrize(
