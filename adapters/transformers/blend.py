@@ -232,35 +232,52 @@ def blended(
         layers[: len(fresh)] = [(k[:, :, at], v[:, :, at]) for k, v in fresh]
     cache = DynamicCache(layers) if layers else DynamicCache()
     if len(todo):
-        key_pos = torch.as_tensor(np.concatenate([kept, todo]), device=model.device)
-        q_pos = torch.as_tensor(todo, device=model.device)
-        mask = torch.zeros(1, 1, len(todo), len(key_pos), dtype=model.dtype, device=model.device)
-        mask.masked_fill_(key_pos[None, :] > q_pos[:, None], torch.finfo(model.dtype).min)
-        with torch.no_grad():
-            if hidden is not None and first:
-                states = hidden[:, torch.as_tensor(todo - exact, device=model.device)]
-                turn = model.model.rotary_emb(states, position_ids=q_pos[None])
-                for layer in model.model.layers[first:]:
-                    states = layer(
-                        states,
-                        attention_mask=mask,
-                        position_embeddings=turn,
-                        position_ids=q_pos[None],
-                        past_key_values=cache,
-                        use_cache=True,
-                    )
-                    states = states[0] if isinstance(states, tuple) else states
-            else:
-                model(
-                    torch.as_tensor(prompt[todo][None], device=model.device),
-                    position_ids=q_pos[None],
-                    attention_mask=mask,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
+        _run_rest(model, cache, prompt, kept, todo, hidden if first else None, first, exact)
     order = torch.as_tensor(np.argsort(np.concatenate([kept, todo]), kind="stable"), device=model.device)
     out = layers_of(cache)
     return DynamicCache(out[:first] + [(k[:, :, order], v[:, :, order]) for k, v in out[first:]])
+
+
+def _run_rest(
+    model: Any,
+    cache: Any,
+    prompt: np.ndarray,
+    kept: np.ndarray,
+    todo: np.ndarray,
+    hidden: torch.Tensor | None,
+    first: int,
+    exact: int,
+) -> None:
+    """Compute the KV of the positions ``todo`` of ``prompt`` into ``cache`` (holding the KV
+    of ``kept``), each attending to the positions before it: layers ``first..`` from
+    ``hidden`` (layer ``first - 1``'s output from ``exact`` on) when given, else one forward
+    through every layer."""
+    key_pos = torch.as_tensor(np.concatenate([kept, todo]), device=model.device)
+    q_pos = torch.as_tensor(todo, device=model.device)
+    mask = torch.zeros(1, 1, len(todo), len(key_pos), dtype=model.dtype, device=model.device)
+    mask.masked_fill_(key_pos[None, :] > q_pos[:, None], torch.finfo(model.dtype).min)
+    with torch.no_grad():
+        if hidden is not None:
+            states = hidden[:, torch.as_tensor(todo - exact, device=model.device)]
+            turn = model.model.rotary_emb(states, position_ids=q_pos[None])
+            for layer in model.model.layers[first:]:
+                states = layer(
+                    states,
+                    attention_mask=mask,
+                    position_embeddings=turn,
+                    position_ids=q_pos[None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                states = states[0] if isinstance(states, tuple) else states
+        else:
+            model(
+                torch.as_tensor(prompt[todo][None], device=model.device),
+                position_ids=q_pos[None],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
 
 
 def count(report: BlendReport) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dss_adapters.vllm.formats import CPU_PAGE_FORMAT, is_cpu_kv
+from dss_adapters.vllm.formats import page_fields
 from dss_adapters.vllm.settings import Settings
 
 import dss
@@ -184,21 +184,6 @@ def state_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     return [g for g, kind in enumerate(group_kinds(kv_cache_config)) if kind.startswith("state:")]
 
 
-def _state_field(kv_cache_config: KVCacheConfig) -> str | None:
-    """What a state-space group's block holds (shapes and dtypes of its state tensors), for the layout."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    parts = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
-            tensors = "+".join(
-                f"{tuple(shape)}:{str(dtype).removeprefix('torch.')}" for shape, dtype in zip(spec.shapes, spec.dtypes)
-            )
-            parts.append(f"{getattr(spec.mamba_type, 'name', spec.mamba_type)}[{tensors}]".lower())
-    return ";".join(parts) or None
-
-
 def page_layers(kv_cache_config: KVCacheConfig, names: set[str] | None = None) -> list[PageLayer]:
     """Layers with a KV cache in model order (by layer index, then name), each with its group:
     the order of a page's parts. ``names`` keeps only those layers (a pipeline stage's)."""
@@ -286,18 +271,10 @@ def shard_layout(
     block = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    page_bytes = sum(layer_bytes(kv_cache_config.kv_cache_groups[layer.group].kv_cache_spec) for layer in layers)
-    if settings.page_bytes is not None and settings.page_bytes != page_bytes:
-        raise ConfigError(
-            f"pages of this model have {page_bytes} bytes, but the dss connector is configured "
-            f"with page_bytes={settings.page_bytes}"
-        )
+    page_bytes = _page_bytes(kv_cache_config, settings, layers)
     layer_kinds = [kinds[layer.group] for layer in layers]
-    state = _state_field(kv_cache_config)
-    extra: dict[str, Any] = {"state": state} if state is not None else {}
     backend = attention_backend(vllm_config, spec) if spec is not None else "none"
-    if is_cpu_kv(spec, backend, str(cache.cache_dtype), layer_kinds, state):
-        extra["format"] = CPU_PAGE_FORMAT
+    extra = page_fields(kv_cache_config, spec, backend, str(cache.cache_dtype), layer_kinds)
     return dss.Layout(
         LAYOUT_NAME,
         block.block_size,
@@ -376,6 +353,18 @@ def model_fingerprint(model: str) -> str:
 
 def _natural_key(name: str) -> tuple[Any, ...]:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def _page_bytes(kv_cache_config: KVCacheConfig, settings: Settings, layers: list[PageLayer]) -> int:
+    """Bytes of a page of these layers; ``ConfigError`` when ``settings.page_bytes`` says otherwise."""
+    groups = kv_cache_config.kv_cache_groups
+    page_bytes = sum(layer_bytes(groups[layer.group].kv_cache_spec) for layer in layers)
+    if settings.page_bytes is not None and settings.page_bytes != page_bytes:
+        raise ConfigError(
+            f"pages of this model have {page_bytes} bytes, but the dss connector is configured "
+            f"with page_bytes={settings.page_bytes}"
+        )
+    return page_bytes
 
 
 def shard_layouts(handshakes: Iterable[Any], expected: list[dss.Layout], num_shards: int) -> list[dss.Layout]:
