@@ -170,8 +170,8 @@ class SessionPage(Base):
     """Session ``session_ref`` holds page ``page_id``: some version of it contains the page.
 
     ``version_ref`` is the newest version of the session that contains it (0: saved ahead
-    of the commit that will contain it); disk eviction drops pages whose newest version is
-    oldest first. ``pinned``: a pinned version of the session contains it (eviction never
+    of the commit that will contain it); disk eviction drops first the pages whose newest
+    version is no session's head (an abandoned branch). ``pinned``: a pinned version of the session contains it (eviction never
     drops it).
     """
 

@@ -5,7 +5,7 @@ neither begin nor commit."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy import Select, bindparam, case, delete, func, insert, select
 from sqlalchemy.engine import Connection
@@ -17,6 +17,7 @@ from dss.catalog.schema import (
     pages,
     segments,
     session_pages,
+    sessions,
     tier_policy,
     tier_totals,
     users,
@@ -30,13 +31,23 @@ _TIER_BYTES = select(tier_totals.c.bytes).where(
 
 class SegmentRow(NamedTuple):
     """A segment file of a durable tier: ``ref`` its row id, ``newest`` the newest version
-    holding any of its pages (-1: none), ``is_pinned`` whether a pinned version holds one."""
+    holding any of its pages (-1: none), ``is_pinned`` whether a pinned version holds one,
+    ``is_live`` whether a session's head holds one (read from each page's newest version, so
+    just after a rollback, until the session's next commit, the pages the head shares with the
+    branch it left look not live)."""
 
     ref: int
     name: str
     size: int
     newest: int
     is_pinned: bool
+    is_live: bool
+
+    @property
+    def is_abandoned(self) -> bool:
+        """Versions of sessions hold some of its pages, but no session's head does: a branch
+        left behind (pages saved without a session, or ahead of a commit, are not)."""
+        return self.newest > 0 and not self.is_live
 
 
 def disk_nodes(conn: Connection, page_ids: Sequence[bytes]) -> dict[bytes, str]:
@@ -60,13 +71,15 @@ def tier_bytes(conn: Connection, tier: str, node_ref: int) -> int:
 
 
 def _weighed(tier: str, node_ref: int) -> Select:
-    """Segments of a node's tier with what eviction weighs (newest version, pinned)."""
+    """Segments of a node's tier with what eviction weighs (newest version, pinned, live)."""
     newest = func.coalesce(func.max(session_pages.c.version_ref), -1)
     pinned = func.coalesce(func.max(case((session_pages.c.pinned, 1), else_=0)), 0)
+    live = func.coalesce(func.max(case((session_pages.c.version_ref == sessions.c.head_id, 1), else_=0)), 0)
     return (
-        select(segments.c.id, segments.c.name, segments.c.size, newest, pinned)
+        select(segments.c.id, segments.c.name, segments.c.size, newest, pinned, live)
         .outerjoin(locations, locations.c.segment_ref == segments.c.id)
         .outerjoin(session_pages, session_pages.c.page_id == locations.c.page_id)
+        .outerjoin(sessions, sessions.c.id == session_pages.c.session_ref)
         .where(segments.c.tier == tier, segments.c.node_ref == node_ref)
         .group_by(segments.c.id, segments.c.name, segments.c.size)
         .order_by(newest, segments.c.id)
@@ -75,7 +88,11 @@ def _weighed(tier: str, node_ref: int) -> Select:
 
 def tier_segments(conn: Connection, tier: str, node_ref: int) -> list[SegmentRow]:
     """Every segment of a node's tier with what eviction weighs, oldest newest-version first."""
-    return [SegmentRow(r[0], r[1], r[2], r[3], bool(r[4])) for r in conn.execute(_weighed(tier, node_ref))]
+    return [_row(r) for r in conn.execute(_weighed(tier, node_ref))]
+
+
+def _row(r: Any) -> SegmentRow:
+    return SegmentRow(r[0], r[1], r[2], r[3], bool(r[4]), bool(r[5]))
 
 
 def named_segments(conn: Connection, tier: str, node_ref: int, names: Sequence[str]) -> dict[str, SegmentRow]:
@@ -83,7 +100,7 @@ def named_segments(conn: Connection, tier: str, node_ref: int, names: Sequence[s
     out: dict[str, SegmentRow] = {}
     for part in chunks(names):
         for r in conn.execute(_weighed(tier, node_ref).where(segments.c.name.in_(part))):
-            out[r[1]] = SegmentRow(r[0], r[1], r[2], r[3], bool(r[4]))
+            out[r[1]] = _row(r)
     return out
 
 

@@ -19,19 +19,16 @@ from dss.core.types import PageId
 from dss.placement.stats import PageStats, Statistics, decayed
 from dss.tiers.inactive import InactiveSegment
 
-HOT_FREQUENCY = 2.0
-"""Decayed accesses from which a disk segment's pages count as hot: such segments leave the
-disk after every other, the least frequently used first (the others in the catalog's order)."""
-
 
 def segment_order(
     stats: Statistics, segments: Sequence[SegmentRow], pages: Mapping[int, Sequence[PageId]], now: float
 ) -> list[SegmentRow]:
     """Disk segments in the order they leave (pinned ones left out), given in the catalog's order
-    (oldest newest-version first). ``dss``: segments without a hot page first, in that order, and
-    among those of one newest version (a namespace's sessionless saves are all of one: none) the
-    least frequently used first; then the hot ones, least frequently used first. LRU: the least
-    recently read first (the catalog's order among equals). ``pages``: each segment's page ids."""
+    (oldest newest-version first). ``dss``: abandoned segments first (:attr:`SegmentRow.is_abandoned`),
+    then the others; within each, the least frequently used first (a segment weighs
+    what its most used page does, decayed), and among equals the one whose newest version is
+    oldest. LRU: the least recently read first (the catalog's order among equals). ``pages``:
+    each segment's page ids."""
     free = [s for s in segments if not s.is_pinned]
     if not free:
         return free
@@ -47,12 +44,8 @@ def segment_order(
             if s is not None and s.last != -math.inf:
                 worth = max(worth, decayed(s.freq, max(0.0, now - s.last), stats.half_life(s)))
         best.append(worth)
-    hot = HOT_FREQUENCY
     return [
-        free[i]
-        for i in sorted(
-            range(len(free)), key=lambda i: (best[i] if best[i] >= hot else 0.0, free[i].newest, best[i], i)
-        )
+        free[i] for i in sorted(range(len(free)), key=lambda i: (not free[i].is_abandoned, best[i], free[i].newest, i))
     ]
 
 

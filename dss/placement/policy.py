@@ -59,10 +59,9 @@ The rules (``policy="dss"``, the default):
   the first to go (in the order demoted) when a write needs room — so the room below the low
   mark is not left empty, and the watermarks bound the work a write does inline, not what a tier
   holds (see :mod:`dss.tiers.host` and :mod:`dss.tiers.inactive`). The disk demotes whole
-  segments (:mod:`dss.placement.disk`): first those whose pages are not hot (decayed frequency
-  below ``HOT_FREQUENCY``), oldest first by the newest version holding them (so pages only old
-  versions hold go first), then the hot ones, least frequently used first; a write that finds
-  too few inactive segments ranks them so inline and frees 5 % more than it needs.
+  segments (:mod:`dss.placement.disk`): first abandoned branches (pages some version holds but
+  no session's head does), then the least frequently used; a write that finds too few inactive
+  segments ranks them so inline and frees 5 % more than it needs.
 * **Refcount safety.** A page being read, loaded into an engine or moved is *held*
   (:meth:`Placement.hold`); no held page is ever chosen. Pinned versions' pages and registered
   shared prefixes (which are pinned) never leave the last tier.

@@ -75,16 +75,16 @@ def test_a_commit_after_its_session_pages_were_evicted_holds_them_again(open_sto
     store = open_store(disk_bytes=DISK)
     store.create_session("a", user_id="u", tenant_id="t", layout=LAYOUT)
     store.commit("a", prompt(0), payloads(0))
-    store.create_session("b", user_id="u", tenant_id="t", layout=LAYOUT)
-    for n in range(1, 4):
-        store.commit("b", prompt(n), payloads(n))
+    for n in range(1, 4):  # one session each: a session's own earlier versions would be abandoned, and go first
+        store.create_session(f"b{n}", user_id="u", tenant_id="t", layout=LAYOUT)
+        store.commit(f"b{n}", prompt(n), payloads(n))
         sound(store)
     held_by_a = f"SELECT COUNT(*) FROM session_pages WHERE session_ref = {store.mirror.state('a', 't').ref}"
     assert store.sql(held_by_a).rows == [(0,)]  # a's pages were evicted
     store.commit("a", prompt(0) + [7], payloads(0))
     sound(store)
     assert store.sql(held_by_a).rows == [(2,)]
-    assert store.delete_session("b") == 4  # the pages of b's last two versions; a's stay
+    assert store.delete_session("b3") == 2  # the pages of b3's version; a's stay
     sound(store)
     assert store.resume("a", prompt(0)).matched_tokens == 8
 

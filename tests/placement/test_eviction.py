@@ -1,5 +1,6 @@
 """Bounded tiers: host evicts least recently used pages (they stay on disk); a full disk drops
-segments whose newest version is oldest, never a pinned version's. Versions keep their tokens.
+abandoned branches first, then the least used segments (the oldest newest-version among
+equals), never a pinned version's. Versions keep their tokens.
 
 Sizes here: pages of 1024 bytes sealed into 1052 (nonce and tag), 4 pages a commit, so a
 segment is 32 + 4 * (32 + 1052) = 4368 bytes.
@@ -84,6 +85,39 @@ def test_pages_only_old_versions_hold_go_first(open_store) -> None:
     assert store.resume("s", d).matched_tokens == 32
     assert store.resume("t", toks(3)).matched_tokens == 16
     assert store.resume("u", toks(5)).matched_tokens == 16
+    assert store.check() == []
+
+
+def test_an_abandoned_branch_goes_first_however_often_read_then_the_least_used(open_store) -> None:
+    store = open_store(disk_bytes=4 * SEGMENT + 1000, host_bytes=0)  # room to free: one segment
+
+    def read(session: str, tokens: list[int], times: int = 3) -> None:
+        for _ in range(times):
+            store.read_pages(store.resume(session, tokens).pages)
+
+    store.create_session("s", layout=LAYOUT)
+    a = toks(1, 16)
+    v1 = store.commit("s", a, pages(a))  # segment A
+    b = a + toks(2, 16)
+    store.commit("s", b, pages(b, first=4))  # segment B
+    read("s", b)  # A and B read three times
+    store.rollback("s", v1.version_id)
+    d = a + toks(4, 16)
+    store.commit("s", d, pages(d, first=4))  # segment D; B is now an abandoned branch
+    store.create_session("t", layout=LAYOUT)
+    store.commit("t", toks(3), pages(toks(3)))  # segment C
+    store.create_session("u", layout=LAYOUT)
+    store.commit("u", toks(5), pages(toks(5)))  # needs room: B goes, though read more than D, C
+    assert store.resume("s", b).matched_tokens == 16
+    assert store.resume("s", d).matched_tokens == 32
+    read("t", toks(3))
+    read("u", toks(5))
+    store.create_session("w", layout=LAYOUT)
+    store.commit("w", toks(6), pages(toks(6)))  # needs room: D, the least used, goes
+    assert store.resume("s", d).matched_tokens == 16  # A, read most, stays
+    assert store.resume("t", toks(3)).matched_tokens == 16
+    assert store.resume("u", toks(5)).matched_tokens == 16
+    assert store.resume("w", toks(6)).matched_tokens == 16
     assert store.check() == []
 
 
