@@ -39,14 +39,18 @@ model's own dtype) a prefill split in two rounds differently from one forward, a
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
+from dss_adapters.transformers import blend_select
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import chats
@@ -55,6 +59,8 @@ import dss
 
 SHARES = (0.0, 0.15, 0.3, 0.5, 1.0)
 FORCED = 16
+TIE = 0.25
+"""A miss at the prompt's end is a near-tie when the full prefill's top two are closer (nats)."""
 """Positions compared after the prompt: the full prefill's greedy tokens, teacher-forced."""
 
 
@@ -80,19 +86,22 @@ def generate(model: Any, ids: list[int], n: int, cache: Any = None) -> tuple[lis
     return [int(x) for x in out.sequences[0, len(ids) :]], out.logits[0][0].float().log_softmax(-1)
 
 
-def conversation(model: Any, tok: Any, chat: chats.Chat, reply_tokens: int) -> list[str]:
-    """The model's replies to the chat's first three user messages."""
+def conversation(model: Any, tok: Any, chat: chats.Chat, reply_tokens: int, turns: int) -> list[str]:
+    """The model's replies to the chat's first ``turns`` user messages."""
     replies: list[str] = []
-    for turn in range(3):
+    for turn in range(turns):
         ids = chats.render(tok, chat, turn, replies)
         replies.append(tok.decode(generate(model, ids, reply_tokens)[0], skip_special_tokens=True).strip())
     return replies
 
 
-def kinds(tok: Any, chat: chats.Chat, replies: list[str]) -> dict[str, tuple[list[int], list[int]]]:
-    """``kind -> (stored tokens, prompt tokens)``."""
-    stored_msgs = chats.messages(chat, 2, replies[:2]) + [{"role": "assistant", "content": replies[2]}]
-    asked = chats.messages(chat, 3, replies)
+def kinds(tok: Any, chat: chats.Chat, replies: list[str], turn: int) -> dict[str, tuple[list[int], list[int]]]:
+    """``kind -> (stored tokens, prompt tokens)``: turn ``turn - 1`` (1-based) stored with its
+    reply, turn ``turn`` asked."""
+    stored_msgs = chats.messages(chat, turn - 2, replies[: turn - 2]) + [
+        {"role": "assistant", "content": replies[turn - 2]}
+    ]
+    asked = chats.messages(chat, turn - 1, replies[: turn - 1])
 
     def timed(messages: list[dict[str, str]], when: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": f"{chats.SYSTEM}\nCurrent time: {when}"}, *messages[1:]]
@@ -109,43 +118,67 @@ def kinds(tok: Any, chat: chats.Chat, replies: list[str]) -> dict[str, tuple[lis
 def measure(
     model: Any, store: dss.Store, layout: dss.Layout, session: str, prompt: list[int], args: argparse.Namespace
 ) -> list[dict]:
-    from dss_adapters.transformers.blend import blend_cache
-
+    """One row per selection and share: ``prompt`` blended from ``session``'s stored turn
+    against a full prefill."""
     start = time.perf_counter()
     with torch.no_grad():
-        model(torch.tensor([prompt]))
+        out = model(torch.tensor([prompt]), use_cache=True)
     full_time = time.perf_counter() - start
-    full_greedy, _ = generate(model, prompt, FORCED)
-    with torch.no_grad():  # the distributions that chose the full prefill's greedy tokens
-        logits = model(torch.tensor([prompt + full_greedy[:-1]])).logits[0, len(prompt) - 1 :]
-    full = logits.float().log_softmax(-1)
+    logits, full_greedy = [out.logits[0, -1]], [int(out.logits[0, -1].argmax())]
+    with torch.no_grad():  # the full prefill's greedy tokens and the distributions that chose them
+        for _ in range(FORCED - 1):
+            out = model(torch.tensor([full_greedy[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits[0, -1])
+            full_greedy.append(int(logits[-1].argmax()))
+    full = torch.stack(logits).float().log_softmax(-1)
     rows = []
-    for share in args.shares:
-        start = time.perf_counter()
-        cache, report = blend_cache(
+    for selection in args.selections:
+        for share in args.shares:
+            row = blended_row(model, store, layout, session, prompt, full, full_greedy, selection, share, args)
+            rows.append({**row, "selection": selection, "share": share, "time": row["took"] / full_time})
+    return rows
+
+
+def blended_row(
+    model: Any,
+    store: dss.Store,
+    layout: dss.Layout,
+    session: str,
+    prompt: list[int],
+    full: torch.Tensor,
+    full_greedy: list[int],
+    selection: str,
+    share: float,
+    args: argparse.Namespace,
+) -> dict:
+    """The metrics of one blend (``selection``: the queries whose attention weighs the error)."""
+    from dss_adapters.transformers import blend
+
+    chosen = functools.partial(blend_select.select, queries=selection)
+    start = time.perf_counter()
+    with mock.patch.object(blend, "select", chosen):
+        cache, report = blend.blend_cache(
             store, model, prompt[:-1], layout, session_id=session, recompute=share, select_layer=args.select_layer
         )
-        took = time.perf_counter() - start
-        with torch.no_grad():  # teacher-forced: the last prompt token, then the full prefill's greedy tokens
-            logits = model(torch.tensor([prompt[-1:] + full_greedy[:-1]]), past_key_values=cache).logits[0]
-        out = logits.float().log_softmax(-1)
-        cache.crop(-FORCED)  # back to the prompt but its last token
-        greedy, _ = generate(model, prompt, FORCED, cache)  # feeds the last token, then runs free
-        kl = torch.sum(full.exp() * (full - out), dim=-1).clamp_min(0)  # not under 0 by rounding
-        top1 = (full.argmax(-1) == out.argmax(-1)).float()
-        rows.append(
-            {
-                "share": share,
-                "kl_end": float(kl[0]),
-                "top1_end": float(top1[0]),
-                "kl": float(kl.mean()),
-                "top1": float(top1.mean()),
-                "greedy": sum(a == b for a, b in zip(greedy, full_greedy)) / FORCED,
-                "reused": (report.exact_prefix_tokens + report.reused_tokens) / len(prompt),
-                "time": took / full_time,
-            }
-        )
-    return rows
+    took = time.perf_counter() - start
+    with torch.no_grad():  # teacher-forced: the last prompt token, then the full prefill's greedy tokens
+        logits = model(torch.tensor([prompt[-1:] + full_greedy[:-1]]), past_key_values=cache).logits[0]
+    out = logits.float().log_softmax(-1)
+    cache.crop(-FORCED)  # back to the prompt but its last token
+    greedy, _ = generate(model, prompt, FORCED, cache)  # feeds the last token, then runs free
+    kl = torch.sum(full.exp() * (full - out), dim=-1).clamp_min(0)  # not under 0 by rounding
+    top1 = (full.argmax(-1) == out.argmax(-1)).float()
+    two = full[0].topk(2).values
+    return {
+        "kl_end": float(kl[0]),
+        "top1_end": float(top1[0]),
+        "tie_end": float(top1[0]) == 0 and float(two[0] - two[1]) < TIE,
+        "kl": float(kl.mean()),
+        "top1": float(top1.mean()),
+        "greedy": sum(a == b for a, b in zip(greedy, full_greedy)) / FORCED,
+        "reused": (report.exact_prefix_tokens + report.reused_tokens) / len(prompt),
+        "took": took,
+    }
 
 
 def found_first(
@@ -158,6 +191,8 @@ def found_first(
     for kind in ("timestamp", "dropped"):
         right, jaccards = 0, []
         sessions = [s for s in asked if s.startswith(kind)]
+        if not sessions:
+            continue
         for session in sessions:
             first = store.nearest(asked[session], user_id="u", layout=layout, k=1)
             right += bool(first) and first[0].session_id.split("-")[1] == session.split("-")[1]
@@ -167,42 +202,77 @@ def found_first(
     return out
 
 
-def main() -> None:
-    from dss_adapters.models import smollm2
-    from dss_adapters.transformers.cache import layout_for, save_cache
-    from transformers import AutoModelForCausalLM
+def stored_turns(model: Any, tok: Any, store: dss.Store, layout: dss.Layout, args: argparse.Namespace) -> dict:
+    """Every conversation's turn ``t - 1`` stored with its KV, for each ``t`` of ``--turns``, in
+    both kinds: ``session -> prompt of turn t`` (sessions ``kind-chat-turn``)."""
+    from dss_adapters.transformers.cache import save_cache
 
+    asked: dict[str, list[int]] = {}
+    known = json.loads(args.replies.read_text()) if args.replies and args.replies.exists() else {}
+    for c, chat in enumerate(chats.CHATS[: args.chats]):
+        key = f"{c} {args.reply_tokens} {args.dtype}"
+        replies = known.get(key, [])
+        if len(replies) < max(args.turns) - 1:
+            replies = known[key] = conversation(model, tok, chat, args.reply_tokens, max(args.turns) - 1)
+        for turn in args.turns:
+            for kind, (stored, prompt) in kinds(tok, chat, replies, turn).items():
+                if kind not in args.kinds:
+                    continue
+                session = f"{kind}-{c}-{turn}"
+                asked[session] = prompt
+                store.create_session(session, user_id="u", layout=layout)
+                with torch.no_grad():
+                    out = model(torch.tensor([stored]), use_cache=True)
+                save_cache(store, out.past_key_values, stored, layout, session_id=session)
+                store.commit(session, stored)
+        print(f"chat {c + 1}/{args.chats} stored", file=sys.stderr)
+    if args.replies:
+        args.replies.write_text(json.dumps(known))
+    return asked
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chats", type=int, default=20)
     parser.add_argument("--reply-tokens", type=int, default=48)
+    parser.add_argument("--turns", type=int, nargs="+", default=[4], help="turns asked (1-based, 2 to 10)")
+    parser.add_argument("--kinds", nargs="+", choices=("timestamp", "dropped"), default=["timestamp", "dropped"])
+    parser.add_argument("--replies", type=Path, help="a JSON file keeping the model's replies between runs")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES), help="recompute shares to measure")
     parser.add_argument("--select-layer", type=int, default=6, help="the layer whose deviation selects")
+    parser.add_argument(
+        "--selections",
+        nargs="+",
+        default=[blend_select.QUERIES],
+        help="the queries whose attention weighs the error: computed, last:N or both:N",
+    )
     args = parser.parse_args()
+    if not all(2 <= t <= 10 for t in args.turns):
+        parser.error("--turns are from 2 to 10")
     if args.dtype == "bfloat16" and 1.0 not in args.shares:
         args.shares.append(1.0)  # the oracle's noise floor
+    return args
+
+
+def main() -> None:
+    from dss_adapters.models import smollm2
+    from dss_adapters.transformers.cache import layout_for
+    from transformers import AutoModelForCausalLM
+
+    args = arguments()
     folder = smollm2()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     tok = chats.tokenizer(folder)
     layout = layout_for(model, page_tokens=16)
-    table: dict[tuple[str, float], list[dict]] = {}
+    table: dict[tuple[str, str, float], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = dss.open(Path(tmp) / "store", fsync=False, encrypt=False)
-        asked: dict[str, list[int]] = {}
-        for c, chat in enumerate(chats.CHATS[: args.chats]):
-            replies = conversation(model, tok, chat, args.reply_tokens)
-            for kind, (stored, prompt) in kinds(tok, chat, replies).items():
-                asked[f"{kind}-{c}"] = prompt
-                store.create_session(f"{kind}-{c}", user_id="u", layout=layout)
-                with torch.no_grad():
-                    out = model(torch.tensor([stored]), use_cache=True)
-                save_cache(store, out.past_key_values, stored, layout, session_id=f"{kind}-{c}")
-                store.commit(f"{kind}-{c}", stored)
-            print(f"chat {c + 1}/{args.chats} stored", file=sys.stderr)
+        asked = stored_turns(model, tok, store, layout, args)
         found = found_first(store, layout, asked)
         for session, prompt in asked.items():
             for row in measure(model, store, layout, session, prompt, args):
-                table.setdefault((session.split("-")[0], row["share"]), []).append(row)
+                table.setdefault((session.split("-")[0], row["selection"], row["share"]), []).append(row)
             print(f"{session} measured", file=sys.stderr)
         store.close()
     print(f"\nThe next turn's nearest stored version, among {len(asked)} (no session id given)\n")
@@ -210,35 +280,42 @@ def main() -> None:
     print("|---|---|---|")
     for kind, (share, low, high) in found.items():
         print(f"| {kind} | {share:.3f} | {low:.2f}-{high:.2f} |")
+    print_table(table, args)
+
+
+def print_table(table: dict[tuple[str, str, float], list[dict]], args: argparse.Namespace) -> None:
     mean = statistics.fmean
+    turns = " ".join(str(t) for t in args.turns)
     print(
-        f"\nblend_cache on SmolLM2-135M-Instruct ({args.dtype}), {args.chats} real conversations, turn 4 asked, "
-        f"selecting at layer {args.select_layer}\n"
+        f"\nblend_cache on SmolLM2-135M-Instruct ({args.dtype}), {args.chats} real conversations, turns {turns} "
+        f"asked, selecting at layer {args.select_layer}\n"
     )
     print(
-        "| kind | recompute | KL end | top-1 end | KL 16 | top-1 16 | worst KL 16 | greedy 16 | reused share "
-        "| time / full prefill |"
+        "| kind | selection | recompute | prompts | KL end | top-1 end | end misses (near-ties) | KL 16 | top-1 16 "
+        "| worst KL 16 | greedy 16 | reused share | time / full prefill |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (kind, share), rows in table.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (kind, selection, share), rows in table.items():
+        misses = sum(r["top1_end"] == 0 for r in rows)
         print(
-            f"| {kind} | {share:.2f} | {mean(r['kl_end'] for r in rows):.4f} | {mean(r['top1_end'] for r in rows):.3f} "
+            f"| {kind} | {selection} | {share:.2f} | {len(rows)} | {mean(r['kl_end'] for r in rows):.4f} "
+            f"| {mean(r['top1_end'] for r in rows):.3f} | {misses} ({sum(r['tie_end'] for r in rows)}) "
             f"| {mean(r['kl'] for r in rows):.4f} | {mean(r['top1'] for r in rows):.3f} | "
             f"{max(r['kl'] for r in rows):.4f} | {mean(r['greedy'] for r in rows):.3f} | "
             f"{mean(r['reused'] for r in rows):.3f} | {statistics.median(r['time'] for r in rows):.2f}x |"
         )
-    floor = [r for (_, share), rows in table.items() if share == 1.0 for r in rows]
+    floor = [r for (_, _, share), rows in table.items() if share == 1.0 for r in rows]
     if floor:
         print(
             f"\nThe oracle's own noise (recompute 1.0: the exact prefix from the store, the rest computed, "
             f"against one forward): KL 16 {mean(r['kl'] for r in floor):.5f}, "
             f"top-1 16 {mean(r['top1'] for r in floor):.3f}, greedy 16 {mean(r['greedy'] for r in floor):.3f}"
         )
-    shares = " ".join(f"{x:g}" for x in args.shares)
     print(
         f"\nrerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats {args.chats} "
-        f"--reply-tokens {args.reply_tokens} --dtype {args.dtype} "
-        f"--shares {shares} --select-layer {args.select_layer}"
+        f"--reply-tokens {args.reply_tokens} --turns {turns} --kinds {' '.join(args.kinds)} --dtype {args.dtype} "
+        f"--shares {' '.join(f'{x:g}' for x in args.shares)} --select-layer {args.select_layer} "
+        f"--selections {' '.join(args.selections)}"
     )
 
 

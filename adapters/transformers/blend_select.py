@@ -57,6 +57,10 @@ class _Stop(Exception):
     pass
 
 
+QUERIES = "computed"
+"""Whose attention weighs a reused token's error: ``computed`` (the divergent and new tokens),
+``last:N`` (the prompt's last ``N`` positions) or ``both:N`` (the two, each averaged)."""
+
 QUERY_CHUNK = 256
 """Queries whose attention is weighed at once (bounds the memory of :func:`attention_mass`)."""
 
@@ -107,6 +111,7 @@ def select(
     exact: int,
     share: float,
     layer: int,
+    queries: str = QUERIES,
 ) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
     """The reused positions to recompute (at most ``share`` of those after the exact prefix),
     the KV of layers ``0..layer`` computed now for every position, and the output of ``layer``
@@ -153,10 +158,12 @@ def select(
     error, norm = kv_error(model, src, fresh[layer], free, old[pos >= exact], layer)
     computed = np.setdiff1d(np.arange(exact, len(prompt)), pos)
     rows = (computed if len(computed) else np.array([len(prompt) - 1])) - exact
-    score = (
-        error
-        * attention_mass(model, layer, seen, fresh[layer][0], rows, exact)[torch.as_tensor(free, device=model.device)]
-    )
+    kind, _, n = queries.partition(":")
+    last = np.arange(max(exact, len(prompt) - int(n or 1)), len(prompt)) - exact
+    mass = torch.zeros(len(prompt), dtype=torch.float32, device=model.device)
+    for group in [rows] if kind == "computed" else [last] if kind == "last" else [rows, last]:
+        mass += attention_mass(model, layer, seen, fresh[layer][0], group, exact) / len(group)
+    score = error * mass[torch.as_tensor(free, device=model.device)]
     score[error < MIN_DEVIATION * norm.clamp_min(1e-12)] = -1.0
     top = torch.topk(score, want)
     chosen = top.indices[top.values >= 0].cpu().numpy()
