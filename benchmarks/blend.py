@@ -200,7 +200,7 @@ def found_first(
         if not sessions:
             continue
         for session in sessions:
-            first = store.nearest(asked[session], user_id="u", layout=layout, k=1)
+            first = store.nearest(asked[session], user_id=f"u{session.split('-')[2]}", layout=layout, k=1)
             right += bool(first) and first[0].session_id.split("-")[1] == session.split("-")[1]
             own = store.nearest(asked[session], session_id=session, k=100)
             jaccards += [c.jaccard for c in own if c.session_id == session]
@@ -225,7 +225,7 @@ def stored_turns(model: Any, tok: Any, store: dss.Store, layout: dss.Layout, arg
                     continue
                 session = f"{kind}-{c}-{turn}"
                 asked[session] = prompt
-                store.create_session(session, user_id="u", layout=layout)
+                store.create_session(session, user_id=f"u{turn}", layout=layout)  # one namespace a turn
                 with torch.no_grad():
                     out = model(torch.tensor([stored]), use_cache=True)
                 save_cache(store, out.past_key_values, stored, layout, session_id=session)
