@@ -6,7 +6,9 @@ prompt, or drops the first exchange. What is checked exactly: the exact prefix i
 KV bit for bit; recomputing everything after it is a full prefill; a moved run's keys,
 re-rotated, are at layer 0 (where KV depends only on the token and its position) the keys a
 prefill computes; with a share selected, the layers up to the selecting one are a prefill's;
-the selection's attention weight is what eager attention pays; the report's counts add up and
+the selection's attention weight is what eager attention pays, and each group of queries
+(the prompt's last positions, the divergent and new tokens, both) picks exactly the reused
+tokens whose error times that weight is highest; the report's counts add up and
 ``blend_metrics`` counts them. What is checked against a bar: the default share gives the full
 prefill's next token with a small KL.
 """
