@@ -205,19 +205,22 @@ def test_the_lsh_benchmark_prints_the_next_turn_figures() -> None:
 @pytest.mark.slow
 def test_the_blend_benchmark_runs_on_the_real_model(smollm2_model: Path) -> None:
     out = run_benchmark(
-        "benchmarks/blend.py", "--chats", "1", "--reply-tokens", "8", "--shares", "0", "1", timeout=1200
+        "benchmarks/blend.py",
+        *("--chats", "1", "--reply-tokens", "8", "--turns", "3", "4", "--shares", "0", "1"),
+        *("--selections", "computed", "last:8"),
+        timeout=1200,
     )
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| timestamp", "| dropped"))]
-    assert [(r[0].strip(), r[1].strip()) for r in rows[2:]] == [
-        ("timestamp", "0.00"),
-        ("timestamp", "1.00"),
-        ("dropped", "0.00"),
-        ("dropped", "1.00"),
+    assert [tuple(c.strip() for c in r[:4]) for r in rows[2:]] == [
+        (kind, selection, share, "2")  # two prompts a kind: turns 3 and 4
+        for kind in ("timestamp", "dropped")
+        for selection in ("computed", "last:8")
+        for share in ("0.00", "1.00")
     ]
     assert all(
-        r[3].strip() == r[5].strip() == "1.000" for r in rows[2:] if r[1].strip() == "1.00"
+        r[5].strip() == r[8].strip() == "1.000" for r in rows[2:] if r[2].strip() == "1.00"
     )  # recomputing all: the same first token and the same 16 teacher-forced ones
-    assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats 1" in out
+    assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/blend.py --chats 1 --reply-tokens 8 --turns 3 4" in out
 
 
 def test_the_load_path_benchmark_runs_both_stores() -> None:

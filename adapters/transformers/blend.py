@@ -15,10 +15,11 @@ builds a ``DynamicCache`` for every position of the prompt:
   reused tokens after the exact prefix: recomputed over just those tokens, attending to the
   kept KV, in the layers after ``select_layer`` (in every layer when ``recompute`` is 0 or
   1). The share is chosen at layer ``select_layer`` by the reused KV's error against the KV
-  computed there (CacheBlend's deviation), weighted by the attention the tokens computed
-  anyway pay to it there: a reused token's error reaches the answer only through the tokens
-  that attend to it (:mod:`dss_adapters.transformers.blend_select`; none whose error is under
-  ``MIN_DEVIATION`` of its squared norm).
+  computed there (CacheBlend's deviation), weighted by the attention the prompt's last 8
+  positions (the end of the new message and the generation prompt) pay to it there: a reused
+  token's error reaches the answer only through the queries that attend to it
+  (:mod:`dss_adapters.transformers.blend_select`; none whose error is under ``MIN_DEVIATION``
+  of its squared norm).
 
 Reused KV past the exact prefix was computed after *other* tokens, so the result is
 approximate: :class:`BlendReport` says how much was reused, and :func:`blend_metrics` counts

@@ -6,21 +6,24 @@ prompt, or drops the first exchange. What is checked exactly: the exact prefix i
 KV bit for bit; recomputing everything after it is a full prefill; a moved run's keys,
 re-rotated, are at layer 0 (where KV depends only on the token and its position) the keys a
 prefill computes; with a share selected, the layers up to the selecting one are a prefill's;
-the selection's attention weight is what eager attention pays; the report's counts add up and
+the selection's attention weight is what eager attention pays, and each group of queries
+(the prompt's last positions, the divergent and new tokens, both) picks exactly the reused
+tokens whose error times that weight is highest; the report's counts add up and
 ``blend_metrics`` counts them. What is checked against a bar: the default share gives the full
 prefill's next token with a small KL.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from dss_adapters.transformers.blend import aligned_runs, blend_cache, blend_metrics
-from dss_adapters.transformers.blend_select import attention_mass
+from dss_adapters.transformers.blend import aligned_runs, blend_cache, blend_metrics, reused_positions
+from dss_adapters.transformers.blend_select import MIN_DEVIATION, attention_mass, kv_error, select
 from dss_adapters.transformers.cache import layout_for, save_cache
 
 import dss
@@ -221,3 +224,42 @@ def test_the_attention_mass_is_what_an_eager_forward_pays(chat) -> None:
     expected = out.attentions[3][0][:, torch.as_tensor(rows)].sum(dim=(0, 1))
     torch.testing.assert_close(mass, expected.float(), atol=1e-4, rtol=1e-4)
     assert float(mass.sum()) == pytest.approx(len(rows) * model.config.num_attention_heads, rel=1e-5)
+
+
+@pytest.mark.parametrize("queries", ["computed", "last:4", "both:4"])
+def test_the_queries_chosen_weigh_each_reused_tokens_error(chat, queries) -> None:
+    """``select`` ranks the reused tokens after the exact prefix by their KV error at the
+    selecting layer times the attention that the chosen queries pay them there (eager attention,
+    summed over heads, averaged over the queries of each group): the divergent and new tokens
+    (``computed``), the prompt's last 4 positions (``last:4``) or the two groups added
+    (``both:4``). The top share is chosen, exactly; the groups choose differently."""
+    model, tok = chat
+    stored = render(tok, exchanges(2), None, ask=False)
+    prompt = np.asarray(render(tok, [*exchanges(2)[2:], {"role": "user", "content": NEXT}], None, ask=True))
+    src = prefill(model, stored).past_key_values
+    exact = int(np.flatnonzero(prompt[: len(stored)] != np.asarray(stored[: len(prompt)]))[0])
+    pos, old = reused_positions(exact, aligned_runs(prompt, np.asarray(stored), exact))
+    chosen, fresh, _ = select(model, src, prompt, pos, old, exact, 0.3, 4, queries=queries)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([prompt.tolist()]), output_attentions=True, use_cache=True)
+    finally:
+        model.set_attn_implementation(before)
+    attention = out.attentions[4][0].sum(dim=0).float()  # [query, key], summed over heads
+    computed = np.setdiff1d(np.arange(exact, len(prompt)), pos)
+    groups = {"computed": [computed], "last:4": [np.arange(len(prompt) - 4, len(prompt))]}
+    groups["both:4"] = groups["computed"] + groups["last:4"]
+    mass = sum(attention[torch.as_tensor(rows)].mean(dim=0) for rows in groups[queries])
+    free = pos[pos >= exact]
+    full = out.past_key_values.layers[4]
+    error, norm = kv_error(model, src, (full.keys, full.values), free, old[pos >= exact], 4)
+    score = error * mass[torch.as_tensor(free)]
+    score[error < MIN_DEVIATION * norm] = -1.0
+    want = math.ceil(0.3 * len(free))
+    expected = np.sort(free[score.topk(want).indices.numpy()])
+    assert len(chosen) == want and np.array_equal(chosen, expected)
+    torch.testing.assert_close(fresh[4][0], full.keys, atol=2e-4, rtol=1e-4)  # layers 0..4: a prefill's
+    others = [select(model, src, prompt, pos, old, exact, 0.3, 4, queries=q)[0] for q in groups if q != queries]
+    assert all(not np.array_equal(chosen, other) for other in others)
