@@ -6,6 +6,7 @@ the attention that the prompt's last positions pay to it.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -125,8 +126,10 @@ def select(
     and values); the error counts as much as the ``queries`` (:data:`QUERIES`) attend to it
     there (their attention, summed over heads, averaged over the queries: the attention-weighted
     deviation; ``computed`` without divergent or new tokens: the last position). The tokens that
-    score highest are chosen, none whose error is
-    under :data:`MIN_DEVIATION` of the fresh KV's squared norm."""
+    score highest are chosen, none whose error is under :data:`MIN_DEVIATION` of the fresh KV's
+    squared norm. A ``queries`` of another form is a ``ValueError``."""
+    if queries != "computed" and not re.fullmatch(r"(last|both):[1-9][0-9]*", queries):
+        raise ValueError(f"queries must be 'computed', 'last:N' or 'both:N', not {queries!r}")
     free = pos[pos >= exact]
     want = math.ceil(share * len(free))
     if not want or src is None:

@@ -263,3 +263,12 @@ def test_the_queries_chosen_weigh_each_reused_tokens_error(chat, queries) -> Non
     torch.testing.assert_close(fresh[4][0], full.keys, atol=2e-4, rtol=1e-4)  # layers 0..4: a prefill's
     others = [select(model, src, prompt, pos, old, exact, 0.3, 4, queries=q)[0] for q in groups if q != queries]
     assert all(not np.array_equal(chosen, other) for other in others)
+
+
+@pytest.mark.parametrize("queries", ["", "last", "last:0", "first:4", "both:x", "computed:2"])
+def test_queries_of_another_form_are_a_value_error(chat, queries) -> None:
+    model, tok = chat
+    prompt = np.asarray(render(tok, exchanges(1), None, ask=True))
+    pos = np.arange(len(prompt))
+    with pytest.raises(ValueError, match="queries must be"):
+        select(model, None, prompt, pos, pos, 0, 0.3, 4, queries=queries)
