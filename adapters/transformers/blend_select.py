@@ -54,6 +54,17 @@ def reused_kv(
     return out
 
 
+def query_groups(queries: str, length: int, pos: np.ndarray, exact: int) -> list[np.ndarray]:
+    """The groups of query rows (positions less ``exact``) that :data:`QUERIES`' form ``queries``
+    names for a prompt of ``length`` whose reused positions are ``pos``: the divergent and new
+    tokens (the last position when there are none), the last ``N`` positions, or both."""
+    kind, _, n = queries.partition(":")
+    computed = np.setdiff1d(np.arange(exact, length), pos)
+    rows = (computed if len(computed) else np.array([length - 1])) - exact
+    last = np.arange(max(exact, length - int(n or 1)), length) - exact
+    return [rows] if kind == "computed" else [last] if kind == "last" else [rows, last]
+
+
 class _Stop(Exception):
     pass
 
@@ -163,12 +174,8 @@ def select(
             hook.remove()
     fresh = layers_of(prefix)[: layer + 1]
     error, norm = kv_error(model, src, fresh[layer], free, old[pos >= exact], layer)
-    computed = np.setdiff1d(np.arange(exact, len(prompt)), pos)
-    rows = (computed if len(computed) else np.array([len(prompt) - 1])) - exact
-    kind, _, n = queries.partition(":")
-    last = np.arange(max(exact, len(prompt) - int(n or 1)), len(prompt)) - exact
     mass = torch.zeros(len(prompt), dtype=torch.float32, device=model.device)
-    for group in [rows] if kind == "computed" else [last] if kind == "last" else [rows, last]:
+    for group in query_groups(queries, len(prompt), pos, exact):
         mass += attention_mass(model, layer, seen, fresh[layer][0], group, exact) / len(group)
     score = error * mass[torch.as_tensor(free, device=model.device)]
     score[error < MIN_DEVIATION * norm.clamp_min(1e-12)] = -1.0
