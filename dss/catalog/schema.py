@@ -171,8 +171,8 @@ class SessionPage(Base):
 
     ``version_ref`` is the newest version of the session that contains it (0: saved ahead
     of the commit that will contain it); disk eviction drops first the pages whose newest
-    version is no session's head (an abandoned branch). ``pinned``: a pinned version of the session contains it (eviction never
-    drops it).
+    version is no session's head (an abandoned branch). ``pinned``: a pinned version of the
+    session contains it (eviction never drops it).
     """
 
     __tablename__ = "session_pages"

@@ -24,11 +24,11 @@ def segment_order(
     stats: Statistics, segments: Sequence[SegmentRow], pages: Mapping[int, Sequence[PageId]], now: float
 ) -> list[SegmentRow]:
     """Disk segments in the order they leave (pinned ones left out), given in the catalog's order
-    (oldest newest-version first). ``dss``: abandoned segments first (:attr:`SegmentRow.is_abandoned`),
-    then the others; within each, the least frequently used first (a segment weighs
-    what its most used page does, decayed), and among equals the one whose newest version is
-    oldest. LRU: the least recently read first (the catalog's order among equals). ``pages``:
-    each segment's page ids."""
+    (oldest newest-version first). ``dss``: abandoned segments first
+    (:attr:`SegmentRow.is_abandoned`), then the others; within each, the least frequently used
+    first (a segment weighs what its most used page does, decayed), and among equals the one
+    whose newest version is oldest. LRU: the least recently read first (the catalog's order
+    among equals). ``pages``: each segment's page ids."""
     free = [s for s in segments if not s.is_pinned]
     if not free:
         return free
