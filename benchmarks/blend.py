@@ -20,10 +20,10 @@ First, for each request, ``store.nearest`` without a session id (the namespace h
 conversation's stored turn in both kinds): the share whose nearest version is of its own
 conversation, and the range of its Jaccard similarity with its own stored turn.
 
-Then, for each selection (``--selections``: the queries whose attention weighs a reused
-token's error, see ``blend_select.select``) and recompute share, ``blend_cache`` builds the cache of the prompt but its last
-token, and it is compared with a full prefill of the whole prompt, which also gives the 16
-greedy tokens that follow it (decoded one by one after it):
+Then, for each selection (``--selections``: ``blend_cache``'s ``queries``, whose attention
+weighs a reused token's error) and recompute share, ``blend_cache`` builds the cache of the
+prompt but its last token, and it is compared with a full prefill of the whole prompt, which
+also gives the 16 greedy tokens that follow it (decoded one by one after it):
 
 * teacher-forced, the last prompt token then the full prefill's first 15 greedy tokens are fed
   after the blended cache: KL(full || blended) of the next-token distribution and top-1
@@ -45,7 +45,6 @@ model's own dtype) a prefill split in two rounds differently from one forward, a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -53,7 +52,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from dss_adapters.transformers import blend_select
@@ -65,9 +63,9 @@ import dss
 
 SHARES = (0.0, 0.15, 0.3, 0.5, 1.0)
 FORCED = 16
+"""Positions compared after the prompt: the full prefill's greedy tokens, teacher-forced."""
 TIE = 0.25
 """A miss at the prompt's end is a near-tie when the full prefill's top two are closer (nats)."""
-"""Positions compared after the prompt: the full prefill's greedy tokens, teacher-forced."""
 
 
 def render(tok: Any, messages: list[dict[str, str]], *, prompt: bool) -> list[int]:
@@ -160,12 +158,17 @@ def blended_row(
     """The metrics of one blend (``selection``: the queries whose attention weighs the error)."""
     from dss_adapters.transformers import blend
 
-    chosen = functools.partial(blend_select.select, queries=selection)
     start = time.perf_counter()
-    with mock.patch.object(blend, "select", chosen):
-        cache, report = blend.blend_cache(
-            store, model, prompt[:-1], layout, session_id=session, recompute=share, select_layer=args.select_layer
-        )
+    cache, report = blend.blend_cache(
+        store,
+        model,
+        prompt[:-1],
+        layout,
+        session_id=session,
+        recompute=share,
+        select_layer=args.select_layer,
+        queries=selection,
+    )
     took = time.perf_counter() - start
     with torch.no_grad():  # teacher-forced: the last prompt token, then the full prefill's greedy tokens
         logits = model(torch.tensor([prompt[-1:] + full_greedy[:-1]]), past_key_values=cache).logits[0]

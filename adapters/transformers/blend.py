@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dss_adapters.transformers.blend_select import layers_of, reused_kv, select
+from dss_adapters.transformers.blend_select import QUERIES, is_queries, layers_of, reused_kv, select
 from dss_adapters.transformers.cache import load_cache
 
 import dss
@@ -94,17 +94,21 @@ def blend_cache(
     user_id: str | None = None,
     recompute: float = DEFAULT_RECOMPUTE,
     select_layer: int = DEFAULT_SELECT_LAYER,
+    queries: str = QUERIES,
 ) -> tuple[Any, BlendReport]:
     """A ``DynamicCache`` with KV for every position of ``tokens`` (ready for the next forward),
     built from the stored version nearest ``tokens`` in ``session_id``'s namespace (its own
     versions first; without a session, the namespace ``(tenant_id, user_id)``) and ``layout``,
     and its :class:`BlendReport`. See the module docstring.
 
-    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]``, a ``layout`` that is
-    not the session's or a model whose RoPE is scaled. Needs datasketch (``ConfigError``).
-    Changes nothing in the store.
+    ``queries``: whose attention weighs a reused token's error (:data:`QUERIES`: the prompt's
+    last 8 positions; ``"computed"``, ``"last:N"`` or ``"both:N"``).
+
+    ``InvalidInput`` for empty tokens, ``recompute`` outside ``[0, 1]``, ``queries`` of another
+    form, a ``layout`` that is not the session's or a model whose RoPE is scaled. Needs
+    datasketch (``ConfigError``). Changes nothing in the store.
     """
-    check(model, tokens, recompute, select_layer)
+    check(model, tokens, recompute, select_layer, queries)
     source = nearest(store, tokens, layout, session_id, tenant_id, user_id)
     prompt = np.asarray(tokens, np.int64)
     if source is None:
@@ -115,7 +119,7 @@ def blend_cache(
     exact = min(_common_prefix(prompt, stored), n_src)
     runs = aligned_runs(prompt, stored[:n_src], exact)
     pos, old = reused_positions(exact, runs)
-    selected, fresh, hidden = select(model, src, prompt, pos, old, exact, recompute, select_layer)
+    selected, fresh, hidden = select(model, src, prompt, pos, old, exact, recompute, select_layer, queries)
     cache = blended(model, src, prompt, pos, old, selected, fresh, hidden, exact)
     report = BlendReport(
         len(tokens),
@@ -133,7 +137,7 @@ def blend_cache(
     return cache, report
 
 
-def check(model: Any, tokens: list[int], recompute: float, select_layer: int) -> None:
+def check(model: Any, tokens: list[int], recompute: float, select_layer: int, queries: str) -> None:
     if not tokens:
         raise InvalidInput("blend_cache needs at least one token")
     if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0 <= recompute <= 1:
@@ -141,6 +145,8 @@ def check(model: Any, tokens: list[int], recompute: float, select_layer: int) ->
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     if isinstance(select_layer, bool) or not isinstance(select_layer, int) or not 0 <= select_layer < layers:
         raise InvalidInput(f"select_layer must be a layer index from 0 to {layers - 1}, got {select_layer!r}")
+    if not is_queries(queries):
+        raise InvalidInput(f"queries must be 'computed', 'last:N' or 'both:N', got {queries!r}")
     if getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0:
         raise InvalidInput("blend_cache re-rotates keys, which needs RoPE without attention scaling")
 

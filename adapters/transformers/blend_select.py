@@ -54,6 +54,13 @@ def reused_kv(
     return out
 
 
+def is_queries(queries: object) -> bool:
+    """Whether ``queries`` has one of :data:`QUERIES`' forms."""
+    return queries == "computed" or (
+        isinstance(queries, str) and re.fullmatch(r"(last|both):[1-9][0-9]*", queries) is not None
+    )
+
+
 def query_groups(queries: str, length: int, pos: np.ndarray, exact: int) -> list[np.ndarray]:
     """The groups of query rows (positions less ``exact``) that :data:`QUERIES`' form ``queries``
     names for a prompt of ``length`` whose reused positions are ``pos``: the divergent and new
@@ -139,7 +146,7 @@ def select(
     deviation; ``computed`` without divergent or new tokens: the last position). The tokens that
     score highest are chosen, none whose error is under :data:`MIN_DEVIATION` of the fresh KV's
     squared norm. A ``queries`` of another form is a ``ValueError``."""
-    if queries != "computed" and not re.fullmatch(r"(last|both):[1-9][0-9]*", queries):
+    if not is_queries(queries):
         raise ValueError(f"queries must be 'computed', 'last:N' or 'both:N', not {queries!r}")
     free = pos[pos >= exact]
     want = math.ceil(share * len(free))

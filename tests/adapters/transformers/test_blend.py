@@ -175,6 +175,8 @@ def test_with_nothing_stored_it_is_a_prefill_and_nonsense_is_refused(chat, sqlit
         ({"recompute": 1.5}, "recompute must be a share from 0 to 1"),
         ({"recompute": True}, "recompute must be a share from 0 to 1"),
         ({"select_layer": 30}, "select_layer must be a layer index from 0 to 29"),
+        ({"queries": "last:0"}, "queries must be 'computed', 'last:N' or 'both:N'"),
+        ({"queries": None}, "queries must be 'computed', 'last:N' or 'both:N'"),
     ):
         with pytest.raises(InvalidInput, match=message):
             blend_cache(sqlite_store, model, prompt, layout, session_id="empty", **kwargs)
