@@ -239,6 +239,12 @@ def stored_turns(model: Any, tok: Any, store: dss.Store, layout: dss.Layout, arg
     return asked
 
 
+def _queries(text: str) -> str:
+    if not blend_select.is_queries(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not computed, last:N or both:N")
+    return text
+
+
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chats", type=int, default=20)
@@ -252,6 +258,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--selections",
         nargs="+",
+        type=_queries,
         default=[blend_select.QUERIES],
         help="the queries whose attention weighs the error: computed, last:N or both:N",
     )
