@@ -228,7 +228,7 @@ def test_the_load_path_benchmark_runs_both_stores() -> None:
     rows = list(table_rows(out))
     assert rows[:3] == ["store", "sealed", "plain"], out  # "store": the header row
     assert rows[3] == "per layer (baseline)" and len(rows) == 5, out  # the same pages from RAM
-    assert "sealing cost on the read path: staged" in out
+    assert "sealing cost on the read path: fed" in out
     assert "rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens 64 --rounds 1" in out
 
 

@@ -11,7 +11,10 @@ padding vLLM adds to make its blocks as large as an attention layer's.
 On the CPU copies go through numpy views of the cache (measured 6x faster for 255 pages of
 256 KiB than torch ``index_copy_`` through a staging tensor): pages read into a
 :class:`RowBuffer` (the store decrypts straight into its rows) go in with one copy per layer
-for all of a load's pages (:meth:`BlockCopier.scatter_rows`, :func:`copy_layer`), other
+for all of a load's pages (:meth:`BlockCopier.scatter_rows`, :func:`copy_layer`), or for
+each batch of them as the store reports it read, in a thread of the copier's that copies while
+the store reads the next (:meth:`BlockCopier.feed`; numpy lets go of the GIL while it
+copies), other
 payloads (a load from the worker's RAM, a save) with one copy per page when the layers lie at
 even steps from one another, as in vLLM's CPU cache (else one per page and layer) — a page a
 tier keeps at a lower precision dequantized first into a page buffer reused page after page
@@ -29,8 +32,10 @@ done when it returns. The layer-by-layer CUDA path of synchronous loads and save
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
 
 import numpy as np
@@ -117,6 +122,8 @@ class BlockCopier:
         copies exact pages only)."""
         self._buffers = threading.local()
         """Per thread (the engine's, the loader's): a page buffer and its float32 scratch."""
+        self._feeder: tuple[int, ThreadPoolExecutor] | None = None
+        """The thread fed rows copy in (:meth:`feed`), and the process that made it."""
 
     def gather(self, block_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
@@ -158,6 +165,16 @@ class BlockCopier:
                 part = rows[:, self.offsets[i] : self.offsets[i] + self.layer_sizes[i]]
                 copy_layer(view, blocks, part if keep is None else part[keep])
         return DONE
+
+    def feed(self, rows: np.ndarray, block_ids: Sequence[Sequence[int]]) -> RowFeed | None:
+        """A :class:`RowFeed` of ``rows`` (``rows[k]`` goes to ``block_ids[group][k]`` once
+        reported), copying in this copier's thread; ``None`` without numpy views of the cache
+        (the staged rows then go in with :meth:`scatter_rows` once all are read)."""
+        if self.host_views is None:
+            return None
+        if self._feeder is None or self._feeder[0] != os.getpid():
+            self._feeder = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-copy"))
+        return RowFeed(self, self._feeder[1], rows, block_ids)
 
     def start_scatter(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> Transfer:
         """:meth:`scatter`, returning once the copies are queued: on CUDA they run on the
@@ -210,6 +227,45 @@ class BlockCopier:
                 part = part[torch.tensor(rows).to(self.device, non_blocking=True)]
             index = torch.tensor([blocks[k] for k in rows], dtype=torch.long).to(self.device, non_blocking=True)
             layer.index_copy_(0, index, part.view(layer.dtype).reshape(len(rows), *layer.shape[1:]))
+
+
+class RowFeed:
+    """The rows of one staged load, copied into their blocks batch by batch as they are
+    reported read (:meth:`ready`, the ``ready`` of ``Store.read_pages``), in the copier's
+    thread, while the caller reads the next batch. Rows never reported are never copied.
+    :meth:`finish` waits for every copy queued, and must be called once reading is over."""
+
+    def __init__(
+        self, copier: BlockCopier, thread: ThreadPoolExecutor, rows: np.ndarray, block_ids: Sequence[Sequence[int]]
+    ) -> None:
+        self.copier = copier
+        self.thread = thread
+        self.rows = rows
+        self.block_ids = block_ids
+        self.copied = 0
+        """Rows reported so far (each is copied once :meth:`finish` returns)."""
+        self._copies: list[Future[Transfer]] = []
+
+    def ready(self, indexes: list[int]) -> None:
+        """Queue the copy of these rows (each reported once, its bytes final)."""
+        self._copies.append(self.thread.submit(self._copy, indexes))
+        self.copied += len(indexes)
+
+    def _copy(self, indexes: list[int]) -> Transfer:
+        """Copy rows in (in the copier's thread): a run of rows as a view of them, other rows
+        gathered first."""
+        first = indexes[0]
+        run = indexes == list(range(first, first + len(indexes)))
+        rows = self.rows[first : first + len(indexes)] if run else self.rows[indexes]
+        return self.copier.scatter_rows(rows, [[group[k] for k in indexes] for group in self.block_ids])
+
+    def finish(self) -> None:
+        """Wait for every copy queued; raises what one raised (a bug), after all are done."""
+        copies, self._copies = self._copies, []
+        for copy in copies:
+            copy.exception()
+        for copy in copies:
+            copy.result()
 
 
 def _stacked(views: Sequence[np.ndarray], groups: Sequence[int]) -> np.ndarray | None:

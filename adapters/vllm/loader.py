@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 from dss_adapters.staging import DONE, Transfer
-from dss_adapters.vllm.copy import BlockCopier, RowBuffer
+from dss_adapters.vllm.copy import BlockCopier, RowBuffer, RowFeed
 from dss_adapters.vllm.jobs import JobThread
 from dss_adapters.vllm.meta import NO_BLOCK, LoadJob
 from dss_adapters.vllm.reader import PageReader
@@ -58,9 +58,15 @@ class LoadOutcome:
 class PageSource(Protocol):
     """Where payloads come from: a ``dss.Store`` or a :class:`PageReader` process; with ``into``
     (a ``dss.Store`` only: staged loads run in the worker's own process) each payload lands in
-    its buffer (``Store.read_pages``)."""
+    its buffer, and ``ready`` hears which have (``Store.read_pages``)."""
 
-    def read_pages(self, pages: Sequence[bytes], *, into: Sequence[memoryview] | None = None) -> Sequence[Any]: ...
+    def read_pages(
+        self,
+        pages: Sequence[bytes],
+        *,
+        into: Sequence[memoryview] | None = None,
+        ready: Callable[[list[int]], object] | None = None,
+    ) -> Sequence[Any]: ...
 
 
 def read_pages(
@@ -103,17 +109,48 @@ def read_staged(
     return (rows if len(got) == len(needed) else rows[got]), blocks, outcome
 
 
+def load_fed(
+    store: PageSource,
+    feed: RowFeed,
+    page_ids: Sequence[bytes],
+    needed: list[int],
+    req_id: str,
+) -> LoadOutcome:
+    """Read the pages ``page_ids[needed[i]]`` into the feed's rows ``i``, each batch copied into
+    its blocks while the next is read (:class:`~dss_adapters.vllm.copy.RowFeed`); the copies
+    are complete when it returns. When the read fails after some batches were copied (a
+    ``DssError``), every page counts as failed: vLLM recomputes their blocks over the copies."""
+    start = time.perf_counter()
+    views = [memoryview(row) for row in feed.rows]
+    try:
+        payloads = loadable(_read(store, [page_ids[k] for k in needed], req_id, views, feed.ready), None)
+    finally:
+        feed.finish()
+    return _outcome(req_id, page_ids, needed, payloads, start)
+
+
 def _needed(block_ids: Sequence[Sequence[int]], count: int) -> list[int]:
     """The pages some KV cache group has a block for."""
     return [k for k in range(count) if any(group[k] != NO_BLOCK for group in block_ids)]
 
 
 def _read(
-    store: PageSource, page_ids: list[bytes], req_id: str, into: list[memoryview] | None
+    store: PageSource,
+    page_ids: list[bytes],
+    req_id: str,
+    into: list[memoryview] | None,
+    ready: Callable[[list[int]], object] | None = None,
 ) -> Sequence[bytes | memoryview | None]:
-    """The store's payloads (into ``into`` if given); every page fails on a ``DssError`` (logged)."""
+    """The store's payloads (into ``into`` if given, telling ``ready``); every page fails on a
+    ``DssError`` (logged)."""
     try:
-        return store.read_pages(page_ids, into=into) if into is not None else store.read_pages(page_ids)
+        if into is None:
+            return store.read_pages(page_ids)
+        return (
+            store.read_pages(page_ids, into=into)
+            if ready is None
+            else store.read_pages(page_ids, into=into, ready=ready)
+        )
     except DssError as exc:
         log.error("reading %d dss pages of request %s failed: %s", len(page_ids), req_id, exc)
         return [None] * len(page_ids)
@@ -182,11 +219,19 @@ def start_load_pages(
     staging: RowBuffer | None = None,
 ) -> tuple[LoadOutcome, Transfer]:
     """:func:`load_pages`, returning once the copies are queued, with their transfer. With
-    ``staging`` the pages are read into its rows and copied one layer at a time for all of them
-    (:meth:`BlockCopier.scatter_rows`)."""
+    ``staging`` the pages are read into its rows and copied in one layer at a time: on the CPU
+    each batch the store reports read while it reads the next (:func:`load_fed`), elsewhere all
+    of them at once (:meth:`BlockCopier.scatter_rows`)."""
     start = time.perf_counter()
     transfer = DONE
     if staging is not None:
+        needed = _needed(block_ids, len(page_ids))
+        rows = staging.rows(len(needed))
+        feed = copier.feed(rows, [[group[k] for k in needed] for group in block_ids])
+        if feed is not None:
+            outcome = load_fed(store, feed, page_ids, needed, req_id)
+            outcome.seconds = time.perf_counter() - start
+            return outcome, DONE
         staged, blocks, outcome = read_staged(store, staging, page_ids, block_ids, req_id)
         if len(staged):
             transfer = copier.scatter_rows(staged, blocks)

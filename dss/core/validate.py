@@ -40,6 +40,13 @@ def check_buffers(into: Any, count: int) -> list[memoryview] | None:
     return views
 
 
+def check_ready(ready: Any, buffers: list[memoryview] | None) -> None:
+    """``read_pages``' ``ready``: ``None``, or a function given with ``into``."""
+    check_callback("ready", ready)
+    if ready is not None and buffers is None:
+        raise InvalidInput("ready is told which buffers are filled: give it with into")
+
+
 def check_flag(label: str, value: Any) -> None:
     if type(value) is not bool:
         raise InvalidInput(f"{label} must be True or False, not {type(value).__name__}")

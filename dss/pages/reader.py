@@ -8,13 +8,15 @@ verification, for the store to quarantine. A sealed page whose key is gone is a 
 With ``into`` (one writable buffer per page, each exactly the page's size) a read puts each
 payload in its buffer — a sealed page decrypted straight into it, a host copy copied once —
 and returns the buffers, so a caller that stages pages (an engine's load) gets no
-intermediate ``bytes`` per page.
+intermediate ``bytes`` per page. With ``ready`` as well, the caller hears which buffers are
+filled, verified, as they are (the host's hits first, then each disk read's, then the remote
+tier's), so it can start moving them while the rest are read.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from dss.catalog import pages
@@ -43,6 +45,11 @@ class Read(NamedTuple):
     payloads: list[bytes | memoryview | None]
     """With ``into``: ``into[i]`` for each page read."""
     bad: list[Quarantined]
+
+
+Ready = Callable[[list[int]], object]
+"""Told the indexes (in request order) of pages whose ``into`` buffers now hold their verified
+payloads; each page that is read is told once, in the reading thread, before the read returns."""
 
 
 class PageReader:
@@ -75,18 +82,22 @@ class PageReader:
         load: bool = True,
         prefetch: bool = False,
         into: Sequence[memoryview] | None = None,
+        ready: Ready | None = None,
     ) -> Read:
         """Payloads in order, verified; see ``Store.read_pages``. A sealed page whose key is
         gone is a miss; a page whose bytes fail verification is a miss and listed in ``bad``.
         Pages read from disk go to host when ``load`` (an engine waits for them), when
-        ``prefetch`` (moved up ahead of a load), or when the policy says so. ``into``: see the
-        module docstring; ``InvalidInput`` (nothing read) when a buffer's size is not its
-        page's."""
+        ``prefetch`` (moved up ahead of a load), or when the policy says so. ``into`` and
+        ``ready`` (only with ``into``): see the module docstring; ``InvalidInput`` (nothing
+        read) when a buffer's size is not its page's."""
         placement = self.placement
+        tell = ready if into is not None and ready is not None else _told_nothing
         with placement.hold(ids):
-            return self._read(ids, load, prefetch, into)
+            return self._read(ids, load, prefetch, into, tell)
 
-    def _read(self, ids: Sequence[PageId], load: bool, prefetch: bool, into: Sequence[memoryview] | None) -> Read:
+    def _read(
+        self, ids: Sequence[PageId], load: bool, prefetch: bool, into: Sequence[memoryview] | None, tell: Ready
+    ) -> Read:
         placement = self.placement
         now = placement.now()
         out: list[bytes | memoryview | None] = list(self.host.get_many(ids))
@@ -101,6 +112,8 @@ class PageReader:
                     into[i][:] = v
                     out[i] = into[i]
         hits = [ids[i] for i, v in enumerate(out) if v is not None]
+        if hits:
+            tell([i for i, v in enumerate(out) if v is not None])
         if not prefetch:
             placement.touch(ids, now)
             placement.count("host", "hits", len(hits))
@@ -110,13 +123,13 @@ class PageReader:
             for i, v in enumerate(out)
             if v is None and ids[i] in entries and entries[ids[i]].disk is not None
         ]
-        failures = self._read_disk(wanted, out, into, load=load, prefetch=prefetch, now=now)
+        failures = self._read_disk(wanted, out, into, tell, load=load, prefetch=prefetch, now=now)
         if not prefetch:
             placement.count("host", "misses", len(ids) - len(hits))
             placement.count("disk", "hits", sum(1 for i, _ in wanted if out[i] is not None))
             placement.count("disk", "misses", sum(v is None for v in out))
         if self.copies is not None:
-            self._read_remote(ids, out, into)
+            self._read_remote(ids, out, into, tell)
         return Read(out, [_quarantined(wanted[f.index][1], f.reason) for f in failures])
 
     def _read_disk(
@@ -124,18 +137,20 @@ class PageReader:
         wanted: list[tuple[int, PageEntry]],
         out: list[bytes | memoryview | None],
         into: Sequence[memoryview] | None,
+        tell: Ready,
         *,
         load: bool,
         prefetch: bool,
         now: float,
     ) -> list[ReadFailure]:
         """Fill ``out[i]`` (``into[i]`` if given) for each ``(i, entry)`` of ``wanted`` from this
-        node's disk, verified, promoting what the policy says; returns the records that failed
-        verification."""
+        node's disk, verified, promoting what the policy says, telling each read's pages;
+        returns the records that failed verification."""
         requests = [ReadRequest.at(entry.disk, entry.page_id, entry.checksum) for _, entry in wanted if entry.disk]
         failures: list[ReadFailure] = []
         for chunk in self.disk.read_chunks(requests, sealed_verified_by_caller=True, transient=True):
             failures.extend(chunk.failures)
+            filled = []
             for j, record in chunk.records:
                 i, entry = wanted[j]
                 data = self._opened(entry, record, requests[j], None if into is None else into[i])
@@ -143,8 +158,11 @@ class PageReader:
                     failures.append(ReadFailure(j, data))
                 elif data is not None:
                     out[i] = data
+                    filled.append(i)
                     self._promoted(entry, data, load=load, prefetch=prefetch, now=now)
                     entry.namespace.bump()
+            if filled:
+                tell(filled)
         return failures
 
     def _opened(
@@ -186,15 +204,22 @@ class PageReader:
                 placement.prefetch_issued(entry.page_id, now)
 
     def _read_remote(
-        self, ids: Sequence[PageId], out: list[bytes | memoryview | None], into: Sequence[memoryview] | None
+        self,
+        ids: Sequence[PageId],
+        out: list[bytes | memoryview | None],
+        into: Sequence[memoryview] | None,
+        tell: Ready,
     ) -> None:
         """Fill ``out`` (``into`` if given) from the remote tier
-        (:meth:`dss.pages.copies.RemoteCopies.fetch`) and promote what came back to host."""
+        (:meth:`dss.pages.copies.RemoteCopies.fetch`), telling the pages filled, and promote
+        what came back to host."""
         assert self.copies is not None
+        filled = []
         for i, entry, data in self.copies.fetch(ids, out):
             if into is not None and len(into[i]) == len(data):
                 into[i][:] = data
                 out[i] = into[i]
+                filled.append(i)
             elif into is None:
                 out[i] = data
             else:
@@ -203,6 +228,8 @@ class PageReader:
                 self.placement.count("host", "promotions")
                 self.placement.count("host", "moved_bytes", len(data))
             entry.namespace.bump()
+        if filled:
+            tell(filled)
 
     def tenants(self, ids: Sequence[PageId]) -> list[str | None]:
         """For each page id, the tenant of the namespace holding it as far as this process
@@ -220,6 +247,10 @@ class PageReader:
             found = pages.pages_by_id(conn, page_ids, self.node_ref)
         for record in found:
             self.index.apply(self.index.namespace(record.user_ref), [record])
+
+
+def _told_nothing(indexes: list[int]) -> object:
+    """The :data:`Ready` of a read that tells no one."""
 
 
 def _check_into(

@@ -4,12 +4,12 @@ of the store's API."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 from dss.core.errors import InvalidInput
 from dss.core.types import PageRef
-from dss.core.validate import check_buffers, check_flag, check_page_ids
+from dss.core.validate import check_buffers, check_flag, check_page_ids, check_ready
 from dss.service import codec
 from dss.service.transport import Transport, params_of
 
@@ -24,7 +24,13 @@ class EngineCalls(Transport):
 
     @overload
     def read_pages(
-        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True, into: Sequence[Any]
+        self,
+        pages: Sequence[PageRef | bytes],
+        *,
+        tenant_id: str | None = None,
+        load: bool = True,
+        into: Sequence[Any],
+        ready: Callable[[list[int]], object] | None = None,
     ) -> list[memoryview | None]: ...
 
     def read_pages(
@@ -34,18 +40,25 @@ class EngineCalls(Transport):
         tenant_id: str | None = None,
         load: bool = True,
         into: Sequence[Any] | None = None,
+        ready: Callable[[list[int]], object] | None = None,
     ) -> list[bytes | None] | list[memoryview | None]:
         """:meth:`dss.Store.read_pages`; ``None`` also for a page the key may not read (another
         tenant's). With ``into``, the payloads that came back are copied into the buffers (none
-        is written, and ``InvalidInput`` raised, when a payload's size is not its buffer's)."""
+        is written, and ``InvalidInput`` raised, when a payload's size is not its buffer's),
+        and ``ready`` is told them all at once."""
         ids = [page_id.hex() for page_id in check_page_ids(pages)]
         buffers = check_buffers(into, len(ids))
         check_flag("load", load)
+        check_ready(ready, buffers)
         out = self._call("POST", "/v1/pages/read", json={"page_ids": ids, "tenant_id": tenant_id, "load": load})
         payloads = [codec.decode_pages({0: p})[0] if p is not None else None for p in out["pages"]]
         if buffers is None:
             return payloads
-        return _copied(payloads, buffers)
+        copied = _copied(payloads, buffers)
+        filled = [i for i, view in enumerate(copied) if view is not None]
+        if ready is not None and filled:
+            ready(filled)
+        return copied
 
     def page_sizes(self, page_ids: Sequence[bytes], *, tenant_id: str | None = None) -> dict[bytes, int]:
         """:meth:`dss.Store.page_sizes` of the pages the key may read (a non-admin key: its tenant's)."""

@@ -3,7 +3,7 @@ shared prefixes, page reads and prefetch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 from dss.approx.explanation import Explanation
@@ -20,6 +20,7 @@ from dss.core.validate import (
     check_layout,
     check_name,
     check_page_ids,
+    check_ready,
 )
 from dss.sessions.resume import Candidate, ResumeResult
 from dss.store.base import Base
@@ -186,7 +187,13 @@ class Serving(Base):
 
     @overload
     def read_pages(
-        self, pages: Sequence[PageRef | bytes], *, tenant_id: str | None = None, load: bool = True, into: Sequence[Any]
+        self,
+        pages: Sequence[PageRef | bytes],
+        *,
+        tenant_id: str | None = None,
+        load: bool = True,
+        into: Sequence[Any],
+        ready: Callable[[list[int]], object] | None = None,
     ) -> list[memoryview | None]: ...
 
     def read_pages(
@@ -196,6 +203,7 @@ class Serving(Base):
         tenant_id: str | None = None,
         load: bool = True,
         into: Sequence[Any] | None = None,
+        ready: Callable[[list[int]], object] | None = None,
     ) -> list[bytes | None] | list[memoryview | None]:
         """The payloads of pages (``PageRef`` or page id), in order, checksums verified.
 
@@ -212,18 +220,27 @@ class Serving(Base):
         of the buffer returned in its place, with no ``bytes`` made per page. ``InvalidInput``
         (nothing read) when their number or a size is wrong or one is read-only. The buffer of
         a page returned as ``None`` holds unspecified bytes.
+
+        ``ready`` (with ``into`` only): called with the indexes (into ``pages``) of pages whose
+        buffers hold their verified payloads, as soon as they do — the host tier's hits at
+        once, then after each batched disk read — so a caller can move those while the rest
+        are read. It runs in the calling thread, is told each page returned once, before this
+        returns, and never a page returned as ``None``; what it raises, this raises.
         """
         ids = check_page_ids(pages)
         buffers = check_buffers(into, len(ids))
         check_name("tenant_id", tenant_id, optional=True)
         check_flag("load", load)
+        check_ready(ready, buffers)
         with self._reading():
             if tenant_id is not None:
                 allowed = [tenant == tenant_id for tenant in self.reader.tenants(ids)]
                 ids = [i for i, ok in zip(ids, allowed) if ok]
                 if buffers is not None:
                     buffers = [b for b, ok in zip(buffers, allowed) if ok]
-            read = self.reader.read(ids, load=load, into=buffers)
+                if ready is not None:
+                    ready = _renumbered(ready, [i for i, ok in enumerate(allowed) if ok])
+            read = self.reader.read(ids, load=load, into=buffers, ready=ready)
         self._wake_mover()
         if read.bad:
             applied = self.writer.apply(Change(quarantine=tuple(read.bad)))
@@ -272,3 +289,9 @@ class Serving(Base):
         if wait or not self.mover.submit(move):
             move()
         return len(ids)
+
+
+def _renumbered(ready: Callable[[list[int]], object], positions: list[int]) -> Callable[[list[int]], object]:
+    """``ready`` told indexes into a filtered list, as indexes into the list it was filtered
+    from (``positions[j]``: where its ``j``-th item was)."""
+    return lambda indexes: ready([positions[j] for j in indexes])

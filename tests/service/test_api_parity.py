@@ -583,6 +583,11 @@ def test_reads_into_the_callers_buffers(api: Any, tenant: str) -> None:
     assert [bytes(v) if v is not None else None for v in got] == [page(1), page(2), None]
     assert rows == [bytearray(page(1)), bytearray(page(2))]
     assert got[0].obj is rows[0]  # the caller's buffer, not a copy
+    told: list[int] = []
+    api.read_pages([bytes(16), *refs], tenant_id=tenant, into=[bytearray(32) for _ in range(3)], ready=told.extend)
+    assert sorted(told) == [1, 2]  # indexes into the pages asked for, each filled
+    with pytest.raises(dss.InvalidInput, match="ready is told which buffers are filled: give it with into"):
+        api.read_pages(refs, ready=told.extend)
     short = [bytearray(32), bytearray(31)]
     with pytest.raises(dss.InvalidInput, match="buffer 1 has 31 bytes; its page has 32"):
         api.read_pages(refs, into=short)

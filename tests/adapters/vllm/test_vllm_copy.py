@@ -1,6 +1,7 @@
 """Staged pages into KV blocks on the CPU: one copy per layer for all of a load's pages
-(:meth:`BlockCopier.scatter_rows`), byte for byte, ``NO_BLOCK`` layers left alone; the row
-buffer a load reads into is reused."""
+(:meth:`BlockCopier.scatter_rows`), or batch by batch as they are reported read
+(:meth:`BlockCopier.feed`), byte for byte, ``NO_BLOCK`` layers left alone; the row buffer a load
+reads into is reused."""
 
 from __future__ import annotations
 
@@ -33,6 +34,32 @@ def test_staged_rows_go_in_one_layer_at_a_time() -> None:
     assert [block(layers[1], b) for b in (2, 3)] == [rows[k, LAYER_BYTES:].tobytes() for k in (1, 2)]
     untouched = [(0, b) for b in (0, 2, 3, 5, 7)] + [(1, b) for b in (0, 1, 4, 5, 6, 7)]
     assert all(torch.equal(layers[i][b], before[i][b]) for i, b in untouched)
+
+
+def test_a_feed_copies_the_rows_reported_and_no_others() -> None:
+    layers = caches()
+    before = [t.clone() for t in layers]
+    copier = BlockCopier(layers, [0, 1], NUM_BLOCKS, 2 * LAYER_BYTES)
+    rows = np.random.default_rng(1).integers(0, 256, (5, 2 * LAYER_BYTES), dtype=np.uint8)
+    feed = copier.feed(rows, [[4, 6, 1, 0, 7], [NO_BLOCK, 2, 3, 5, 6]])
+    assert feed is not None
+    feed.ready([1, 2])  # a run: copied from a view of the rows
+    feed.ready([4, 0])  # out of order: gathered first
+    feed.finish()
+    assert feed.copied == 4
+    assert [block(layers[0], b) for b in (4, 6, 1, 7)] == [rows[k, :LAYER_BYTES].tobytes() for k in (0, 1, 2, 4)]
+    assert [block(layers[1], b) for b in (2, 3, 6)] == [rows[k, LAYER_BYTES:].tobytes() for k in (1, 2, 4)]
+    untouched = [(0, b) for b in (0, 2, 3, 5)] + [(1, b) for b in (0, 1, 4, 5, 7)]  # row 3 never reported
+    assert all(torch.equal(layers[i][b], before[i][b]) for i, b in untouched)
+
+
+def test_a_copy_that_fails_in_the_feeds_thread_is_raised_by_finish() -> None:
+    copier = BlockCopier(caches(), [0, 1], NUM_BLOCKS, 2 * LAYER_BYTES)
+    feed = copier.feed(np.zeros((2, 2 * LAYER_BYTES), dtype=np.uint8), [[0, NUM_BLOCKS + 3], [1, 2]])
+    assert feed is not None
+    feed.ready([0, 1])
+    with pytest.raises(IndexError):
+        feed.finish()
 
 
 def test_copy_layer_is_one_indexed_copy() -> None:
