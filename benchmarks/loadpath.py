@@ -95,10 +95,10 @@ def hardware(
 
 
 def staged(
-    store: dss.Store, copier: BlockCopier, ids: list[bytes], block_ids: list[list[int]], rows: RowBuffer
+    store: dss.Store, copier: BlockCopier, ids: list[bytes], block_ids: list[list[int]], req_id: str, rows: RowBuffer
 ) -> None:
     """The staged load before its copies overlapped the reads: read every page, then copy."""
-    staged_rows, blocks, _ = read_staged(store, rows, ids, block_ids, "bench")
+    staged_rows, blocks, _ = read_staged(store, rows, ids, block_ids, req_id)
     copier.scatter_rows(staged_rows, blocks)
 
 
@@ -108,7 +108,8 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
     keys = root / "master.key"
     blocks = pages + 10
     copier = BlockCopier(cache(blocks, even=False), [0] * LAYERS, blocks, PAGE_BYTES)
-    assert copier.host_views is not None and copier.stacked is None
+    even = BlockCopier(cache(blocks, even=True), [0] * LAYERS, blocks, PAGE_BYTES)
+    assert copier.host_views is not None and copier.stacked is None and even.stacked is not None
     block_ids = [list(range(5, 5 + pages))]
     staging, aead = RowBuffer(PAGE_BYTES), AESGCM(os.urandom(32))
     sealed = [aead.encrypt(b"\0" * 12, payload(i), b"") for i in range(pages)]
@@ -119,8 +120,8 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
         store = dss.open(root / name, master_key_file=keys, compact_auto=False, host_bytes=0)
         stores[name] = store
         jobs: dict[str, Callable[[], object]] = {
-            "fed": partial(load_pages, store, copier, ids, block_ids, "bench", staging),
-            "staged": partial(staged, store, copier, ids, block_ids, staging),
+            "fed": partial(load_pages, store, even, ids, block_ids, "bench", staging),
+            "staged": partial(staged, store, copier, ids, block_ids, "bench", staging),
             "per page": partial(load_pages, store, copier, ids, block_ids, "bench"),
             "hardware": partial(
                 hardware,
@@ -142,13 +143,13 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
                 job()
                 times[f"{label}/{name}"].append(time.perf_counter() - start)
         want = payload(pages - 1)[7 * LAYER_BYTES : 8 * LAYER_BYTES]
-        load_pages(store, copier, ids, block_ids, "check", staging)
-        assert copier.host_views[7][5 + pages - 1].tobytes() == want, "the staged load copied wrong bytes"
+        for check, load in ((copier, staged), (even, load_pages)):
+            check.host_views[7][5 + pages - 1] = 0
+            load(store, check, ids, block_ids, "check", staging)
+            assert check.host_views[7][5 + pages - 1].tobytes() == want, f"{load.__name__} copied wrong bytes"
     for store in stores.values():
         store.close()
     in_memory = [payload(i) for i in range(pages)]
-    even = BlockCopier(cache(blocks, even=True), [0] * LAYERS, blocks, PAGE_BYTES)
-    assert even.stacked is not None
     source, floor = np.frombuffer(b"".join(in_memory), dtype=np.uint8), np.empty(pages * PAGE_BYTES, dtype=np.uint8)
     ram: dict[str, Callable[[], object]] = {
         "per layer": partial(copier.scatter, in_memory, block_ids),

@@ -154,8 +154,13 @@ class BlockCopier:
 
     def scatter_rows(self, rows: np.ndarray, block_ids: Sequence[Sequence[int]]) -> Transfer:
         """:meth:`start_scatter` of staged pages (``rows[k]`` goes to ``block_ids[group][k]``):
-        with numpy views, one :func:`copy_layer` per layer for all the pages (a row plan made
-        once per group); elsewhere through the staging pool."""
+        with the layers :attr:`stacked`, one copy per page of all its layers; with other numpy
+        views, one :func:`copy_layer` per layer for all the pages (a row plan made once per
+        group); elsewhere through the staging pool. (Both numpy copies take the same time;
+        only the first lets go of the GIL while it copies, which :meth:`feed` needs.)"""
+        if self.stacked is not None:
+            self._stack(rows, block_ids[self.groups[0]])
+            return DONE
         if self.host_views is None:
             return self.start_scatter(list(rows), block_ids)
         plans = [_row_plan(group) for group in block_ids]
@@ -181,10 +186,7 @@ class BlockCopier:
         staging pool's stream and are complete when the returned transfer is done; elsewhere
         they are complete already (the transfer is done)."""
         if self.stacked is not None:
-            blocks = block_ids[self.groups[0]]
-            for k, payload in enumerate(payloads):
-                if blocks[k] != NO_BLOCK:
-                    self.stacked[:, blocks[k]] = self._exact(payload).reshape(len(self.layers), -1)
+            self._stack(payloads, block_ids[self.groups[0]])
             return DONE
         if self.host_views is not None:
             for k, payload in enumerate(payloads):
@@ -197,6 +199,15 @@ class BlockCopier:
         assert self.staging is not None
         staged = self.staging.stage(payloads, list(zip(self.offsets, self.layer_sizes)))
         return self.staging.copy(staged, lambda staged: self._copy_in(staged, block_ids))
+
+    def _stack(self, pages: Sequence[bytes | memoryview] | np.ndarray, blocks: Sequence[int]) -> None:
+        """Each page (staged rows, or payloads made :meth:`_exact`) into block ``blocks[k]`` of
+        every layer, one copy each through :attr:`stacked`; a ``NO_BLOCK`` page is skipped."""
+        assert self.stacked is not None
+        for block, page in zip(blocks, pages):
+            if block != NO_BLOCK:
+                source = page if isinstance(page, np.ndarray) else self._exact(page)
+                self.stacked[:, block] = source.reshape(len(self.layers), -1)
 
     def _exact(self, payload: bytes | memoryview) -> np.ndarray:
         """A payload as the page's exact bytes: itself (a view) when exact, else its encoded
