@@ -17,13 +17,17 @@ A prompt of ``--tokens`` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads of 6
   ``preadv`` into one buffer (page cache warm), plus AES-GCM ``decrypt_into`` of every page on one
   core, plus one copy per layer; no dss code.
 
-(Here the layers lie at uneven steps in memory, so ``per page`` keeps its memcpy per page and
-layer.) Then the same pages, as ``bytes`` in memory, copied in as a load wholly from the worker's
-RAM copies them (``BlockCopier.scatter``):
+(Here the layers of every contender but ``fed`` lie at uneven steps in memory, so ``per page``
+keeps its memcpy per page and layer; ``fed`` loads into a cache laid out as vLLM's.) Then the
+same pages, as ``bytes`` in memory, copied in as a load wholly from the worker's RAM copies
+them:
 
 * ``per layer`` — the named baseline, what such a load did before: one memcpy per page and layer;
-* ``per page`` — what it does now when the layers lie at even steps, as in vLLM's CPU cache (one
-  allocation for every layer): one copy per page of all its layers;
+* ``per page`` — what an asynchronous one does when the layers lie at even steps, as in vLLM's
+  CPU cache (one allocation for every layer): one copy per page of all its layers
+  (``BlockCopier.scatter``);
+* ``split`` — what a synchronous one does now: the same copies, half of them in a second thread
+  (``BlockCopier.scatter_split``);
 * ``memcpy`` — the floor: one copy of as many contiguous bytes.
 
 Each contender runs from a sealed store (the default) and from one opened with
@@ -154,6 +158,7 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
     ram: dict[str, Callable[[], object]] = {
         "per layer": partial(copier.scatter, in_memory, block_ids),
         "per page": partial(even.scatter, in_memory, block_ids),
+        "split": partial(even.scatter_split, in_memory, block_ids),
         "memcpy": partial(np.copyto, floor, source),
     }
     for label, job in ram.items():
@@ -199,11 +204,16 @@ def report(times: dict[str, list[float]], tokens: int, rounds: int) -> None:
         f"\nsealing cost on the read path: fed {cost['fed']:+.0%}, staged {cost['staged']:+.0%}, "
         f"per page {cost['per page']:+.0%}"
     )
-    layer, page, floor = ms["per layer/ram"], ms["per page/ram"], ms["memcpy/ram"]
+    layer, page, split, floor = (ms[f"{label}/ram"] for label in ("per layer", "per page", "split", "memcpy"))
     print(f"\nThe same pages from RAM (bytes in memory) into the cache; ms, median of {rounds}")
-    print("| per layer (baseline) | per page | memcpy | per layer / per page | per page / memcpy |")
-    print("|---|---|---|---|---|")
-    print(f"| {layer:.1f} | {page:.1f} | {floor:.1f} | {layer / page:.2f}x | {page / floor:.2f}x |")
+    print(
+        "| per layer (baseline) | per page | split | memcpy | per layer / split | per page / split | split / memcpy |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| {layer:.1f} | {page:.1f} | {split:.1f} | {floor:.1f} | {layer / split:.2f}x | {page / split:.2f}x "
+        f"| {split / floor:.2f}x |"
+    )
     print(f"rerun: PYTHONPATH=. .venv/bin/python benchmarks/loadpath.py --tokens {tokens} --rounds {rounds}")
 
 

@@ -73,6 +73,11 @@ class RowBuffer:
         return self._data[:count]
 
 
+SPLIT_PAGES = 8
+"""Pages from which :meth:`BlockCopier.scatter_split` shares the copies with a second thread
+(measured: 128 pages of 720 KiB, 8.6 ms in one thread, 6.0 in two)."""
+
+
 class BlockCopier:
     """Whole-page copies for one worker's layers (see the module docstring)."""
 
@@ -123,7 +128,7 @@ class BlockCopier:
         self._buffers = threading.local()
         """Per thread (the engine's, the loader's): a page buffer and its float32 scratch."""
         self._feeder: tuple[int, ThreadPoolExecutor] | None = None
-        """The thread fed rows copy in (:meth:`feed`), and the process that made it."""
+        """The copier's thread (:meth:`feed`, :meth:`scatter_split`), and the process that made it."""
 
     def gather(self, block_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """``[pages, page_bytes]`` uint8: the pages held in these blocks (none may be ``NO_BLOCK``)."""
@@ -177,9 +182,30 @@ class BlockCopier:
         (the staged rows then go in with :meth:`scatter_rows` once all are read)."""
         if self.host_views is None:
             return None
+        return RowFeed(self, self._thread(), rows, block_ids)
+
+    def scatter_split(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> Transfer:
+        """:meth:`start_scatter` for a load the engine waits for (no forward pass runs beside
+        it): with the layers :attr:`stacked` and at least :data:`SPLIT_PAGES` pages, this
+        copier's thread copies the second half of the pages while the caller copies the first
+        (numpy lets go of the GIL while it copies); complete when it returns."""
+        if self.stacked is None or len(payloads) < SPLIT_PAGES:
+            return self.start_scatter(payloads, block_ids)
+        blocks = block_ids[self.groups[0]]
+        half = len(payloads) // 2
+        other = self._thread().submit(self._stack, payloads[half:], blocks[half:])
+        try:
+            self._stack(payloads[:half], blocks[:half])
+        finally:
+            other.exception()  # wait: its copies write the same cache
+        other.result()
+        return DONE
+
+    def _thread(self) -> ThreadPoolExecutor:
+        """This copier's copy thread (a fresh one in a process forked from the one that made it)."""
         if self._feeder is None or self._feeder[0] != os.getpid():
             self._feeder = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-copy"))
-        return RowFeed(self, self._feeder[1], rows, block_ids)
+        return self._feeder[1]
 
     def start_scatter(self, payloads: Sequence[bytes | memoryview], block_ids: Sequence[Sequence[int]]) -> Transfer:
         """:meth:`scatter`, returning once the copies are queued: on CUDA they run on the

@@ -204,8 +204,10 @@ def load_pages(
     staging: RowBuffer | None = None,
 ) -> LoadOutcome:
     """Copy the pages ``page_ids[k]`` into the blocks ``block_ids[group][k]`` (see the module
-    docstring), read through ``staging`` if given; the copies are complete when it returns."""
-    outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id, staging)
+    docstring), read through ``staging`` if given; the copies are complete when it returns.
+    For a load the engine waits for: the copies of pages that are not staged are shared with a
+    second thread (:meth:`BlockCopier.scatter_split`)."""
+    outcome, transfer = start_load_pages(store, copier, page_ids, block_ids, req_id, staging, split=True)
     transfer.wait()
     return outcome
 
@@ -217,11 +219,14 @@ def start_load_pages(
     block_ids: Sequence[Sequence[int]],
     req_id: str,
     staging: RowBuffer | None = None,
+    *,
+    split: bool = False,
 ) -> tuple[LoadOutcome, Transfer]:
     """:func:`load_pages`, returning once the copies are queued, with their transfer. With
-    ``staging`` the pages are read into its rows and copied in one layer at a time: on the CPU
-    each batch the store reports read while it reads the next (:func:`load_fed`), elsewhere all
-    of them at once (:meth:`BlockCopier.scatter_rows`)."""
+    ``staging`` the pages are read into its rows and copied in: on the CPU each batch the store
+    reports read while it reads the next (:func:`load_fed`), elsewhere all of them at once
+    (:meth:`BlockCopier.scatter_rows`). ``split``: see :func:`load_pages` (for pages not
+    staged)."""
     start = time.perf_counter()
     transfer = DONE
     if staging is not None:
@@ -239,7 +244,8 @@ def start_load_pages(
         return outcome, transfer
     rows, payloads, outcome = read_pages(store, page_ids, block_ids, req_id, copier.decodes)
     if rows:
-        transfer = copier.start_scatter(payloads, [[group[k] for k in rows] for group in block_ids])
+        scatter = copier.scatter_split if split else copier.start_scatter
+        transfer = scatter(payloads, [[group[k] for k in rows] for group in block_ids])
     outcome.seconds = time.perf_counter() - start
     return outcome, transfer
 

@@ -110,6 +110,23 @@ def test_pages_go_in_and_out_whole_when_the_layers_lie_at_even_steps() -> None:
         assert copier.gather([[2, 5]]).tolist() == [pages[2].tolist(), pages[0].tolist()]
 
 
+def test_a_split_scatter_puts_the_same_bytes_as_one_thread() -> None:
+    """Nine pages (over SPLIT_PAGES), one of them NO_BLOCK: copied half in the copier's thread,
+    they land where one thread's copies put them, and the NO_BLOCK page nowhere."""
+    alone, shared = one_buffer(3), one_buffer(3)
+    copiers = [BlockCopier(layers, [0, 0, 0], NUM_BLOCKS, 3 * LAYER_BYTES) for layers in (alone, shared)]
+    pages = np.random.default_rng(3).integers(0, 256, (9, 3 * LAYER_BYTES), dtype=np.uint8)
+    payloads = [page.tobytes() for page in pages]
+    blocks = [[6, 2, 7, NO_BLOCK, 0, 5, 1, 4, 3]]
+    copiers[0].start_scatter(payloads, blocks)
+    assert copiers[1].scatter_split(payloads, blocks).is_done()
+    assert [t.numpy().tobytes() for t in shared] == [t.numpy().tobytes() for t in alone]
+    assert [block(shared[2], b) for b in (6, 3)] == [pages[k, 2 * LAYER_BYTES :].tobytes() for k in (0, 8)]
+    assert not any(pages[3, :LAYER_BYTES].tobytes() == block(shared[0], b) for b in range(NUM_BLOCKS))
+    with pytest.raises(IndexError):
+        copiers[1].scatter_split(payloads, [[NUM_BLOCKS + k for k in range(9)]])
+
+
 def test_layers_at_uneven_steps_or_in_two_groups_are_copied_a_layer_at_a_time() -> None:
     flat = one_buffer(4)
     uneven = [flat[0], flat[1], flat[3]]
