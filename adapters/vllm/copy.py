@@ -75,7 +75,8 @@ class RowBuffer:
 
 SPLIT_PAGES = 8
 """Pages from which :meth:`BlockCopier.scatter_split` shares the copies with a second thread
-(measured: 128 pages of 720 KiB, 8.6 ms in one thread, 6.0 in two)."""
+(``benchmarks/loadpath.py``: 128 pages of 720 KiB, 10.6 ms in one thread, 7.8 in two; not
+measured for loads of a few pages, which are not worth handing over)."""
 
 
 class BlockCopier:
