@@ -6,8 +6,9 @@ A prompt of ``--tokens`` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads of 6
 
 * ``fed`` — what a disk load does now (``dss_adapters.vllm.loader.load_pages`` with a
   ``RowBuffer``): ``read_pages(into=..., ready=...)`` decrypts each page straight into one reused
-  buffer of page rows, and each disk read's pages are copied in (one copy per layer for those
-  pages) by a second thread while the store reads and decrypts the next;
+  buffer of page rows, and each disk read's pages are copied in (one copy per page of all its
+  layers, the cache being one allocation as vLLM's) by a second thread while the store reads and
+  decrypts the next;
 * ``staged`` — what a disk load did before: the same reads, then one copy per layer for all the
   pages once every page is read;
 * ``per page`` — the named baseline: ``read_pages`` returns a ``bytes`` object per page, copied in
@@ -169,8 +170,12 @@ def run(tokens: int, rounds: int) -> dict[str, list[float]]:
             start = time.perf_counter()
             job()
             times[f"{label}/ram"].append(time.perf_counter() - start)
-    for view in (copier, even):
-        assert view.gather([[5 + pages - 1]])[0].tobytes() == in_memory[-1], "a copy from RAM put wrong bytes"
+    for view, label in ((copier, "per layer"), (even, "per page"), (even, "split")):
+        for layer in view.host_views or []:
+            layer[5 : 5 + pages] = 0
+        ram[label]()
+        assert view.gather(block_ids)[0].tobytes() == in_memory[0], f"{label} from RAM put wrong bytes"
+        assert view.gather([[5 + pages - 1]])[0].tobytes() == in_memory[-1], f"{label} from RAM put wrong bytes"
     return times
 
 

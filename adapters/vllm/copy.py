@@ -280,14 +280,11 @@ class RowFeed:
         self.thread = thread
         self.rows = rows
         self.block_ids = block_ids
-        self.copied = 0
-        """Rows reported so far (each is copied once :meth:`finish` returns)."""
         self._copies: list[Future[Transfer]] = []
 
     def ready(self, indexes: list[int]) -> None:
         """Queue the copy of these rows (each reported once, its bytes final)."""
         self._copies.append(self.thread.submit(self._copy, indexes))
-        self.copied += len(indexes)
 
     def _copy(self, indexes: list[int]) -> Transfer:
         """Copy rows in (in the copier's thread): a run of rows as a view of them, other rows
