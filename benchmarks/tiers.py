@@ -258,8 +258,8 @@ def verdict(rows: Sequence[Row]) -> list[str]:
                     ok = ok and d.host_share >= target
         else:
             ok = ratio >= 1.5 and d.total_share > lru.total_share
-            line += f"; total {d.total_share:.1%} (lru {lru.total_share:.1%}"
-            line += f", belady {opt.total_share:.1%})" if opt is not None else ")"
+            line += f"; total {d.total_share:.2%} (lru {lru.total_share:.2%}"
+            line += f", belady {opt.total_share:.2%})" if opt is not None else ")"
             tried = [r for r in rows if (r.disk, r.capacity) == (disk, capacity) and r.policy.startswith("dss ")]
             best = max([d, *tried], key=lambda r: r.total_share)
             if tried:

@@ -25,8 +25,8 @@ def segment_order(
 ) -> list[SegmentRow]:
     """Disk segments in the order they leave (pinned ones left out), given in the catalog's order
     (oldest newest-version first). ``dss``: abandoned segments first
-    (:attr:`SegmentRow.is_abandoned`), then the others; within each, the least frequently used
-    first (a segment weighs what its most used page does, decayed), and among equals the one
+    (:attr:`SegmentRow.is_abandoned`), then the others; within each, the lightest first (a
+    segment weighs what its heaviest page does: :func:`segment_worth`), and among equals the one
     whose newest version is oldest. LRU: the least recently read first (the catalog's order
     among equals). ``pages``: each segment's page ids."""
     free = [s for s in segments if not s.is_pinned]
@@ -36,17 +36,46 @@ def segment_order(
     if stats.is_lru:
         last = [_last_read(page_stats, pages.get(segment.ref, ())) for segment in free]
         return [free[i] for i in sorted(range(len(free)), key=lambda i: (last[i], i))]
-    best: list[float] = []
-    for segment in free:
+    best = segment_worth(stats, free, pages, now)
+    return [
+        free[i] for i in sorted(range(len(free)), key=lambda i: (not free[i].is_abandoned, best[i], free[i].newest, i))
+    ]
+
+
+def segment_worth(
+    stats: Statistics, segments: Sequence[SegmentRow], pages: Mapping[int, Sequence[PageId]], now: float
+) -> list[float]:
+    """What each segment weighs on disk: what its heaviest page does (0 for a page never read).
+    A session's page (or one of no known session) weighs its frequency, decayed. A page saved
+    without a session weighs its score among the sessionless pages of these segments
+    (:meth:`Statistics.scored`: frequency, the chance that it is read again, and cost, as the
+    host ranks pages; each page taken to be its segment's bytes over its pages), so a one-off
+    prompt's page weighs less than a prefix read again as recently. With the default weights a
+    score is below 1, and a page read just now has a frequency of at least 1: on a disk both
+    kinds share, a sessionless page leaves before a session's page read as recently."""
+    page_stats = stats.stats
+    ids: list[PageId] = []
+    sizes: list[int] = []
+    for segment in segments:
+        held = pages.get(segment.ref, ())
+        for p in held:
+            s = page_stats.get(p)
+            if s is not None and s.is_sessionless and s.last != -math.inf:
+                ids.append(p)
+                sizes.append(max(1, segment.size // len(held)))
+    scores, _ = stats.scored(ids, sizes, now)
+    scored = dict(zip(ids, scores))
+    half_life = stats.settings.frequency_half_life_s
+    out: list[float] = []
+    for segment in segments:
         worth = 0.0
         for p in pages.get(segment.ref, ()):
             s = page_stats.get(p)
             if s is not None and s.last != -math.inf:
-                worth = max(worth, decayed(s.freq, max(0.0, now - s.last), stats.half_life(s)))
-        best.append(worth)
-    return [
-        free[i] for i in sorted(range(len(free)), key=lambda i: (not free[i].is_abandoned, best[i], free[i].newest, i))
-    ]
+                got = scored.get(p)
+                worth = max(worth, decayed(s.freq, max(0.0, now - s.last), half_life) if got is None else got)
+        out.append(worth)
+    return out
 
 
 def _last_read(pages: Mapping[PageId, PageStats], page_ids: Iterable[PageId]) -> float:

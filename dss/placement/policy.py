@@ -60,8 +60,9 @@ The rules (``policy="dss"``, the default):
   mark is not left empty, and the watermarks bound the work a write does inline, not what a tier
   holds (see :mod:`dss.tiers.host` and :mod:`dss.tiers.inactive`). The disk demotes whole
   segments (:mod:`dss.placement.disk`): first abandoned branches (pages some version holds but
-  no session's head does), then the least frequently used; a write that finds too few inactive
-  segments ranks them so inline and frees 5 % more than it needs.
+  no session's head does), then the lightest (a session's page weighs its decayed frequency, a
+  page saved without a session its score among the disk's); a write that finds too few
+  inactive segments ranks them so inline and frees 5 % more than it needs.
 * **Refcount safety.** A page being read, loaded into an engine or moved is *held*
   (:meth:`Placement.hold`); no held page is ever chosen. Pinned versions' pages and registered
   shared prefixes (which are pinned) never leave the last tier.

@@ -11,8 +11,10 @@ import math
 import pytest
 
 import dss
+from dss.catalog.segments import SegmentRow
 from dss.core.types import PageId
 from dss.pages.host import put_host
+from dss.placement.disk import segment_worth
 from dss.placement.policy import Placement, Settings
 from dss.placement.sessionless import SessionlessStats
 from dss.tiers.host import HostTier
@@ -127,6 +129,47 @@ def test_a_long_learned_rhythm_keeps_a_prefix_the_session_rules_would_let_go() -
         outcome[sessionless] = put_host(host, placement, page("q"), b"x" * 10, None, compete=True)
     assert outcome[True] is None  # q stays out: p is worth more
     assert outcome[False] == [page("p")]
+
+
+def test_on_disk_a_sessionless_page_weighs_its_score_and_a_session_page_its_frequency() -> None:
+    # Segment Q holds page q, read 6 times at t=0; segment R page r, read twice, at t=150 and
+    # t=190; six one-off pages read once teach that few pages come back after one read. At
+    # t=200 q's frequency, decayed (halving every 120 s), is still above r's, but r, read
+    # twice and 10 s ago, is far likelier to be read again than q, silent for 200 s, and so
+    # scores higher: saved without a session, Q leaves first. Saved by a session (frequency
+    # alone), R leaves first; under LRU, Q (the least recently read).
+    order = {}
+    for policy, sessionless in (("dss", True), ("dss", False), ("lru", True)):
+        clock = Clock()
+        placement = Placement(Settings(policy=policy), clock)
+        q, r = page("q"), page("r")
+        placement.wrote([q], None, turn=False, sessionless=sessionless)
+        for _ in range(5):
+            placement.touch([q])
+        placement.wrote([page(f"o{i}") for i in range(6)], None, turn=False, sessionless=sessionless)
+        clock.t = 150.0
+        placement.wrote([r], None, turn=False, sessionless=sessionless)
+        clock.t = 190.0
+        placement.touch([r])
+        clock.t = 200.0
+        segments = [SegmentRow(1, "Q", 100, -1, False, False), SegmentRow(2, "R", 100, -1, False, False)]
+        if policy == "dss":
+            stats = {p: placement.stats[p] for p in (q, r)}
+            assert (stats[q].reads, stats[r].reads) == (6, 2)
+            assert placement.half_life(stats[q]) == 120.0
+            frequency = [stats[p].freq * 2 ** (-(200.0 - stats[p].last) / 120.0) for p in (q, r)]
+            assert frequency[0] > frequency[1]
+            worth = segment_worth(placement, segments, {1: [q], 2: [r]}, 200.0)
+            if sessionless:
+                learned = placement.sessionless
+                assert (learned.recency(6, 200.0) < 0.01, learned.recency(2, 10.0) > 0.3) == (True, True)
+                assert worth == placement.scored([q, r], [100, 100], 200.0)[0]
+                assert worth[0] < worth[1] < 1.0
+            else:
+                assert worth == pytest.approx(frequency)
+        ordered = placement.segment_order(segments, {1: [q], 2: [r]}, 200.0)
+        order[policy, sessionless] = [segment.name for segment in ordered]
+    assert order == {("dss", True): ["Q", "R"], ("dss", False): ["R", "Q"], ("lru", True): ["Q", "R"]}
 
 
 LAYOUT = dss.Layout(name="nosession", page_tokens=4, page_bytes=64)
