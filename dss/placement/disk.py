@@ -47,33 +47,27 @@ def segment_worth(
 ) -> list[float]:
     """What each segment weighs on disk: what its heaviest page does (0 for a page never read).
     A session's page (or one of no known session) weighs its frequency, decayed. A page saved
-    without a session weighs its score among the sessionless pages of these segments
-    (:meth:`Statistics.scored`: frequency, the chance that it is read again, and cost, as the
-    host ranks pages; each page taken to be its segment's bytes over its pages), so a one-off
-    prompt's page weighs less than a prefix read again as recently. With the default weights a
-    score is below 1, and a page read just now has a frequency of at least 1: on a disk both
-    kinds share, a sessionless page leaves before a session's page read as recently."""
+    without a session weighs the chance that it is read again
+    (:meth:`dss.placement.sessionless.SessionlessStats.recency`) times ``log(1 + f)``, ``f`` its
+    frequency as of its last read: the reads it had, counted only as long as it is likely to
+    come back, so a one-off prompt's page weighs less than a prefix read again as recently, and
+    a document read often outlasts one read once. The two scales are not calibrated against
+    each other: on a disk both kinds share, they are compared as they are."""
     page_stats = stats.stats
-    ids: list[PageId] = []
-    sizes: list[int] = []
-    for segment in segments:
-        held = pages.get(segment.ref, ())
-        for p in held:
-            s = page_stats.get(p)
-            if s is not None and s.is_sessionless and s.last != -math.inf:
-                ids.append(p)
-                sizes.append(max(1, segment.size // len(held)))
-    scores, _ = stats.scored(ids, sizes, now)
-    scored = dict(zip(ids, scores))
+    learned = stats.sessionless
     half_life = stats.settings.frequency_half_life_s
     out: list[float] = []
     for segment in segments:
         worth = 0.0
         for p in pages.get(segment.ref, ()):
             s = page_stats.get(p)
-            if s is not None and s.last != -math.inf:
-                got = scored.get(p)
-                worth = max(worth, decayed(s.freq, max(0.0, now - s.last), half_life) if got is None else got)
+            if s is None or s.last == -math.inf:
+                continue
+            age = max(0.0, now - s.last)
+            if s.is_sessionless:
+                worth = max(worth, learned.recency(s.reads, age) * math.log1p(s.freq))
+            else:
+                worth = max(worth, decayed(s.freq, age, half_life))
         out.append(worth)
     return out
 

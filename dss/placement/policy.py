@@ -61,8 +61,9 @@ The rules (``policy="dss"``, the default):
   holds (see :mod:`dss.tiers.host` and :mod:`dss.tiers.inactive`). The disk demotes whole
   segments (:mod:`dss.placement.disk`): first abandoned branches (pages some version holds but
   no session's head does), then the lightest (a session's page weighs its decayed frequency, a
-  page saved without a session its score among the disk's); a write that finds too few
-  inactive segments ranks them so inline and frees 5 % more than it needs.
+  page saved without a session its chance of being read again times log(1 + frequency)); a
+  write that finds too few inactive segments ranks them so inline and frees 5 % more than it
+  needs.
 * **Refcount safety.** A page being read, loaded into an engine or moved is *held*
   (:meth:`Placement.hold`); no held page is ever chosen. Pinned versions' pages and registered
   shared prefixes (which are pinned) never leave the last tier.

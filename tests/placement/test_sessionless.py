@@ -131,13 +131,14 @@ def test_a_long_learned_rhythm_keeps_a_prefix_the_session_rules_would_let_go() -
     assert outcome[False] == [page("p")]
 
 
-def test_on_disk_a_sessionless_page_weighs_its_score_and_a_session_page_its_frequency() -> None:
+def test_on_disk_a_sessionless_page_weighs_its_chance_of_coming_back_and_a_session_page_its_frequency() -> None:
     # Segment Q holds page q, read 6 times at t=0; segment R page r, read twice, at t=150 and
     # t=190; six one-off pages read once teach that few pages come back after one read. At
     # t=200 q's frequency, decayed (halving every 120 s), is still above r's, but r, read
-    # twice and 10 s ago, is far likelier to be read again than q, silent for 200 s, and so
-    # scores higher: saved without a session, Q leaves first. Saved by a session (frequency
-    # alone), R leaves first; under LRU, Q (the least recently read).
+    # twice and 10 s ago, is far likelier to be read again than q, silent for 200 s: saved
+    # without a session (chance of coming back times log(1 + frequency at the last read)),
+    # Q leaves first. Saved by a session (frequency, decayed), R leaves first; under LRU, Q
+    # (the least recently read).
     order = {}
     for policy, sessionless in (("dss", True), ("dss", False), ("lru", True)):
         clock = Clock()
@@ -156,15 +157,16 @@ def test_on_disk_a_sessionless_page_weighs_its_score_and_a_session_page_its_freq
         if policy == "dss":
             stats = {p: placement.stats[p] for p in (q, r)}
             assert (stats[q].reads, stats[r].reads) == (6, 2)
+            assert (stats[q].freq, stats[r].freq) == pytest.approx((6.0, 2 ** (-40 / 120) + 1))
             assert placement.half_life(stats[q]) == 120.0
             frequency = [stats[p].freq * 2 ** (-(200.0 - stats[p].last) / 120.0) for p in (q, r)]
             assert frequency[0] > frequency[1]
             worth = segment_worth(placement, segments, {1: [q], 2: [r]}, 200.0)
             if sessionless:
                 learned = placement.sessionless
-                assert (learned.recency(6, 200.0) < 0.01, learned.recency(2, 10.0) > 0.3) == (True, True)
-                assert worth == placement.scored([q, r], [100, 100], 200.0)[0]
-                assert worth[0] < worth[1] < 1.0
+                chance = (learned.recency(6, 200.0), learned.recency(2, 10.0))
+                assert (chance[0] < 0.01, chance[1] > 0.3) == (True, True)
+                assert worth == pytest.approx([chance[0] * math.log(7.0), chance[1] * math.log1p(stats[r].freq)])
             else:
                 assert worth == pytest.approx(frequency)
         ordered = placement.segment_order(segments, {1: [q], 2: [r]}, 200.0)
