@@ -45,6 +45,12 @@ class StoreConfig(BaseModel):
         "transaction and one round of fsyncs; each returns once the group is durable.",
     )
     segment_bytes: int = Field(64 << 20, description="Largest page file written in one batch.")
+    disk_map_reads: bool = Field(
+        True,
+        description="Read large runs of page files by mapping them from the OS page cache, "
+        "not copying them out (loads from disk pass over the bytes once less); turn off "
+        "on a network filesystem, where a mapped page the server loses stops the process.",
+    )
     host_read_gbps: float = Field(
         8.0, gt=0, allow_inf_nan=False, description="Estimated host-tier load bandwidth, GB/s."
     )
@@ -321,6 +327,7 @@ _ENV = {
     "DSS_ENCRYPT": "encrypt",
     "DSS_FSYNC": "fsync",
     "DSS_SEGMENT_BYTES": "segment_bytes",
+    "DSS_DISK_MAP_READS": "disk_map_reads",
     "DSS_GROUP_COMMIT": "group_commit",
     "DSS_RECOMPUTE_TOKENS_PER_S": "recompute_tokens_per_s",
     "DSS_SQL_TIMEOUT_S": "sql_timeout_s",

@@ -120,7 +120,7 @@ class Base:
         config = self.config
         home = config.home
         with file_errors("set up the page files at", home):
-            self.disk = DiskTier(home, fsync=config.fsync)
+            self.disk = DiskTier(home, fsync=config.fsync, map_reads=config.disk_map_reads)
         self.placement = Placement(policy_settings(config), config.clock or time.monotonic)
         self.host = HostTier(config.host_bytes)
         self.device = device_tier(_catalog_key(config), config.residency_ttl_s)

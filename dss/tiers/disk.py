@@ -15,7 +15,9 @@ catalog expects.
 I/O is batched both ways: a segment is written with one ``writev`` per :data:`~dss.tiers.segment.IO_PAGES`
 records, and reads coalesce neighbouring records into one ``pread`` of at most
 :data:`~dss.tiers.segment.IO_PAGES` records (more when they are small, up to :data:`~dss.tiers.segment.IO_BYTES`), the next one
-issued by a helper thread while the caller verifies and opens the last (``read_chunks``).
+issued by a helper thread while the caller verifies and opens the last (``read_chunks``). A
+run of :data:`~dss.tiers.segment.MAP_BYTES` or more is mapped from the OS page cache instead
+of copied out of it (:func:`~dss.tiers.segment.mapped`; ``map_reads``).
 Records flagged sealed may be returned unverified (``sealed_verified_by_caller``): their
 AES-GCM tag authenticates them, so hashing them as well would be done twice.
 
@@ -48,8 +50,10 @@ from dss.tiers.segment import (
     HEADER_BYTES,
     IO_PAGES,
     MAGIC,
+    MAP_BYTES,
     RECORD,
     Chunk,
+    mapped,
     pread,
     runs_of,
     verify_record,
@@ -71,7 +75,9 @@ class DiskTier(DurableTier):
 
     name = "disk"
 
-    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+    def __init__(self, root: Path, *, fsync: bool = True, map_reads: bool = True) -> None:
+        """``map_reads``: read runs of :data:`~dss.tiers.segment.MAP_BYTES` or more by mapping
+        them (:func:`~dss.tiers.segment.mapped`) where the system can, else ``pread`` them."""
         self.root = root
         self.fsync = fsync
         self.segments_dir = root / "segments"
@@ -95,6 +101,8 @@ class DiskTier(DurableTier):
         self._pool_pid = os.getpid()
         self._buffers: list[bytearray] = [bytearray(), bytearray()]
         self._buffers_lock = threading.Lock()
+        self._maps = map_reads
+        """Whether large runs are mapped from the page cache (until the system turns out unable)."""
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -240,6 +248,8 @@ class DiskTier(DurableTier):
 
             def submit(k: int) -> Future[memoryview | OSError]:
                 segment, start, end, _ = plan[k]
+                if self._maps and end - start >= MAP_BYTES:
+                    return self._io().submit(self._mapped, fds[segment], end - start, start)
                 into = None
                 if buffers is not None:
                     if len(buffers[k % 2]) < end - start:
@@ -262,6 +272,15 @@ class DiskTier(DurableTier):
                 os.close(fd)
             if buffers is not None:
                 self._buffers_lock.release()
+
+    def _mapped(self, fd: int, size: int, offset: int) -> memoryview | OSError:
+        """:func:`~dss.tiers.segment.mapped`, or :func:`~dss.tiers.segment.pread` from now on
+        where the system cannot map."""
+        view = mapped(fd, size, offset)
+        if view is None:
+            self._maps = False
+            return pread(fd, size, offset)
+        return view
 
     def _io(self) -> ThreadPoolExecutor:
         """The helper thread's executor (a fresh one in a process forked from the one that made it)."""

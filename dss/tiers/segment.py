@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from dss.core.hashing import checksum as page_checksum
 from dss.tiers.base import ReadFailure, ReadRequest, StoredPage
@@ -60,6 +66,58 @@ def pread(fd: int, size: int, offset: int, into: bytearray | None = None) -> mem
         return view[:got]
     except OSError as exc:
         return exc
+
+
+MAP_BYTES = 1 << 20
+"""Runs of at least this many bytes are mapped from the OS page cache (:func:`mapped`) rather
+than copied out of it with ``pread``, where the system can."""
+MADV_POPULATE_READ = 22
+"""Linux's ``madvise`` advice (5.14 and later) that faults a mapping's pages in and reports an
+error where touching one would raise ``SIGBUS`` (an I/O error, a page past the end of the file)."""
+
+
+def _madvise() -> Any:
+    """libc's ``madvise`` through ctypes (which lets go of the GIL while it runs); ``None`` off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    call = ctypes.CDLL(None, use_errno=True).madvise
+    call.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    call.restype = ctypes.c_int
+    return call
+
+
+_MADVISE = _madvise()
+
+
+def mapped(fd: int, size: int, offset: int) -> memoryview | OSError | None:
+    """``size`` bytes at ``offset`` (fewer at the end of the file) as a read-only view of the
+    file's pages in the OS page cache: no copy (a ``pread`` copies every byte once more), faulted
+    in while the GIL is free, by a helper thread as :func:`pread` reads. The mapping lives as long
+    as a view of it does, and segments are never changed or truncated once published, so the view
+    stays readable; a page that cannot be read (an I/O error) is an ``OSError`` here, not a
+    ``SIGBUS`` later (unless the kernel drops the page and fails to read it again in the
+    moments between). ``None`` where the system cannot (not Linux, a kernel before 5.14): the
+    caller preads."""
+    if _MADVISE is None:
+        return None
+    try:
+        end = min(offset + size, os.fstat(fd).st_size)
+        if end <= offset:
+            return memoryview(b"")
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(fd, end - base, prot=mmap.PROT_READ, offset=base)
+    except OSError as exc:
+        return exc
+    address = np.frombuffer(region, dtype=np.uint8).ctypes.data
+    while _MADVISE(address, end - base, MADV_POPULATE_READ) != 0:
+        code = ctypes.get_errno()
+        if code == errno.EINTR:
+            continue
+        region.close()
+        if code == errno.EINVAL:
+            return None
+        return OSError(code, os.strerror(code))
+    return memoryview(region)[offset - base :]
 
 
 def runs_of(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:

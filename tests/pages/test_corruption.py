@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 import dss
+from dss.tiers import disk
 
 LAYOUT = dss.Layout(name="c", page_tokens=4, page_bytes=64)
 TOKENS = list(range(1, 41))  # 10 pages
@@ -20,6 +21,14 @@ TOKENS = list(range(1, 41))  # 10 pages
 
 def original(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(LAYOUT.page_bytes))
+
+
+@pytest.fixture(params=["copied", "mapped"])
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page-file test that uses this runs twice: with page files copied out of the page cache (``pread``, what
+    runs of these small pages get) and mapped from it (every run, however small)."""
+    if request.param == "mapped":
+        monkeypatch.setattr(disk, "MAP_BYTES", 0)
 
 
 def build(folder: Path) -> None:
@@ -49,6 +58,7 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.usefixtures("reads")
 def test_flipped_payload_byte_is_a_miss_and_quarantined(tmp_path: Path) -> None:
     build(tmp_path)
     with dss.open(tmp_path) as store:
@@ -65,6 +75,7 @@ def test_flipped_payload_byte_is_a_miss_and_quarantined(tmp_path: Path) -> None:
         assert store.check() == []
 
 
+@pytest.mark.usefixtures("reads")
 def test_a_plaintext_page_with_a_flipped_byte_fails_its_checksum(tmp_path: Path) -> None:
     with dss.open(tmp_path, encrypt=False) as store:
         store.create_session("s", layout=LAYOUT)
@@ -77,6 +88,7 @@ def test_a_plaintext_page_with_a_flipped_byte_fails_its_checksum(tmp_path: Path)
         assert store.check() == []
 
 
+@pytest.mark.usefixtures("reads")
 def test_a_sealed_record_whose_flag_is_cleared_is_never_served_as_plaintext(tmp_path: Path) -> None:
     """The flags are outside the checksum: a sealed record flagged plain would pass it, and its
     ciphertext be served as KV; its length (page plus nonce and tag) gives it away."""
@@ -93,6 +105,7 @@ def test_a_sealed_record_whose_flag_is_cleared_is_never_served_as_plaintext(tmp_
         assert store.check() == []
 
 
+@pytest.mark.usefixtures("reads")
 def test_flipped_header_byte_is_detected(tmp_path: Path) -> None:
     build(tmp_path)
     with dss.open(tmp_path) as store:
@@ -103,6 +116,7 @@ def test_flipped_header_byte_is_detected(tmp_path: Path) -> None:
         assert "another page" in store.sql("SELECT reason FROM quarantine").rows[0][0]
 
 
+@pytest.mark.usefixtures("reads")
 def test_truncated_file_loses_only_the_pages_past_the_cut(tmp_path: Path) -> None:
     build(tmp_path)
     with dss.open(tmp_path) as store:
@@ -118,6 +132,7 @@ def test_truncated_file_loses_only_the_pages_past_the_cut(tmp_path: Path) -> Non
         assert store.check() == [f"page file {path.name} has {offset + 10} bytes, the catalog says {size}"]
 
 
+@pytest.mark.usefixtures("reads")
 def test_missing_file_is_a_miss(tmp_path: Path) -> None:
     build(tmp_path)
     with dss.open(tmp_path) as store:
@@ -128,6 +143,7 @@ def test_missing_file_is_a_miss(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
+@pytest.mark.usefixtures("reads")
 def test_random_damage_never_returns_wrong_bytes(tmp_path: Path, seed: int) -> None:
     build(tmp_path)
     rng = random.Random(seed)

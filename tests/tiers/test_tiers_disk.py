@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from dss.core.hashing import checksum
 from dss.core.types import PageId
+from dss.tiers import segment
 from dss.tiers.base import ReadRequest
 from dss.tiers.disk import DiskTier
 from dss.tiers.segment import HEADER_BYTES, MAGIC, RECORD
@@ -103,4 +110,92 @@ def test_a_sealed_record_is_left_to_its_reader_to_authenticate(tmp_path: Path) -
     assert [f.reason.split()[-2:] for f in failures] == [["its", "checksum"]]
     found, failures = disk.read(requests, sealed_verified_by_caller=True)
     assert [r is not None for r in found] == [True, True] and failures == []  # its tag will fail instead
+    disk.close()
+
+
+def test_large_runs_are_mapped_from_the_page_cache_small_ones_and_all_without_mapping_copied(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Runs of 16 records of 512 KiB (8 MiB) are views of the segment's mapping, with no
+    ``pread``; a run of small records is copied out with one; a tier told not to map copies both."""
+    copies: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, off: copies.append(off) or real(fd, views, off))
+    for map_reads, big_copies in ((True, 0), (False, 3)):
+        disk = DiskTier(tmp_path / str(map_reads), map_reads=map_reads)
+        for size, runs in ((512 << 10, big_copies), (1024, 1)):
+            pages = records(40, size)
+            _, _, located = disk.write(pages)
+            requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)]
+            del copies[:]
+            got = {}
+            for chunk in disk.read_chunks(requests, transient=True):
+                assert chunk.failures == []
+                for i, record in chunk.records:
+                    assert isinstance(record.payload.obj, mmap.mmap) == (map_reads and size > 1024)
+                    got[i] = bytes(record.payload)
+            assert got == {i: p for i, (_, _, p, _) in enumerate(pages)}
+            assert len(copies) == runs
+        disk.close()
+
+
+def test_a_mapped_payload_stays_readable_after_its_file_is_deleted(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path)
+    pages = records(4, 512 << 10)
+    name, _, located = disk.write(pages)
+    found, failures = disk.read([ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)])
+    assert failures == [] and all(isinstance(r.payload.obj, mmap.mmap) for r in found if r is not None)
+    disk.remove([name])
+    assert not (tmp_path / "segments" / name).exists()
+    assert [bytes(r.payload) for r in found if r is not None] == [p for _, _, p, _ in pages]
+    disk.close()
+
+
+@pytest.mark.parametrize("map_reads", [True, False])
+def test_a_file_cut_short_fails_the_records_past_the_cut_alike_mapped_or_copied(
+    tmp_path: Path, map_reads: bool
+) -> None:
+    disk = DiskTier(tmp_path, map_reads=map_reads)
+    pages = records(4, 512 << 10)
+    name, _, located = disk.write(pages)
+    os.truncate(tmp_path / "segments" / name, located[2].offset + 100)  # record 2 torn, 3 gone
+    found, failures = disk.read([ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)])
+    assert [bytes(r.payload) if r else None for r in found] == [pages[0][2], pages[1][2], None, None]
+    assert [(f.index, f.reason) for f in failures] == [
+        (2, f"record at {name}:{located[2].offset} is truncated"),
+        (3, f"record at {name}:{located[3].offset} is truncated"),
+    ]
+    disk.close()
+
+
+def test_a_page_that_cannot_be_faulted_in_fails_its_run_and_a_kernel_that_cannot_map_is_read_with_pread(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """What ``madvise`` reports (an I/O error would come back as ``EFAULT``: touching the page
+    would raise ``SIGBUS``) fails the run's records; ``EINVAL`` (a kernel before 5.14) makes the
+    tier ``pread`` from then on."""
+    disk = DiskTier(tmp_path)
+    pages = records(4, 512 << 10)
+    _, _, located = disk.write(pages)
+    requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)]
+    advised: list[int] = []
+
+    def refuse(code: int) -> Callable[[int, int, int], int]:
+        def call(address: int, length: int, advice: int) -> int:
+            advised.append(advice)
+            ctypes.set_errno(code)
+            return -1
+
+        return call
+
+    monkeypatch.setattr(segment, "_MADVISE", refuse(errno.EFAULT))
+    found, failures = disk.read(requests)
+    assert found == [None] * 4 and advised == [segment.MADV_POPULATE_READ]
+    assert [f.reason for f in failures] == [f"read failed: {os.strerror(errno.EFAULT)}"] * 4
+    monkeypatch.setattr(segment, "_MADVISE", refuse(errno.EINVAL))
+    for _ in range(2):
+        found, failures = disk.read(requests)
+        assert [bytes(r.payload) for r in found if r is not None] == [p for _, _, p, _ in pages] and failures == []
+        assert all(not isinstance(r.payload.obj, mmap.mmap) for r in found if r is not None)
+    assert advised == [segment.MADV_POPULATE_READ] * 2  # asked once more, then never
     disk.close()
