@@ -101,8 +101,8 @@ class DiskTier(DurableTier):
         self._pool_pid = os.getpid()
         self._buffers: list[bytearray] = [bytearray(), bytearray()]
         self._buffers_lock = threading.Lock()
-        self._maps = map_reads
-        """Whether large runs are mapped from the page cache (until the system turns out unable)."""
+        self.map_reads = map_reads
+        """Whether large runs are mapped from the page cache."""
 
     def close(self) -> None:
         """Release the writer lock; the tier must not be used afterwards."""
@@ -248,7 +248,7 @@ class DiskTier(DurableTier):
 
             def submit(k: int) -> Future[memoryview | OSError]:
                 segment, start, end, _ = plan[k]
-                if self._maps and end - start >= MAP_BYTES:
+                if self.map_reads and end - start >= MAP_BYTES:
                     return self._io().submit(self._mapped, fds[segment], end - start, start)
                 into = None
                 if buffers is not None:
@@ -273,14 +273,11 @@ class DiskTier(DurableTier):
             if buffers is not None:
                 self._buffers_lock.release()
 
-    def _mapped(self, fd: int, size: int, offset: int) -> memoryview | OSError:
-        """:func:`~dss.tiers.segment.mapped`, or :func:`~dss.tiers.segment.pread` from now on
-        where the system cannot map."""
+    @staticmethod
+    def _mapped(fd: int, size: int, offset: int) -> memoryview | OSError:
+        """:func:`~dss.tiers.segment.mapped`, else :func:`~dss.tiers.segment.pread`."""
         view = mapped(fd, size, offset)
-        if view is None:
-            self._maps = False
-            return pread(fd, size, offset)
-        return view
+        return pread(fd, size, offset) if view is None else view
 
     def _io(self) -> ThreadPoolExecutor:
         """The helper thread's executor (a fresh one in a process forked from the one that made it)."""

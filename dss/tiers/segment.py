@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -77,19 +78,25 @@ error where touching one would raise ``SIGBUS`` (an I/O error, a page past the e
 
 
 def _madvise() -> Any:
-    """libc's ``madvise`` through ctypes (which lets go of the GIL while it runs); ``None`` off Linux."""
+    """libc's ``madvise`` through ctypes (which lets go of the GIL while it runs), where it takes
+    :data:`MADV_POPULATE_READ`; else ``None`` (not Linux, a kernel before 5.14)."""
     if not sys.platform.startswith("linux"):
         return None
     call = ctypes.CDLL(None, use_errno=True).madvise
     call.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     call.restype = ctypes.c_int
-    return call
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        works = call(np.frombuffer(probe, dtype=np.uint8).ctypes.data, mmap.PAGESIZE, MADV_POPULATE_READ) == 0
+    finally:
+        probe.close()
+    return call if works else None
 
 
 _MADVISE = _madvise()
 
 
-def mapped(fd: int, size: int, offset: int) -> memoryview | OSError | None:
+def mapped(fd: int, size: int, offset: int) -> memoryview | None:
     """``size`` bytes at ``offset`` (fewer at the end of the file) as a read-only view of the
     file's pages in the OS page cache: no copy (a ``pread`` copies every byte once more). The
     pages are faulted in here, with the GIL free, so a helper thread can do it as it would
@@ -97,30 +104,28 @@ def mapped(fd: int, size: int, offset: int) -> memoryview | OSError | None:
     would read them a little at a time: a cold load took 1.5x as long).
 
     The mapping lives as long as a view of it does, and segments are never changed or
-    truncated once published, so the view stays readable; a page that cannot be read (an I/O
-    error) is an ``OSError`` here, not a ``SIGBUS`` later (unless the kernel drops the page and
-    fails to read it again in the moments between). ``None`` where the system cannot (not
-    Linux, a kernel before 5.14): the caller preads."""
+    truncated once published, so the view stays readable. ``None`` where the run cannot be
+    mapped so — the system cannot (not Linux, a kernel before 5.14), the file system refuses, or
+    a page cannot be faulted in (an I/O error, which touching it would raise as ``SIGBUS``): the
+    caller preads it, and a read that fails fails there, as it always did. (A page the kernel
+    drops and then fails to read again, in the moments between, would still raise ``SIGBUS``.)"""
     if _MADVISE is None:
         return None
     try:
         end = min(offset + size, os.fstat(fd).st_size)
         if end <= offset:
-            return memoryview(b"")
+            return None
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        os.posix_fadvise(fd, offset, end - offset, os.POSIX_FADV_WILLNEED)
+        with contextlib.suppress(OSError):  # advice only
+            os.posix_fadvise(fd, offset, end - offset, os.POSIX_FADV_WILLNEED)
         region = mmap.mmap(fd, end - base, prot=mmap.PROT_READ, offset=base)
-    except OSError as exc:
-        return exc
+    except OSError:
+        return None
     address = np.frombuffer(region, dtype=np.uint8).ctypes.data
     while _MADVISE(address, end - base, MADV_POPULATE_READ) != 0:
-        code = ctypes.get_errno()
-        if code == errno.EINTR:
-            continue
-        region.close()
-        if code == errno.EINVAL:
+        if ctypes.get_errno() != errno.EINTR:
+            region.close()
             return None
-        return OSError(code, os.strerror(code))
     return memoryview(region)[offset - base :]
 
 

@@ -168,34 +168,38 @@ def test_a_file_cut_short_fails_the_records_past_the_cut_alike_mapped_or_copied(
     disk.close()
 
 
-def test_a_page_that_cannot_be_faulted_in_fails_its_run_and_a_kernel_that_cannot_map_is_read_with_pread(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """What ``madvise`` reports (an I/O error would come back as ``EFAULT``: touching the page
-    would raise ``SIGBUS``) fails the run's records; ``EINVAL`` (a kernel before 5.14) makes the
-    tier ``pread`` from then on."""
+def test_a_run_that_cannot_be_mapped_is_read_with_pread(tmp_path: Path, monkeypatch) -> None:
+    """A run whose pages ``madvise`` cannot fault in (an I/O error comes back as ``EFAULT``:
+    touching the page would raise ``SIGBUS``) is read with ``pread`` instead, which reports a
+    failure if there is one; ``EINTR`` is asked again; a system without
+    ``MADV_POPULATE_READ`` never maps."""
     disk = DiskTier(tmp_path)
     pages = records(4, 512 << 10)
     _, _, located = disk.write(pages)
     requests = [ReadRequest(*loc, pid, c) for loc, (pid, c, _, _) in zip(located, pages)]
     advised: list[int] = []
 
-    def refuse(code: int) -> Callable[[int, int, int], int]:
+    def refusing(*codes: int) -> Callable[[int, int, int], int]:
+        answers = list(codes)
+
         def call(address: int, length: int, advice: int) -> int:
             advised.append(advice)
-            ctypes.set_errno(code)
+            if not answers:
+                return 0
+            ctypes.set_errno(answers.pop(0))
             return -1
 
         return call
 
-    monkeypatch.setattr(segment, "_MADVISE", refuse(errno.EFAULT))
-    found, failures = disk.read(requests)
-    assert found == [None] * 4 and advised == [segment.MADV_POPULATE_READ]
-    assert [f.reason for f in failures] == [f"read failed: {os.strerror(errno.EFAULT)}"] * 4
-    monkeypatch.setattr(segment, "_MADVISE", refuse(errno.EINVAL))
-    for _ in range(2):
+    for fake, mapping, calls in (
+        (refusing(errno.EFAULT), False, 1),
+        (refusing(errno.EINTR, errno.EINTR), True, 3),
+        (None, False, 0),
+    ):
+        monkeypatch.setattr(segment, "_MADVISE", fake)
+        del advised[:]
         found, failures = disk.read(requests)
         assert [bytes(r.payload) for r in found if r is not None] == [p for _, _, p, _ in pages] and failures == []
-        assert all(not isinstance(r.payload.obj, mmap.mmap) for r in found if r is not None)
-    assert advised == [segment.MADV_POPULATE_READ] * 2  # asked once more, then never
+        assert all(isinstance(r.payload.obj, mmap.mmap) == mapping for r in found if r is not None)
+        assert advised == [segment.MADV_POPULATE_READ] * calls
     disk.close()
