@@ -53,10 +53,10 @@ from dss.tiers.segment import (
     MAP_BYTES,
     RECORD,
     Chunk,
-    mapped,
+    chunk_of,
     pread,
+    read_mapped,
     runs_of,
-    verify_record,
     write_all,
 )
 
@@ -249,7 +249,7 @@ class DiskTier(DurableTier):
             def submit(k: int) -> Future[memoryview | OSError]:
                 segment, start, end, _ = plan[k]
                 if self.map_reads and end - start >= MAP_BYTES:
-                    return self._io().submit(self._mapped, fds[segment], end - start, start)
+                    return self._io().submit(read_mapped, fds[segment], end - start, start)
                 into = None
                 if buffers is not None:
                     if len(buffers[k % 2]) < end - start:
@@ -264,7 +264,7 @@ class DiskTier(DurableTier):
                 pending = submit(k + 1) if k + 1 < len(plan) else None
                 self.io.reads += 1
                 self.io.pages_read += len(run)
-                yield self._chunk(data, start, run, requests, sealed_verified_by_caller)
+                yield chunk_of(data, start, run, requests, sealed_verified_by_caller)
         finally:
             if pending is not None:
                 pending.exception()  # wait: the read in flight needs its file and buffer
@@ -272,12 +272,6 @@ class DiskTier(DurableTier):
                 os.close(fd)
             if buffers is not None:
                 self._buffers_lock.release()
-
-    @staticmethod
-    def _mapped(fd: int, size: int, offset: int) -> memoryview | OSError:
-        """:func:`~dss.tiers.segment.mapped`, else :func:`~dss.tiers.segment.pread`."""
-        view = mapped(fd, size, offset)
-        return pread(fd, size, offset) if view is None else view
 
     def _io(self) -> ThreadPoolExecutor:
         """The helper thread's executor (a fresh one in a process forked from the one that made it)."""
@@ -307,29 +301,6 @@ class DiskTier(DurableTier):
                 start = requests[run[0]].offset
                 plan.append((segment, start, max(requests[i].offset + requests[i].length for i in run), run))
         return plan, failures, fds
-
-    @staticmethod
-    def _chunk(
-        data: memoryview | OSError,
-        start: int,
-        run: list[int],
-        requests: Sequence[ReadRequest],
-        sealed_verified_by_caller: bool,
-    ) -> Chunk:
-        if isinstance(data, OSError):
-            return Chunk([], [ReadFailure(i, f"read failed: {data.strerror}") for i in run])
-        view = data
-        records: list[tuple[int, StoredPage]] = []
-        failures: list[ReadFailure] = []
-        for i in run:
-            req = requests[i]
-            record = view[req.offset - start : req.offset - start + req.length]
-            problem = verify_record(record, req, sealed_verified_by_caller)
-            if problem:
-                failures.append(ReadFailure(i, problem))
-            else:
-                records.append((i, StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])))
-        return Chunk(records, failures)
 
     # -- inventory and recovery ------------------------------------------------------------
 

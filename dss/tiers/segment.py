@@ -1,5 +1,6 @@
-"""The segment file format ``dss-segment v1`` and its I/O: records, one ``writev`` and coalesced
-``pread`` runs, and the check of a record read back (see :mod:`dss.tiers.disk`)."""
+"""The segment file format ``dss-segment v1`` and its I/O: records, one ``writev``, coalesced runs
+read with ``pread`` or mapped from the page cache, and the check of each record read back (see
+:mod:`dss.tiers.disk`)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,12 @@ def mapped(fd: int, size: int, offset: int) -> memoryview | None:
     return memoryview(region)[offset - base :]
 
 
+def read_mapped(fd: int, size: int, offset: int) -> memoryview | OSError:
+    """:func:`mapped`, else :func:`pread`."""
+    view = mapped(fd, size, offset)
+    return pread(fd, size, offset) if view is None else view
+
+
 def runs_of(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:
     """Split offset-sorted request indices into runs to read with one ``pread`` each: records
     close together, at most :data:`IO_PAGES` of them unless the run is under :data:`IO_BYTES`."""
@@ -163,3 +170,28 @@ def verify_record(record: memoryview, req: ReadRequest, sealed_verified_by_calle
     if page_checksum(record[RECORD.size :]) != req.checksum:
         return f"record at {req.segment}:{req.offset} fails its checksum"
     return None
+
+
+def chunk_of(
+    data: memoryview | OSError,
+    start: int,
+    run: list[int],
+    requests: Sequence[ReadRequest],
+    sealed_verified_by_caller: bool,
+) -> Chunk:
+    """The :class:`Chunk` of the records ``requests[i]`` for ``i`` in ``run``, read as ``data``
+    (the file's bytes from ``start``, or the error that read raised), each checked
+    (:func:`verify_record`)."""
+    if isinstance(data, OSError):
+        return Chunk([], [ReadFailure(i, f"read failed: {data.strerror}") for i in run])
+    records: list[tuple[int, StoredPage]] = []
+    failures: list[ReadFailure] = []
+    for i in run:
+        req = requests[i]
+        record = data[req.offset - start : req.offset - start + req.length]
+        problem = verify_record(record, req, sealed_verified_by_caller)
+        if problem:
+            failures.append(ReadFailure(i, problem))
+        else:
+            records.append((i, StoredPage(record[RECORD.size :], RECORD.unpack_from(record)[2])))
+    return Chunk(records, failures)
