@@ -17,9 +17,10 @@ A prompt of ``--tokens`` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads of 6
 * ``per page`` — the named baseline: ``read_pages`` returns a ``bytes`` object per page, copied in
   with one memcpy per page and layer (3,840 for 4K tokens; the path a load wholly from the
   worker's RAM still takes, since its pages are ``bytes`` already);
-* ``hardware`` — what the machine allows for the same bytes: the segment files read with
-  ``preadv`` into one buffer (page cache warm), plus AES-GCM ``decrypt_into`` of every page on one
-  core, plus one copy per layer; no dss code.
+* ``hardware`` — the same bytes with no dss code, one step after the other: the segment files
+  read with ``preadv`` into one buffer (page cache warm), AES-GCM ``decrypt_into`` of every page
+  on one core, one copy per layer. Not a floor: ``fed`` overlaps those steps and, mapping the
+  files, skips the first copy.
 
 (Here the layers of every contender but ``fed`` lie at uneven steps in memory, so ``per page``
 keeps its memcpy per page and layer; ``fed`` loads into a cache laid out as vLLM's.) Then the

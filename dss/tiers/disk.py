@@ -226,15 +226,15 @@ class DiskTier(DurableTier):
     def read_chunks(
         self, requests: Sequence[ReadRequest], *, sealed_verified_by_caller: bool = False, transient: bool = False
     ) -> Iterator[Chunk]:
-        """The records of ``requests``, one :class:`Chunk` per ``pread`` (each record in exactly
+        """The records of ``requests``, one :class:`Chunk` per run read (each record in exactly
         one chunk), in file order. While the caller works on a chunk, a helper thread reads
         the next. Records that are missing, torn or corrupt are failures; so are records
         flagged sealed whose header is wrong, but their payloads are not hashed when
         ``sealed_verified_by_caller`` (the caller authenticates them). Never raises for bad files.
 
         ``transient``: the caller is done with a chunk's payloads when it asks for the next one
-        (it copies or opens them), so the tier reads into two buffers it keeps and reuses
-        rather than into fresh memory for every read."""
+        (it copies or opens them), so the tier ``pread``s into two buffers it keeps and reuses
+        rather than into fresh memory for every read (a mapped run needs neither)."""
         if not requests:
             return
         plan, failures, fds = self._plan(requests)

@@ -78,6 +78,11 @@ MADV_POPULATE_READ = 22
 error where touching one would raise ``SIGBUS`` (an I/O error, a page past the end of the file)."""
 
 
+def _address(region: mmap.mmap) -> int:
+    """Where a mapping starts in memory (a read-only one too, which ctypes cannot take)."""
+    return int(np.frombuffer(region, dtype=np.uint8).ctypes.data)
+
+
 def _madvise() -> Any:
     """libc's ``madvise`` through ctypes (which lets go of the GIL while it runs), where it takes
     :data:`MADV_POPULATE_READ`; else ``None`` (not Linux, a kernel before 5.14)."""
@@ -91,7 +96,7 @@ def _madvise() -> Any:
     call.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     call.restype = ctypes.c_int
     try:
-        works = call(np.frombuffer(probe, dtype=np.uint8).ctypes.data, mmap.PAGESIZE, MADV_POPULATE_READ) == 0
+        works = call(_address(probe), mmap.PAGESIZE, MADV_POPULATE_READ) == 0
     finally:
         probe.close()
     return call if works else None
@@ -125,7 +130,7 @@ def mapped(fd: int, size: int, offset: int) -> memoryview | None:
         region = mmap.mmap(fd, end - base, prot=mmap.PROT_READ, offset=base)
     except OSError:
         return None
-    address = np.frombuffer(region, dtype=np.uint8).ctypes.data
+    address = _address(region)
     while _MADVISE(address, end - base, MADV_POPULATE_READ) != 0:
         if ctypes.get_errno() != errno.EINTR:
             region.close()
@@ -140,7 +145,7 @@ def read_mapped(fd: int, size: int, offset: int) -> memoryview | OSError:
 
 
 def runs_of(indices: list[int], requests: Sequence[ReadRequest]) -> list[list[int]]:
-    """Split offset-sorted request indices into runs to read with one ``pread`` each: records
+    """Split offset-sorted request indices into runs read at once (one ``pread`` or mapping): records
     close together, at most :data:`IO_PAGES` of them unless the run is under :data:`IO_BYTES`."""
     runs: list[list[int]] = []
     start = end = -1
