@@ -1,7 +1,8 @@
 """The multi-turn benchmark's workload (``benchmarks/chats.py``) and reuse arithmetic
 (``benchmarks/multiturn.py``), and tiny runs of ``benchmarks/multiturn.py`` and
 ``benchmarks/ttft.py`` on the real model (slow: each starts vLLM engines), of
-``benchmarks/tiers.py`` on a published trace and without sessions, and of
+``benchmarks/tiers.py`` on a published trace and without sessions, of ``benchmarks/policies.py``
+(simulated host policies), and of
 ``benchmarks/commit_processes.py`` on PostgreSQL (slow: it starts processes), of
 ``benchmarks/lsh.py`` (next turns) and of ``benchmarks/blend.py`` on the real model (slow).
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import chats
 import multiturn
+import policies
 import tiers
 from workload import WorkloadSpec
 
@@ -161,6 +163,22 @@ def test_a_trace_replays_as_lookups_and_the_same_replay_gives_the_same_figures()
     assert all(r["prompt_tokens"] == first[0]["prompt_tokens"] for r in first)
     bound = first[-1]
     assert all(r["total_share"] <= bound["total_share"] for r in first)  # Belady bounds the total
+
+
+def test_every_simulated_policy_serves_what_fits_and_belady_bounds_them_all() -> None:
+    """Three pages read twice fit a cache of three: every policy hits the second pass. On the
+    start of a published trace, Belady's optimum serves at least what any policy does."""
+    reads = ["a", "b", "c", "a", "b", "c"]
+    hits = {}
+    for name, make in policies.policies(3, reads).items():
+        cache = make()
+        hits[name] = [cache.read(p) for p in reads]
+    assert hits == {name: [False] * 3 + [True] * 3 for name in hits} and len(hits) == 11
+    rows = policies.run("synthetic", 0.05, limit=300)
+    assert [r.policy for r in rows][:2] == ["lru", "slru"] and rows[-1].policy == "belady"
+    assert all(r.reads == rows[0].reads > 0 and r.hits <= rows[-1].hits for r in rows)
+    out = run_benchmark("benchmarks/policies.py", "--requests", "200", timeout=300)
+    assert "| count oracle |" in out and "best online policy:" in out and "rerun: " in out
 
 
 def test_the_tier_benchmark_prints_its_table_and_bars() -> None:
