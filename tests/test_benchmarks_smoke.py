@@ -2,9 +2,9 @@
 (``benchmarks/multiturn.py``), and tiny runs of ``benchmarks/multiturn.py`` and
 ``benchmarks/ttft.py`` on the real model (slow: each starts vLLM engines), of
 ``benchmarks/tiers.py`` on a published trace and without sessions, of ``benchmarks/policies.py``
-(simulated host policies), and of
-``benchmarks/commit_processes.py`` on PostgreSQL (slow: it starts processes), of
-``benchmarks/lsh.py`` (next turns) and of ``benchmarks/blend.py`` on the real model (slow).
+(host policies simulated on a trace), of ``benchmarks/commit_processes.py`` on PostgreSQL (slow:
+it starts processes), of ``benchmarks/lsh.py`` (next turns) and of ``benchmarks/blend.py`` on the
+real model (slow).
 
 The tiny runs only show that the benchmarks run end to end and print their tables; their
 timings mean nothing at these sizes.
