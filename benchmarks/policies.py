@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from mooncake import distinct_blocks, load
+from mooncake import NAMES, distinct_blocks, load, path_of
 from optimum import belady
 
 
@@ -291,6 +291,8 @@ def run(trace: str, share: float, limit: int | None = None) -> list[Row]:
     trace_requests = load(trace, limit)
     requests = [r.hash_ids for r in trace_requests]
     reads = [h for r in requests for h in r]
+    if not reads:
+        raise ValueError("it has no block reads")
     capacity = max(1, int(share * distinct_blocks(trace_requests)))
     rows = []
     for name, make in policies(capacity, reads).items():
@@ -300,20 +302,36 @@ def run(trace: str, share: float, limit: int | None = None) -> list[Row]:
     return rows
 
 
-def table(rows: Sequence[Row]) -> str:
+def versus_lru(row: Row, rows: Sequence[Row]) -> str:
+    """``row``'s share as a multiple of LRU's (``-`` where LRU served nothing)."""
     lru = next(r for r in rows if r.policy == "lru").share
+    return f"{row.share / lru:.2f}x" if lru else "-"
+
+
+def table(rows: Sequence[Row]) -> str:
     lines = ["| policy | host share | / lru |", "|---|---|---|"]
-    lines += [f"| {r.policy} | {100 * r.share:.2f} % | {r.share / lru:.2f}x |" for r in rows]
+    lines += [f"| {r.policy} | {100 * r.share:.2f} % | {versus_lru(r, rows)} |" for r in rows]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", default="synthetic", help="synthetic, conversation or a path (default synthetic)")
-    parser.add_argument("--capacity", type=float, default=0.02, help="host, as a share of the distinct blocks")
+    parser.add_argument(
+        "--capacity", type=float, default=0.02, help="host, as a share of the distinct blocks (default 0.02)"
+    )
     parser.add_argument("--requests", type=int, default=None, help="simulate only the first N requests")
     args = parser.parse_args(argv)
-    rows = run(args.trace, args.capacity, args.requests)
+    if not 0 < args.capacity <= 1:
+        parser.error(f"--capacity must be a share in (0, 1], not {args.capacity}")
+    if args.requests is not None and args.requests < 1:
+        parser.error(f"--requests must be at least 1, not {args.requests}")
+    if not path_of(args.trace).is_file():
+        parser.error(f"no trace {args.trace!r}: name one of {', '.join(NAMES)} or a file")
+    try:
+        rows = run(args.trace, args.capacity, args.requests)
+    except (ValueError, KeyError, TypeError) as error:  # not a trace of this format
+        parser.error(f"cannot read trace {args.trace!r}: {error!r}")
     print(f"trace {args.trace}: {rows[0].reads} block reads, host {args.capacity:.0%} of its distinct blocks")
     print(table(rows))
     lru = next(r for r in rows if r.policy == "lru").share
@@ -321,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     best = max(online, key=lambda r: r.share)
     print(
         f"1.5x lru: {150 * lru:.2f} %; best online policy: {best.policy}, {100 * best.share:.2f} % "
-        f"({best.share / lru:.2f}x lru)"
+        f"({versus_lru(best, rows)} lru)"
     )
     rerun = sys.argv[1:] if argv is None else list(argv)
     print("rerun: PYTHONPATH=. .venv/bin/python benchmarks/policies.py " + " ".join(rerun))

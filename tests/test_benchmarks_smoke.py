@@ -181,6 +181,27 @@ def test_every_simulated_policy_serves_what_fits_and_belady_bounds_them_all() ->
     assert "| count oracle |" in out and "best online policy:" in out and "rerun: " in out
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--capacity", "0"], "--capacity must be a share in (0, 1], not 0.0"),
+        (["--requests", "0"], "--requests must be at least 1, not 0"),
+        (["--trace", "no-such-trace"], "no trace 'no-such-trace'"),
+        (["--trace", "README.md"], "cannot read trace 'README.md'"),
+    ],
+)
+def test_the_policy_simulation_refuses_bad_arguments(arguments: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/policies.py", *arguments],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and message in done.stderr and done.stdout == "", done.stderr
+
+
 def test_the_tier_benchmark_prints_its_table_and_bars() -> None:
     out = run_benchmark(
         "benchmarks/tiers.py", "--trace", "synthetic", "--requests", "40", "--disks", "0.2", timeout=600
