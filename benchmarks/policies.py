@@ -262,6 +262,8 @@ class TinyLfu:
 
 @dataclass(frozen=True)
 class Row:
+    """One policy's result: ``hits`` of the trace's ``reads`` block reads served from host."""
+
     policy: str
     hits: int
     reads: int
