@@ -211,14 +211,15 @@ class Arc:
             del self.b2[page]
             self.t2[page] = None
             return False
+        known = len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2)
         if len(self.t1) + len(self.b1) == self.c:
             if len(self.t1) < self.c:
                 self.b1.popitem(last=False)
                 self._replace(page)
             else:
                 self.t1.popitem(last=False)
-        elif len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= self.c:
-            if len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) == 2 * self.c:
+        elif known >= self.c:
+            if known == 2 * self.c:
                 self.b2.popitem(last=False)
             self._replace(page)
         self.t1[page] = None
@@ -232,7 +233,7 @@ class TinyLfu:
 
     def __init__(self, capacity: int, window: float) -> None:
         self.window_size = max(1, int(capacity * window))
-        self.window = Lru(self.window_size)
+        self.window: OrderedDict[Hashable, None] = OrderedDict()
         self.main = Slru(max(1, capacity - self.window_size))
         self.freq: Counter[Hashable] = Counter()
         self.reads = 0
@@ -246,7 +247,7 @@ class TinyLfu:
         main = self.main
         if page in main.protected or page in main.probation:
             return main.read(page)
-        window = self.window.pages
+        window = self.window
         if page in window:
             window.move_to_end(page)
             return True
